@@ -1,0 +1,117 @@
+"""Domain errors and their gRPC status codes.
+
+Servers raise these; one interceptor (``ErrorInterceptor``) turns them into status codes, so no
+servicer builds error payloads. Clients turn a failed RPC back into ``TemperError`` subclasses with
+``from_rpc_error``. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+
+class TemperError(Exception):
+    """Base of all errors with a well-defined gRPC status."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(TemperError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(TemperError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(TemperError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class FailedPrecondition(TemperError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ResourceExhausted(TemperError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(TemperError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Internal(TemperError):
+    code = grpc.StatusCode.INTERNAL
+
+
+_BY_CODE = {cls.code: cls for cls in (InvalidArgument, NotFound, AlreadyExists, FailedPrecondition, ResourceExhausted, Unavailable)}
+
+
+def from_rpc_error(err: grpc.RpcError) -> TemperError:
+    """Map a failed call (from a client stub or a downstream service) back to a domain error."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    cls = _BY_CODE.get(code, Internal)
+    exc = cls(details or code.name)
+    exc.code = code
+    return exc
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps exceptions raised by servicers to status codes: TemperError → its code, else INTERNAL."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if handler.unary_unary:
+            return handler._replace(unary_unary=_wrap_unary(handler.unary_unary, method))
+        if handler.unary_stream:
+            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream, method))
+        if handler.stream_unary:
+            return handler._replace(stream_unary=_wrap_unary(handler.stream_unary, method))
+        if handler.stream_stream:
+            return handler._replace(stream_stream=_wrap_stream(handler.stream_stream, method))
+        return handler
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str):
+    if isinstance(exc, TemperError):
+        log.info("%s -> %s: %s", method, exc.code.name, exc.message)
+        await context.abort(exc.code, exc.message)
+    log.exception("%s failed", method, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _wrap_unary(behavior, method):
+    async def wrapper(request, context):
+        try:
+            return await behavior(request, context)
+        except (grpc.aio.AbortError, grpc.aio.UsageError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - this is the one place exceptions become statuses
+            await _abort(context, exc, method)
+
+    return wrapper
+
+
+def _wrap_stream(behavior, method):
+    async def wrapper(request, context):
+        try:
+            async for item in behavior(request, context):
+                yield item
+        except (grpc.aio.AbortError, grpc.aio.UsageError):
+            raise
+        except Exception as exc:  # noqa: BLE001
+            await _abort(context, exc, method)
+
+    return wrapper

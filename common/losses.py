@@ -1,0 +1,106 @@
+"""What each loss function takes (names, dtypes, config keys) and request validation.
+
+Torch-free, so the scheduler rejects bad requests before they reach a trainer, and the trainer
+checks the same rules again before touching an adapter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from temper.common.codec import decode_array, decode_tokens, dtype_name
+from temper.common.errors import InvalidArgument
+from temper.v1 import types_pb2
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    required: dict[str, str]                       # input name -> dtype name
+    optional: dict[str, str] = field(default_factory=dict)
+    config: dict[str, float] = field(default_factory=dict)  # numeric config keys -> default
+
+
+LOSS_SPECS: dict[str, LossSpec] = {
+    "cross_entropy": LossSpec(required={"target_tokens": "int64", "weights": "float32"}),
+}
+
+
+@dataclass
+class DecodedDatum:
+    tokens: np.ndarray                  # int32 (N,)
+    inputs: dict[str, np.ndarray]       # loss_fn_inputs, each with leading dim N
+
+
+def model_input_tokens(model_input: types_pb2.ModelInput) -> np.ndarray:
+    parts = []
+    for chunk in model_input.chunks:
+        if chunk.WhichOneof("chunk") != "encoded_text":
+            raise InvalidArgument("only encoded_text chunks are supported")
+        parts.append(decode_tokens(chunk.encoded_text.tokens))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+
+
+def check_token_range(tokens: np.ndarray, vocab_size: int, what: str) -> None:
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+        bad = tokens[(tokens < 0) | (tokens >= vocab_size)][0]
+        raise InvalidArgument(f"{what}: token id {int(bad)} is outside the vocabulary [0, {vocab_size})")
+
+
+def loss_config_values(loss_fn: str, config: dict[str, types_pb2.LossConfigValue]) -> dict[str, float]:
+    spec = LOSS_SPECS[loss_fn]
+    values = dict(spec.config)
+    for key, value in config.items():
+        if key not in spec.config:
+            raise InvalidArgument(f"loss_fn_config key {key!r} is not used by {loss_fn}; known: {sorted(spec.config)}")
+        if value.WhichOneof("value") != "number" or not np.isfinite(value.number):
+            raise InvalidArgument(f"loss_fn_config[{key!r}] must be a finite number")
+        values[key] = value.number
+    return values
+
+
+def validate_forward_backward(
+    data, loss_fn: str, loss_fn_config, vocab_size: int, max_length: int | None = None
+) -> tuple[list[DecodedDatum], dict[str, float]]:
+    """Decode and check a forward_backward request; raise InvalidArgument on the first problem."""
+    if loss_fn not in LOSS_SPECS:
+        raise InvalidArgument(f"unknown loss_fn {loss_fn!r}; supported: {sorted(LOSS_SPECS)}")
+    if not data:
+        raise InvalidArgument("forward_backward needs at least one datum")
+    spec = LOSS_SPECS[loss_fn]
+    config = loss_config_values(loss_fn, dict(loss_fn_config))
+    decoded = []
+    for i, datum in enumerate(data):
+        tokens = model_input_tokens(datum.model_input)
+        n = len(tokens)
+        if n == 0:
+            raise InvalidArgument(f"datum {i}: model_input is empty")
+        if max_length and n > max_length:
+            raise InvalidArgument(f"datum {i}: {n} tokens exceed the model's context length {max_length}")
+        check_token_range(tokens, vocab_size, f"datum {i} model_input")
+        names = set(datum.loss_fn_inputs)
+        missing = set(spec.required) - names
+        if missing:
+            raise InvalidArgument(f"datum {i}: {loss_fn} needs loss_fn_inputs {sorted(missing)}")
+        unknown = names - set(spec.required) - set(spec.optional)
+        if unknown:
+            raise InvalidArgument(f"datum {i}: unknown loss_fn_inputs {sorted(unknown)} for {loss_fn}")
+        inputs = {}
+        for name in names:
+            tensor = datum.loss_fn_inputs[name]
+            want = {**spec.required, **spec.optional}[name]
+            if dtype_name(tensor.dtype) != want:
+                raise InvalidArgument(f"datum {i}: {name} must be {want}, got {dtype_name(tensor.dtype)}")
+            arr = decode_array(tensor)
+            if arr.ndim != 1 or arr.shape[0] != n:
+                raise InvalidArgument(
+                    f"datum {i}: {name} has shape {list(arr.shape)} but model_input has {n} tokens (expected [{n}])"
+                )
+            if arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
+                raise InvalidArgument(f"datum {i}: {name} contains NaN or infinite values")
+            inputs[name] = arr
+        if "target_tokens" in inputs:
+            check_token_range(inputs["target_tokens"], vocab_size, f"datum {i} target_tokens")
+        decoded.append(DecodedDatum(tokens=tokens, inputs=inputs))
+    return decoded, config

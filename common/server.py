@@ -1,0 +1,51 @@
+"""Builds a grpc.aio server the same way for every Temper process: error interceptor, large
+message limits, the standard health service and server reflection."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from temper.common.errors import ErrorInterceptor
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def build_server(
+    registrations: list[tuple[Callable[[object, grpc.aio.Server], None], object, str]],
+    bind: str,
+) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """Create a server with the given (add_fn, servicer, full_service_name) registrations.
+
+    Returns the server, the bound port (useful with port 0) and the health servicer, whose status
+    starts NOT_SERVING until the caller calls ``mark_serving``.
+    """
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=CHANNEL_OPTIONS)
+    names = []
+    for add_fn, servicer, name in registrations:
+        add_fn(servicer, server)
+        names.append(name)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(bind)
+    if port == 0:
+        raise RuntimeError(f"could not bind {bind}")
+    return server, port, health_servicer
+
+
+async def mark_serving(health_servicer, service_names: list[str]) -> None:
+    for name in ["", *service_names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

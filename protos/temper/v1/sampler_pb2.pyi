@@ -1,0 +1,80 @@
+from temper.v1 import types_pb2 as _types_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplerModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SamplerModelInfo(_message.Message):
+    __slots__ = ("base_model", "tokenizer_id", "vocab_size", "max_context_length", "backend", "loaded_adapters")
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_ID_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    LOADED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    base_model: str
+    tokenizer_id: str
+    vocab_size: int
+    max_context_length: int
+    backend: str
+    loaded_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, base_model: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., backend: _Optional[str] = ..., loaded_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PushAdapterChunk(_message.Message):
+    __slots__ = ("adapter_id", "file")
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    adapter_id: str
+    file: _types_pb2.FileChunk
+    def __init__(self, adapter_id: _Optional[str] = ..., file: _Optional[_Union[_types_pb2.FileChunk, _Mapping]] = ...) -> None: ...
+
+class PushAdapterResponse(_message.Message):
+    __slots__ = ("bytes_received",)
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    bytes_received: int
+    def __init__(self, bytes_received: _Optional[int] = ...) -> None: ...
+
+class SamplerDropAdapterRequest(_message.Message):
+    __slots__ = ("adapter_id",)
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    adapter_id: str
+    def __init__(self, adapter_id: _Optional[str] = ...) -> None: ...
+
+class SamplerDropAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SamplerSampleRequest(_message.Message):
+    __slots__ = ("adapter_id", "prompt_tokens", "num_samples", "sampling_params", "include_prompt_logprobs")
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    adapter_id: str
+    prompt_tokens: bytes
+    num_samples: int
+    sampling_params: _types_pb2.SamplingParams
+    include_prompt_logprobs: bool
+    def __init__(self, adapter_id: _Optional[str] = ..., prompt_tokens: _Optional[bytes] = ..., num_samples: _Optional[int] = ..., sampling_params: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., include_prompt_logprobs: _Optional[bool] = ...) -> None: ...
+
+class SamplerLogprobsRequest(_message.Message):
+    __slots__ = ("adapter_id", "prompt_tokens")
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    adapter_id: str
+    prompt_tokens: bytes
+    def __init__(self, adapter_id: _Optional[str] = ..., prompt_tokens: _Optional[bytes] = ...) -> None: ...
+
+class ComputeLogprobsResponseInternal(_message.Message):
+    __slots__ = ("logprobs",)
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _types_pb2.Tensor
+    def __init__(self, logprobs: _Optional[_Union[_types_pb2.Tensor, _Mapping]] = ...) -> None: ...

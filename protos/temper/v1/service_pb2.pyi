@@ -1,0 +1,268 @@
+from temper.v1 import types_pb2 as _types_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetServerCapabilitiesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SupportedModel(_message.Message):
+    __slots__ = ("model_name", "max_context_length", "trainable", "sampleable")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TRAINABLE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLEABLE_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    max_context_length: int
+    trainable: bool
+    sampleable: bool
+    def __init__(self, model_name: _Optional[str] = ..., max_context_length: _Optional[int] = ..., trainable: _Optional[bool] = ..., sampleable: _Optional[bool] = ...) -> None: ...
+
+class GetServerCapabilitiesResponse(_message.Message):
+    __slots__ = ("supported_models",)
+    SUPPORTED_MODELS_FIELD_NUMBER: _ClassVar[int]
+    supported_models: _containers.RepeatedCompositeFieldContainer[SupportedModel]
+    def __init__(self, supported_models: _Optional[_Iterable[_Union[SupportedModel, _Mapping]]] = ...) -> None: ...
+
+class CreateSessionRequest(_message.Message):
+    __slots__ = ("tags", "user_metadata")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    user_metadata: _containers.ScalarMap[str, str]
+    def __init__(self, tags: _Optional[_Iterable[str]] = ..., user_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class Session(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id", "status")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    status: str
+    def __init__(self, session_id: _Optional[str] = ..., status: _Optional[str] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CreateTrainingRunRequest(_message.Message):
+    __slots__ = ("session_id", "base_model", "lora_config", "user_metadata")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    LORA_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    base_model: str
+    lora_config: _types_pb2.LoraConfig
+    user_metadata: _containers.ScalarMap[str, str]
+    def __init__(self, session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., lora_config: _Optional[_Union[_types_pb2.LoraConfig, _Mapping]] = ..., user_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class TrainingRunInfo(_message.Message):
+    __slots__ = ("training_run_id", "base_model", "tokenizer_id", "lora_config", "next_seq_id", "vocab_size", "max_context_length")
+    TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    training_run_id: str
+    base_model: str
+    tokenizer_id: str
+    lora_config: _types_pb2.LoraConfig
+    next_seq_id: int
+    vocab_size: int
+    max_context_length: int
+    def __init__(self, training_run_id: _Optional[str] = ..., base_model: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., lora_config: _Optional[_Union[_types_pb2.LoraConfig, _Mapping]] = ..., next_seq_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ("training_run_id",)
+    TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    training_run_id: str
+    def __init__(self, training_run_id: _Optional[str] = ...) -> None: ...
+
+class ForwardBackwardRequest(_message.Message):
+    __slots__ = ("training_run_id", "seq_id", "data", "loss_fn", "loss_fn_config", "forward_only")
+    class LossFnConfigEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _types_pb2.LossConfigValue
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_types_pb2.LossConfigValue, _Mapping]] = ...) -> None: ...
+    TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FN_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FN_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_ONLY_FIELD_NUMBER: _ClassVar[int]
+    training_run_id: str
+    seq_id: int
+    data: _containers.RepeatedCompositeFieldContainer[_types_pb2.Datum]
+    loss_fn: str
+    loss_fn_config: _containers.MessageMap[str, _types_pb2.LossConfigValue]
+    forward_only: bool
+    def __init__(self, training_run_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., data: _Optional[_Iterable[_Union[_types_pb2.Datum, _Mapping]]] = ..., loss_fn: _Optional[str] = ..., loss_fn_config: _Optional[_Mapping[str, _types_pb2.LossConfigValue]] = ..., forward_only: _Optional[bool] = ...) -> None: ...
+
+class OptimStepRequest(_message.Message):
+    __slots__ = ("training_run_id", "seq_id", "adam_params")
+    TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    ADAM_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    training_run_id: str
+    seq_id: int
+    adam_params: _types_pb2.AdamParams
+    def __init__(self, training_run_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., adam_params: _Optional[_Union[_types_pb2.AdamParams, _Mapping]] = ...) -> None: ...
+
+class OptimStepResponse(_message.Message):
+    __slots__ = ("metrics",)
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class SaveWeightsRequest(_message.Message):
+    __slots__ = ("training_run_id", "seq_id", "name", "kind")
+    TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    training_run_id: str
+    seq_id: int
+    name: str
+    kind: _types_pb2.CheckpointKind
+    def __init__(self, training_run_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., name: _Optional[str] = ..., kind: _Optional[_Union[_types_pb2.CheckpointKind, str]] = ...) -> None: ...
+
+class SaveWeightsResponse(_message.Message):
+    __slots__ = ("checkpoint",)
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: _types_pb2.Checkpoint
+    def __init__(self, checkpoint: _Optional[_Union[_types_pb2.Checkpoint, _Mapping]] = ...) -> None: ...
+
+class LoadWeightsRequest(_message.Message):
+    __slots__ = ("training_run_id", "seq_id", "path", "with_optimizer")
+    TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    WITH_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    training_run_id: str
+    seq_id: int
+    path: str
+    with_optimizer: bool
+    def __init__(self, training_run_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., path: _Optional[str] = ..., with_optimizer: _Optional[bool] = ...) -> None: ...
+
+class LoadWeightsResponse(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class CreateSamplingClientRequest(_message.Message):
+    __slots__ = ("session_id", "base_model", "model_path")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    base_model: str
+    model_path: str
+    def __init__(self, session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., model_path: _Optional[str] = ...) -> None: ...
+
+class SamplingClientInfo(_message.Message):
+    __slots__ = ("sampler_id", "base_model", "model_path", "tokenizer_id", "vocab_size")
+    SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_ID_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    sampler_id: str
+    base_model: str
+    model_path: str
+    tokenizer_id: str
+    vocab_size: int
+    def __init__(self, sampler_id: _Optional[str] = ..., base_model: _Optional[str] = ..., model_path: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+
+class SampleRequest(_message.Message):
+    __slots__ = ("sampler_id", "prompt", "num_samples", "sampling_params", "include_prompt_logprobs")
+    SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    sampler_id: str
+    prompt: _types_pb2.ModelInput
+    num_samples: int
+    sampling_params: _types_pb2.SamplingParams
+    include_prompt_logprobs: bool
+    def __init__(self, sampler_id: _Optional[str] = ..., prompt: _Optional[_Union[_types_pb2.ModelInput, _Mapping]] = ..., num_samples: _Optional[int] = ..., sampling_params: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., include_prompt_logprobs: _Optional[bool] = ...) -> None: ...
+
+class ComputeLogprobsRequest(_message.Message):
+    __slots__ = ("sampler_id", "prompt")
+    SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    sampler_id: str
+    prompt: _types_pb2.ModelInput
+    def __init__(self, sampler_id: _Optional[str] = ..., prompt: _Optional[_Union[_types_pb2.ModelInput, _Mapping]] = ...) -> None: ...
+
+class ComputeLogprobsResponse(_message.Message):
+    __slots__ = ("logprobs",)
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _types_pb2.Tensor
+    def __init__(self, logprobs: _Optional[_Union[_types_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class ListCheckpointsRequest(_message.Message):
+    __slots__ = ("training_run_id",)
+    TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    training_run_id: str
+    def __init__(self, training_run_id: _Optional[str] = ...) -> None: ...
+
+class ListCheckpointsResponse(_message.Message):
+    __slots__ = ("checkpoints",)
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    checkpoints: _containers.RepeatedCompositeFieldContainer[_types_pb2.Checkpoint]
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[_types_pb2.Checkpoint, _Mapping]]] = ...) -> None: ...
+
+class DownloadCheckpointRequest(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,146 @@
+from temper.v1 import types_pb2 as _types_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("base_model", "tokenizer_id", "vocab_size", "max_context_length", "device", "dtype")
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_ID_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    base_model: str
+    tokenizer_id: str
+    vocab_size: int
+    max_context_length: int
+    device: str
+    dtype: str
+    def __init__(self, base_model: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class CreateAdapterRequest(_message.Message):
+    __slots__ = ("adapter_id", "lora_config")
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    adapter_id: str
+    lora_config: _types_pb2.LoraConfig
+    def __init__(self, adapter_id: _Optional[str] = ..., lora_config: _Optional[_Union[_types_pb2.LoraConfig, _Mapping]] = ...) -> None: ...
+
+class CreateAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DropAdapterRequest(_message.Message):
+    __slots__ = ("adapter_id",)
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    adapter_id: str
+    def __init__(self, adapter_id: _Optional[str] = ...) -> None: ...
+
+class DropAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ForwardBackwardItem(_message.Message):
+    __slots__ = ("adapter_id", "data", "loss_fn", "loss_fn_config", "forward_only")
+    class LossFnConfigEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _types_pb2.LossConfigValue
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_types_pb2.LossConfigValue, _Mapping]] = ...) -> None: ...
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FN_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FN_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_ONLY_FIELD_NUMBER: _ClassVar[int]
+    adapter_id: str
+    data: _containers.RepeatedCompositeFieldContainer[_types_pb2.Datum]
+    loss_fn: str
+    loss_fn_config: _containers.MessageMap[str, _types_pb2.LossConfigValue]
+    forward_only: bool
+    def __init__(self, adapter_id: _Optional[str] = ..., data: _Optional[_Iterable[_Union[_types_pb2.Datum, _Mapping]]] = ..., loss_fn: _Optional[str] = ..., loss_fn_config: _Optional[_Mapping[str, _types_pb2.LossConfigValue]] = ..., forward_only: _Optional[bool] = ...) -> None: ...
+
+class OptimStepItem(_message.Message):
+    __slots__ = ("adapter_id", "adam_params")
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADAM_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    adapter_id: str
+    adam_params: _types_pb2.AdamParams
+    def __init__(self, adapter_id: _Optional[str] = ..., adam_params: _Optional[_Union[_types_pb2.AdamParams, _Mapping]] = ...) -> None: ...
+
+class CycleRequest(_message.Message):
+    __slots__ = ("forward_backward", "optim_step")
+    FORWARD_BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    OPTIM_STEP_FIELD_NUMBER: _ClassVar[int]
+    forward_backward: _containers.RepeatedCompositeFieldContainer[ForwardBackwardItem]
+    optim_step: _containers.RepeatedCompositeFieldContainer[OptimStepItem]
+    def __init__(self, forward_backward: _Optional[_Iterable[_Union[ForwardBackwardItem, _Mapping]]] = ..., optim_step: _Optional[_Iterable[_Union[OptimStepItem, _Mapping]]] = ...) -> None: ...
+
+class CycleResponse(_message.Message):
+    __slots__ = ("forward_backward", "optim_step")
+    FORWARD_BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    OPTIM_STEP_FIELD_NUMBER: _ClassVar[int]
+    forward_backward: _containers.RepeatedCompositeFieldContainer[_types_pb2.ForwardBackwardOutput]
+    optim_step: _containers.RepeatedCompositeFieldContainer[OptimStepResponseInternal]
+    def __init__(self, forward_backward: _Optional[_Iterable[_Union[_types_pb2.ForwardBackwardOutput, _Mapping]]] = ..., optim_step: _Optional[_Iterable[_Union[OptimStepResponseInternal, _Mapping]]] = ...) -> None: ...
+
+class OptimStepResponseInternal(_message.Message):
+    __slots__ = ("metrics",)
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class SaveAdapterRequest(_message.Message):
+    __slots__ = ("adapter_id", "checkpoint_key", "include_optimizer")
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_KEY_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    adapter_id: str
+    checkpoint_key: str
+    include_optimizer: bool
+    def __init__(self, adapter_id: _Optional[str] = ..., checkpoint_key: _Optional[str] = ..., include_optimizer: _Optional[bool] = ...) -> None: ...
+
+class SaveAdapterResponse(_message.Message):
+    __slots__ = ("size_bytes",)
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    size_bytes: int
+    def __init__(self, size_bytes: _Optional[int] = ...) -> None: ...
+
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("adapter_id", "checkpoint_key", "with_optimizer")
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_KEY_FIELD_NUMBER: _ClassVar[int]
+    WITH_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    adapter_id: str
+    checkpoint_key: str
+    with_optimizer: bool
+    def __init__(self, adapter_id: _Optional[str] = ..., checkpoint_key: _Optional[str] = ..., with_optimizer: _Optional[bool] = ...) -> None: ...
+
+class LoadAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReadCheckpointRequest(_message.Message):
+    __slots__ = ("checkpoint_key", "weights_only")
+    CHECKPOINT_KEY_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_ONLY_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_key: str
+    weights_only: bool
+    def __init__(self, checkpoint_key: _Optional[str] = ..., weights_only: _Optional[bool] = ...) -> None: ...

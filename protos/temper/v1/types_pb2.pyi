@@ -1,0 +1,222 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_INT64: _ClassVar[DType]
+    DTYPE_INT32: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+
+class StopReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STOP_REASON_UNSPECIFIED: _ClassVar[StopReason]
+    STOP_REASON_STOP: _ClassVar[StopReason]
+    STOP_REASON_LENGTH: _ClassVar[StopReason]
+
+class CheckpointKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHECKPOINT_KIND_UNSPECIFIED: _ClassVar[CheckpointKind]
+    CHECKPOINT_KIND_SAMPLER: _ClassVar[CheckpointKind]
+    CHECKPOINT_KIND_TRAINING: _ClassVar[CheckpointKind]
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT32: DType
+DTYPE_INT64: DType
+DTYPE_INT32: DType
+DTYPE_BFLOAT16: DType
+DTYPE_FLOAT16: DType
+STOP_REASON_UNSPECIFIED: StopReason
+STOP_REASON_STOP: StopReason
+STOP_REASON_LENGTH: StopReason
+CHECKPOINT_KIND_UNSPECIFIED: CheckpointKind
+CHECKPOINT_KIND_SAMPLER: CheckpointKind
+CHECKPOINT_KIND_TRAINING: CheckpointKind
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class EncodedTextChunk(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: bytes
+    def __init__(self, tokens: _Optional[bytes] = ...) -> None: ...
+
+class ModelInputChunk(_message.Message):
+    __slots__ = ("encoded_text",)
+    ENCODED_TEXT_FIELD_NUMBER: _ClassVar[int]
+    encoded_text: EncodedTextChunk
+    def __init__(self, encoded_text: _Optional[_Union[EncodedTextChunk, _Mapping]] = ...) -> None: ...
+
+class ModelInput(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[ModelInputChunk]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[ModelInputChunk, _Mapping]]] = ...) -> None: ...
+
+class Datum(_message.Message):
+    __slots__ = ("model_input", "loss_fn_inputs")
+    class LossFnInputsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Tensor
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    MODEL_INPUT_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FN_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    model_input: ModelInput
+    loss_fn_inputs: _containers.MessageMap[str, Tensor]
+    def __init__(self, model_input: _Optional[_Union[ModelInput, _Mapping]] = ..., loss_fn_inputs: _Optional[_Mapping[str, Tensor]] = ...) -> None: ...
+
+class LossConfigValue(_message.Message):
+    __slots__ = ("number", "text")
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    number: float
+    text: str
+    def __init__(self, number: _Optional[float] = ..., text: _Optional[str] = ...) -> None: ...
+
+class LossFnOutput(_message.Message):
+    __slots__ = ("fields",)
+    class FieldsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Tensor
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    fields: _containers.MessageMap[str, Tensor]
+    def __init__(self, fields: _Optional[_Mapping[str, Tensor]] = ...) -> None: ...
+
+class ForwardBackwardOutput(_message.Message):
+    __slots__ = ("loss_fn_output_type", "loss_fn_outputs", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    LOSS_FN_OUTPUT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FN_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    loss_fn_output_type: str
+    loss_fn_outputs: _containers.RepeatedCompositeFieldContainer[LossFnOutput]
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, loss_fn_output_type: _Optional[str] = ..., loss_fn_outputs: _Optional[_Iterable[_Union[LossFnOutput, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class LoraConfig(_message.Message):
+    __slots__ = ("rank", "alpha", "seed", "train_attn", "train_mlp", "train_unembed", "dropout")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_ATTN_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_MLP_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_UNEMBED_FIELD_NUMBER: _ClassVar[int]
+    DROPOUT_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    alpha: float
+    seed: int
+    train_attn: bool
+    train_mlp: bool
+    train_unembed: bool
+    dropout: float
+    def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., seed: _Optional[int] = ..., train_attn: _Optional[bool] = ..., train_mlp: _Optional[bool] = ..., train_unembed: _Optional[bool] = ..., dropout: _Optional[float] = ...) -> None: ...
+
+class AdamParams(_message.Message):
+    __slots__ = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    GRAD_CLIP_NORM_FIELD_NUMBER: _ClassVar[int]
+    learning_rate: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    grad_clip_norm: float
+    def __init__(self, learning_rate: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., grad_clip_norm: _Optional[float] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "seed", "temperature", "top_k", "top_p", "stop_strings", "stop_token_ids", "stop_disabled")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STOP_DISABLED_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    seed: int
+    temperature: float
+    top_k: int
+    top_p: float
+    stop_strings: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: bytes
+    stop_disabled: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., stop_strings: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[bytes] = ..., stop_disabled: _Optional[bool] = ...) -> None: ...
+
+class SampledSequence(_message.Message):
+    __slots__ = ("stop_reason", "tokens", "logprobs")
+    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    stop_reason: StopReason
+    tokens: bytes
+    logprobs: bytes
+    def __init__(self, stop_reason: _Optional[_Union[StopReason, str]] = ..., tokens: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ...) -> None: ...
+
+class SampleResponse(_message.Message):
+    __slots__ = ("sequences", "prompt_logprobs")
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[SampledSequence]
+    prompt_logprobs: Tensor
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class Checkpoint(_message.Message):
+    __slots__ = ("checkpoint_id", "kind", "path", "training_run_id", "size_bytes", "created_unix_ms")
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    kind: CheckpointKind
+    path: str
+    training_run_id: str
+    size_bytes: int
+    created_unix_ms: int
+    def __init__(self, checkpoint_id: _Optional[str] = ..., kind: _Optional[_Union[CheckpointKind, str]] = ..., path: _Optional[str] = ..., training_run_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., created_unix_ms: _Optional[int] = ...) -> None: ...
+
+class FileChunk(_message.Message):
+    __slots__ = ("relative_path", "offset", "data", "total_size")
+    RELATIVE_PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    relative_path: str
+    offset: int
+    data: bytes
+    total_size: int
+    def __init__(self, relative_path: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_size: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,102 @@
+"""SQLAlchemy models: what must survive a scheduler restart. Tensors and results never go here."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    weight: Mapped[float] = mapped_column(Float, default=1.0)  # fair-share weight (co-batching scheduler)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Session(Base):
+    __tablename__ = "sessions"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
+    tags: Mapped[list] = mapped_column(JSON, default=list)
+    user_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_heartbeat_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    closed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    close_status: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    num_training_runs: Mapped[int] = mapped_column(Integer, default=0)
+    num_samplers: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class TrainingRun(Base):
+    __tablename__ = "training_runs"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)  # "<session_id>:train:<n>"
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id"), index=True)
+    base_model: Mapped[str] = mapped_column(String(512))
+    lora_rank: Mapped[int] = mapped_column(Integer)
+    lora_alpha: Mapped[float] = mapped_column(Float)
+    lora_dropout: Mapped[float] = mapped_column(Float, default=0.0)
+    seed: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    train_attn: Mapped[bool] = mapped_column(Boolean)
+    train_mlp: Mapped[bool] = mapped_column(Boolean)
+    train_unembed: Mapped[bool] = mapped_column(Boolean)
+    user_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
+    next_seq_id: Mapped[int] = mapped_column(BigInteger, default=1)
+    steps: Mapped[int] = mapped_column(Integer, default=0)
+    tokens_trained: Mapped[int] = mapped_column(BigInteger, default=0)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_request_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (UniqueConstraint("training_run_id", "kind", "name", name="uq_checkpoint_run_kind_name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    training_run_id: Mapped[str] = mapped_column(ForeignKey("training_runs.id"), index=True)
+    kind: Mapped[str] = mapped_column(String(16))  # "sampler" | "training"
+    name: Mapped[str] = mapped_column(String(128))
+    path: Mapped[str] = mapped_column(String(512), unique=True)  # tinker://<run>/<kind_dir>/<name>
+    size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class SamplingClient(Base):
+    __tablename__ = "sampling_clients"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)  # "<session_id>:sample:<n>"
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id"), index=True)
+    base_model: Mapped[str] = mapped_column(String(512))
+    model_path: Mapped[str | None] = mapped_column(String(512), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class RequestRecord(Base):
+    """One sequenced training request. (run, seq) is unique: a retry finds the first record."""
+
+    __tablename__ = "requests"
+    __table_args__ = (UniqueConstraint("training_run_id", "seq_id", name="uq_request_run_seq"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    training_run_id: Mapped[str] = mapped_column(ForeignKey("training_runs.id"), index=True)
+    seq_id: Mapped[int] = mapped_column(BigInteger)
+    kind: Mapped[str] = mapped_column(String(32))  # forward_backward | forward | optim_step | save_weights | load_weights
+    payload_sha256: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16))  # queued | done | failed | rejected
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    num_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)

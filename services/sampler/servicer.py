@@ -1,0 +1,94 @@
+"""gRPC face of the sampler: adapters arrive as streams of file chunks; sampling runs on one
+compute thread."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from temper.common.codec import decode_tokens, encode_array, encode_floats, encode_tokens
+from temper.common.errors import InvalidArgument
+from temper.services.sampler.backend import SamplerBackend, SamplingOptions
+from temper.common.checkpoints import WEIGHT_FILES
+from temper.v1 import sampler_pb2, sampler_pb2_grpc, types_pb2
+
+_STOP_REASONS = {"stop": types_pb2.STOP_REASON_STOP, "length": types_pb2.STOP_REASON_LENGTH}
+
+
+class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
+    def __init__(self, backend: SamplerBackend, adapter_dir: Path, max_num_samples: int):
+        self.backend = backend
+        self.adapter_dir = Path(adapter_dir)
+        self.adapter_dir.mkdir(parents=True, exist_ok=True)
+        self.max_num_samples = max_num_samples
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sampler-compute")
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
+
+    async def GetModelInfo(self, request, context):
+        d = self.backend.describe()
+        return sampler_pb2.SamplerModelInfo(
+            base_model=d.base_model, tokenizer_id=d.tokenizer_id, vocab_size=d.vocab_size,
+            max_context_length=d.max_context_length, backend=self.backend.name, loaded_adapters=d.loaded_adapters,
+        )
+
+    async def PushAdapter(self, request_iterator, context):
+        staging = Path(tempfile.mkdtemp(dir=self.adapter_dir, prefix=".push-"))
+        adapter_id, received, handles = None, 0, {}
+        try:
+            async for message in request_iterator:
+                if message.WhichOneof("payload") == "adapter_id":
+                    adapter_id = message.adapter_id
+                    continue
+                chunk = message.file
+                if chunk.relative_path not in WEIGHT_FILES:
+                    raise InvalidArgument(f"unexpected adapter file {chunk.relative_path!r}")
+                fh = handles.get(chunk.relative_path) or handles.setdefault(chunk.relative_path, open(staging / chunk.relative_path, "wb"))
+                if fh.tell() != chunk.offset:
+                    raise InvalidArgument(f"{chunk.relative_path}: chunk at offset {chunk.offset}, expected {fh.tell()}")
+                fh.write(chunk.data)
+                received += len(chunk.data)
+            for fh in handles.values():
+                fh.close()
+            if not adapter_id:
+                raise InvalidArgument("the first PushAdapter message must name the adapter")
+            missing = [n for n in WEIGHT_FILES if not (staging / n).is_file()]
+            if missing:
+                raise InvalidArgument(f"adapter push is missing {missing}")
+            await self._run(self.backend.load_adapter, adapter_id, staging)
+        finally:
+            for fh in handles.values():
+                fh.close()
+            # weights are in memory now (or the push failed): the files are not needed either way
+            shutil.rmtree(staging, ignore_errors=True)
+        return sampler_pb2.PushAdapterResponse(bytes_received=received)
+
+    async def DropAdapter(self, request, context):
+        await self._run(self.backend.drop_adapter, request.adapter_id)
+        return sampler_pb2.SamplerDropAdapterResponse()
+
+    async def Sample(self, request, context):
+        if not 1 <= request.num_samples <= self.max_num_samples:
+            raise InvalidArgument(f"num_samples must be in [1, {self.max_num_samples}], got {request.num_samples}")
+        options = SamplingOptions.from_proto(request.sampling_params, self.backend.describe().vocab_size)
+        prompt = decode_tokens(request.prompt_tokens)
+        result = await self._run(
+            self.backend.sample, request.adapter_id or None, prompt, request.num_samples, options,
+            request.include_prompt_logprobs,
+        )
+        response = types_pb2.SampleResponse()
+        for seq in result.sequences:
+            response.sequences.add(
+                stop_reason=_STOP_REASONS[seq.stop_reason], tokens=encode_tokens(seq.tokens), logprobs=encode_floats(seq.logprobs)
+            )
+        if result.prompt_logprobs is not None:
+            response.prompt_logprobs.CopyFrom(encode_array(result.prompt_logprobs, "float32"))
+        return response
+
+    async def ComputeLogprobs(self, request, context):
+        logprobs = await self._run(self.backend.compute_logprobs, request.adapter_id or None, decode_tokens(request.prompt_tokens))
+        return sampler_pb2.ComputeLogprobsResponseInternal(logprobs=encode_array(logprobs, "float32"))

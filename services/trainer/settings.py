@@ -1,0 +1,23 @@
+"""Trainer process settings (environment variables with the TEMPER_TRAINER_ prefix)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class TrainerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TEMPER_TRAINER_")
+
+    base_model: str = Field("HuggingFaceTB/SmolLM2-135M-Instruct", description="Base model name, local folder or hub id.")
+    bind: str = Field("127.0.0.1:50061", description="host:port to listen on (port 0 picks a free one).")
+    checkpoint_dir: Path = Field(Path("data/checkpoints"), description="Where checkpoint folders are written.")
+    device: str = Field("cpu", description="torch device, e.g. cpu or cuda.")
+    dtype: str = Field("float32", description="Base model dtype (adapters always train in float32).")
+    num_threads: int = Field(0, description="torch intra-op threads; 0 keeps torch's default.")
+    max_tokens_per_microbatch: int = Field(4096, description="Padded tokens per forward/backward micro-batch.")
+    logprob_chunk_tokens: int = Field(1024, description="Tokens per chunk of the lm_head + log-softmax.")
+    default_lora_alpha: float = Field(32.0, description="LoRA alpha when a run does not set one.")
+    log_level: str = "INFO"

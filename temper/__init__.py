@@ -1,0 +1,7 @@
+"""Temper: an open post-training service (the Tinker verbs over gRPC).
+
+Import roots: ``temper.client`` (researcher side, no torch), ``temper.v1`` (generated
+protobuf stubs), ``temper.scheduler`` and ``temper.services`` (server side).
+"""
+
+__version__ = "0.1.0"
