@@ -11,12 +11,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from temper.common.errors import ErrorInterceptor
+from temper.common.server_options import CHANNEL_OPTIONS
 
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
 
 
 def build_server(
@@ -25,8 +21,8 @@ def build_server(
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Create a server with the given (add_fn, servicer, full_service_name) registrations.
 
-    Returns the server, the bound port (useful with port 0) and the health servicer, whose status
-    starts NOT_SERVING until the caller calls ``mark_serving``.
+    Returns the server, the bound port (useful with port 0) and the health servicer; callers mark
+    themselves NOT_SERVING until ready (``mark_serving(..., serving=False)``).
     """
     server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=CHANNEL_OPTIONS)
     names = []
@@ -42,9 +38,10 @@ def build_server(
     return server, port, health_servicer
 
 
-async def mark_serving(health_servicer, service_names: list[str]) -> None:
+async def mark_serving(health_servicer, service_names: list[str], serving: bool = True) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ["", *service_names]:
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(name, status)
 
 
 def configure_logging(level: str) -> None:

@@ -6,15 +6,13 @@ input before it touches an adapter, gradient or optimizer state: a rejected call
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from temper.common.errors import InvalidArgument
-from temper.common.losses import DecodedDatum, validate_forward_backward
+from temper.common.validation import DecodedDatum, validate_adam, validate_forward_backward
 from temper.services.models.loading import LoadedModel
 from temper.services.trainer.adapters import Adapter, AdapterHost
 from temper.services.trainer.checkpoints import CheckpointStore
@@ -37,22 +35,6 @@ class ForwardBackwardResult:
     logprobs: list[np.ndarray]          # per datum, float32 (N,)
     elementwise_loss: list[np.ndarray]  # per datum, float32 (N,)
     metrics: dict[str, float]
-
-
-def validate_adam(params: types_pb2.AdamParams) -> None:
-    checks = [
-        (params.learning_rate >= 0, "learning_rate must be >= 0"),
-        (0 <= params.beta1 < 1 and 0 <= params.beta2 < 1, "beta1 and beta2 must be in [0, 1)"),
-        (params.eps >= 0, "eps must be >= 0"),
-        (params.weight_decay >= 0, "weight_decay must be >= 0"),
-        (params.grad_clip_norm >= 0, "grad_clip_norm must be >= 0 (0 disables clipping)"),
-    ]
-    values = [params.learning_rate, params.beta1, params.beta2, params.eps, params.weight_decay, params.grad_clip_norm]
-    if not all(math.isfinite(v) for v in values):
-        raise InvalidArgument("Adam parameters must be finite")
-    for ok, message in checks:
-        if not ok:
-            raise InvalidArgument(message)
 
 
 class TrainerEngine:

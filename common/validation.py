@@ -1,4 +1,4 @@
-"""What each loss function takes (names, dtypes, config keys) and request validation.
+"""Request validation shared by scheduler and trainer: loss inputs, token ranges, Adam parameters.
 
 Torch-free, so the scheduler rejects bad requests before they reach a trainer, and the trainer
 checks the same rules again before touching an adapter.
@@ -6,6 +6,7 @@ checks the same rules again before touching an adapter.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -104,3 +105,19 @@ def validate_forward_backward(
             check_token_range(inputs["target_tokens"], vocab_size, f"datum {i} target_tokens")
         decoded.append(DecodedDatum(tokens=tokens, inputs=inputs))
     return decoded, config
+
+
+def validate_adam(params: types_pb2.AdamParams) -> None:
+    values = [params.learning_rate, params.beta1, params.beta2, params.eps, params.weight_decay, params.grad_clip_norm]
+    if not all(math.isfinite(v) for v in values):
+        raise InvalidArgument("Adam parameters must be finite")
+    checks = [
+        (params.learning_rate >= 0, "learning_rate must be >= 0"),
+        (0 <= params.beta1 < 1 and 0 <= params.beta2 < 1, "beta1 and beta2 must be in [0, 1)"),
+        (params.eps >= 0, "eps must be >= 0"),
+        (params.weight_decay >= 0, "weight_decay must be >= 0"),
+        (params.grad_clip_norm >= 0, "grad_clip_norm must be >= 0 (0 disables clipping)"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise InvalidArgument(message)

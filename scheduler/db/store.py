@@ -1,0 +1,202 @@
+"""Database access for the scheduler: small synchronous methods, each one transaction.
+
+The async servicer calls them through ``asyncio.to_thread``. Rows come back detached
+(``expire_on_commit=False``) so callers read attributes without a live session.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterable
+
+from sqlalchemy import create_engine, event, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import sessionmaker
+
+from temper.common.errors import AlreadyExists, FailedPrecondition, NotFound
+from temper.scheduler.db import models as m
+
+
+def make_engine(url: str):
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _pragmas(conn, _record):  # WAL lets readers run beside the single writer
+            cur = conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.close()
+
+        return engine
+    return create_engine(url, pool_pre_ping=True)
+
+
+def upgrade_schema(url: str) -> None:
+    """alembic upgrade head on ``url`` (the scheduler's start-up migration)."""
+    from alembic import command
+    from alembic.config import Config
+
+    # The repo (or image working directory) holds alembic.ini and migrations/.
+    candidates = [Path.cwd(), Path(__file__).resolve().parents[2]]
+    root = next((c for c in candidates if (c / "alembic.ini").is_file() and (c / "migrations").is_dir()), None)
+    if root is None:
+        raise RuntimeError(f"alembic.ini and migrations/ not found in {[str(c) for c in candidates]}")
+    cfg = Config(str(root / "alembic.ini"))
+    cfg.set_main_option("script_location", str(root / "migrations"))
+    cfg.set_main_option("sqlalchemy.url", url)
+    cfg.attributes["configure_logger"] = False
+    command.upgrade(cfg, "head")
+
+
+class Store:
+    def __init__(self, url: str):
+        if url.startswith("sqlite:///"):
+            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        self.engine = make_engine(url)
+        self.sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    # ---- tenants and sessions -----------------------------------------------------------------
+
+    def ensure_tenant(self, name: str) -> int:
+        with self.sessions.begin() as db:
+            tenant = db.scalar(select(m.Tenant).where(m.Tenant.name == name))
+            if tenant is None:
+                tenant = m.Tenant(name=name, weight=1.0)
+                db.add(tenant)
+                db.flush()
+            return tenant.id
+
+    def create_session(self, tenant: str, tags: list[str], metadata: dict[str, str]) -> m.Session:
+        tenant_id = self.ensure_tenant(tenant)
+        with self.sessions.begin() as db:
+            row = m.Session(id=str(uuid.uuid4()), tenant_id=tenant_id, tags=list(tags), user_metadata=dict(metadata))
+            db.add(row)
+            return row
+
+    def open_session(self, session_id: str) -> m.Session:
+        with self.sessions() as db:
+            row = db.get(m.Session, session_id)
+        if row is None:
+            raise NotFound(f"session {session_id!r} not found")
+        if row.closed_at is not None:
+            raise FailedPrecondition(f"session {session_id} is closed")
+        return row
+
+    def heartbeat(self, session_id: str) -> None:
+        self.open_session(session_id)
+        with self.sessions.begin() as db:
+            db.execute(update(m.Session).where(m.Session.id == session_id).values(last_heartbeat_at=_now()))
+
+    def close_session(self, session_id: str, status: str) -> None:
+        self.open_session(session_id)
+        with self.sessions.begin() as db:
+            db.execute(update(m.Session).where(m.Session.id == session_id).values(closed_at=_now(), close_status=status))
+
+    # ---- training runs ------------------------------------------------------------------------
+
+    def next_run_id(self, session_id: str) -> str:
+        """Reserve the next "<session>:train:<n>" id (the row is inserted by add_training_run)."""
+        with self.sessions.begin() as db:
+            row = db.get(m.Session, session_id, with_for_update=True)
+            n = row.num_training_runs
+            row.num_training_runs = n + 1
+            return f"{session_id}:train:{n}"
+
+    def add_training_run(self, run: m.TrainingRun) -> m.TrainingRun:
+        with self.sessions.begin() as db:
+            db.add(run)
+            return run
+
+    def get_training_run(self, run_id: str) -> m.TrainingRun:
+        with self.sessions() as db:
+            row = db.get(m.TrainingRun, run_id)
+        if row is None:
+            raise NotFound(f"training run {run_id!r} not found")
+        return row
+
+    # ---- sequenced requests -------------------------------------------------------------------
+
+    def get_request(self, run_id: str, seq_id: int) -> m.RequestRecord | None:
+        with self.sessions() as db:
+            return db.scalar(select(m.RequestRecord).where(m.RequestRecord.training_run_id == run_id, m.RequestRecord.seq_id == seq_id))
+
+    def add_request(self, run_id: str, seq_id: int, kind: str, sha: str, status: str, tokens: int, error: str | None = None) -> None:
+        try:
+            with self.sessions.begin() as db:
+                db.add(m.RequestRecord(
+                    training_run_id=run_id, seq_id=seq_id, kind=kind, payload_sha256=sha, status=status, num_tokens=tokens,
+                    error=error, finished_at=_now() if status != "queued" else None,
+                ))
+                db.execute(update(m.TrainingRun).where(m.TrainingRun.id == run_id).values(last_request_at=_now()))
+        except IntegrityError:
+            raise AlreadyExists(f"request {run_id} seq {seq_id} was already submitted") from None
+
+    def finish_requests(self, outcomes: Iterable[tuple[str, int, str, str | None]], trained_tokens: dict[str, int],
+                        steps: dict[str, int], next_seq: dict[str, int]) -> None:
+        """Record (run, seq, status, error) outcomes and the runs' counters in one transaction."""
+        with self.sessions.begin() as db:
+            for run_id, seq_id, status, error in outcomes:
+                db.execute(
+                    update(m.RequestRecord)
+                    .where(m.RequestRecord.training_run_id == run_id, m.RequestRecord.seq_id == seq_id)
+                    .values(status=status, error=error, finished_at=_now())
+                )
+            for run_id, seq in next_seq.items():
+                db.execute(update(m.TrainingRun).where(m.TrainingRun.id == run_id).values(
+                    next_seq_id=seq,
+                    tokens_trained=m.TrainingRun.tokens_trained + trained_tokens.get(run_id, 0),
+                    steps=m.TrainingRun.steps + steps.get(run_id, 0),
+                ))
+
+    # ---- checkpoints --------------------------------------------------------------------------
+
+    def checkpoint_exists(self, run_id: str, kind: str, name: str) -> bool:
+        with self.sessions() as db:
+            return db.scalar(select(m.Checkpoint.id).where(
+                m.Checkpoint.training_run_id == run_id, m.Checkpoint.kind == kind, m.Checkpoint.name == name)) is not None
+
+    def add_checkpoint(self, run_id: str, kind: str, name: str, path: str, size_bytes: int) -> m.Checkpoint:
+        try:
+            with self.sessions.begin() as db:
+                row = m.Checkpoint(training_run_id=run_id, kind=kind, name=name, path=path, size_bytes=size_bytes)
+                db.add(row)
+                return row
+        except IntegrityError:
+            raise AlreadyExists(f"checkpoint {path} already exists") from None
+
+    def get_checkpoint(self, path: str) -> m.Checkpoint:
+        with self.sessions() as db:
+            row = db.scalar(select(m.Checkpoint).where(m.Checkpoint.path == path))
+        if row is None:
+            raise NotFound(f"checkpoint {path} not found")
+        return row
+
+    def list_checkpoints(self, run_id: str) -> list[m.Checkpoint]:
+        self.get_training_run(run_id)
+        with self.sessions() as db:
+            return list(db.scalars(select(m.Checkpoint).where(m.Checkpoint.training_run_id == run_id).order_by(m.Checkpoint.id)))
+
+    # ---- sampling clients ---------------------------------------------------------------------
+
+    def add_sampling_client(self, session_id: str, base_model: str, model_path: str | None) -> m.SamplingClient:
+        with self.sessions.begin() as db:
+            session = db.get(m.Session, session_id, with_for_update=True)
+            n = session.num_samplers
+            session.num_samplers = n + 1
+            row = m.SamplingClient(id=f"{session_id}:sample:{n}", session_id=session_id, base_model=base_model, model_path=model_path)
+            db.add(row)
+            return row
+
+    def get_sampling_client(self, sampler_id: str) -> m.SamplingClient:
+        with self.sessions() as db:
+            row = db.get(m.SamplingClient, sampler_id)
+        if row is None:
+            raise NotFound(f"sampling client {sampler_id!r} not found")
+        return row
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)

@@ -1,0 +1,190 @@
+"""The scheduler loop: plan a cycle from the ready queues, run it on the trainers, answer futures.
+
+    while True:
+        wait until work arrives
+        while (plan := plan_cycle(ready work, budget)):
+            take the planned work off its queues
+            run the cycle's passes and optim steps (one trainer call per trainer)
+            run each barrier (save / load) on its own
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict, defaultdict
+
+from temper.common.checkpoints import KIND_DIRS, CheckpointPath, parse_path
+from temper.common.errors import ResourceExhausted, TemperError
+from temper.scheduler.backends import Backends, TrainerHandle, downstream
+from temper.scheduler.db.store import Store
+from temper.scheduler.policy import CyclePlan, plan_cycle
+from temper.scheduler.work import RunQueue, Work, WorkKind
+from temper.v1 import service_pb2, trainer_pb2, types_pb2
+
+log = logging.getLogger(__name__)
+KIND_NAMES = {types_pb2.CHECKPOINT_KIND_SAMPLER: "sampler", types_pb2.CHECKPOINT_KIND_TRAINING: "training"}
+
+
+class SchedulerLoop:
+    def __init__(self, backends: Backends, store: Store, token_budget: int, max_queued: int, cache_size: int):
+        self.backends = backends
+        self.store = store
+        self.token_budget = token_budget
+        self.max_queued = max_queued
+        self.cache_size = cache_size
+        self.queues: dict[str, RunQueue] = {}
+        self.run_models: dict[str, str] = {}              # run id -> base model
+        self.recent: OrderedDict[tuple[str, int], Work] = OrderedDict()  # answers retried (run, seq)
+        self._wake = asyncio.Event()
+        self.cycles = 0
+
+    # ---- intake -------------------------------------------------------------------------------
+
+    def register_run(self, run_id: str, base_model: str, next_seq_id: int) -> None:
+        self.run_models.setdefault(run_id, base_model)
+        self.queues.setdefault(run_id, RunQueue(run_id, next_seq_id))
+
+    def known(self, run_id: str, seq_id: int) -> Work | None:
+        queue = self.queues.get(run_id)
+        if queue is not None and seq_id in queue.pending:
+            return queue.pending[seq_id]
+        return self.recent.get((run_id, seq_id))
+
+    def next_seq_id(self, run_id: str) -> int | None:
+        queue = self.queues.get(run_id)
+        return queue.next_seq_id if queue else None
+
+    def check_capacity(self) -> None:
+        if sum(len(q) for q in self.queues.values()) >= self.max_queued:
+            raise ResourceExhausted(f"the scheduler has {self.max_queued} queued requests; retry with backoff")
+
+    def claim(self, work: Work) -> None:
+        """Make ``work`` the answer for its (run, seq): a retry arriving from now on waits for it."""
+        work.future = asyncio.get_running_loop().create_future()
+        work.submitted_at = time.monotonic()
+        self._remember(work)
+
+    def release(self, work: Work, exc: BaseException) -> None:
+        """Undo ``claim`` for work that was never acknowledged (e.g. it could not be recorded)."""
+        if self.recent.get((work.run_id, work.seq_id)) is work:
+            del self.recent[(work.run_id, work.seq_id)]
+        if isinstance(exc, Exception):
+            work.fail(exc)
+            work.future.exception()  # retrieved: the submitting call re-raises it
+        else:
+            work.future.cancel()
+
+    def enqueue(self, work: Work) -> None:
+        """Queue claimed work; its turn comes by seq_id (rejected work only holds its place)."""
+        self.queues[work.run_id].add(work)
+        self._wake.set()
+
+    def _remember(self, work: Work) -> None:
+        self.recent[(work.run_id, work.seq_id)] = work
+        while len(self.recent) > self.cache_size:
+            self.recent.popitem(last=False)
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    async def run_forever(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while plan := plan_cycle(self._ready(), self.token_budget):
+                for work in plan.all_work():
+                    self.queues[work.run_id].take(work)
+                await self._run_cycle(plan)
+
+    def _ready(self) -> dict[str, list[Work]]:
+        ready = {run_id: q.ready() for run_id, q in self.queues.items()}
+        # Oldest head first, so a run that has waited longest is served first.
+        return dict(sorted(((r, w) for r, w in ready.items() if w), key=lambda item: item[1][0].submitted_at))
+
+    async def _run_cycle(self, plan: CyclePlan) -> None:
+        self.cycles += 1
+        by_trainer: dict[str, tuple[TrainerHandle, list[Work], list[Work]]] = {}
+        for work in plan.passes + plan.optim_steps:
+            trainer = self.backends.trainer_for(self.run_models[work.run_id], work.run_id)
+            entry = by_trainer.setdefault(trainer.address, (trainer, [], []))
+            entry[1 if work.kind.is_pass else 2].append(work)
+        for trainer, passes, steps in by_trainer.values():
+            await self._guarded(passes + steps, self._dispatch_cycle(trainer, passes, steps))
+        for work in plan.barriers:
+            await self._guarded([work], self._run_barrier(work))
+
+    async def _guarded(self, works: list[Work], coro) -> None:
+        """Run ``coro``; on failure fail every work in it with a domain error (never lose a future)."""
+        try:
+            await coro
+        except Exception as exc:  # noqa: BLE001 - every failure must reach the waiting callers
+            error = exc if isinstance(exc, TemperError) else TemperError(f"{type(exc).__name__}: {exc}")
+            if not isinstance(exc, TemperError):
+                log.exception("cycle failed")
+            await self._record(works, error)
+            for work in works:
+                work.fail(error)
+
+    async def _dispatch_cycle(self, trainer: TrainerHandle, passes: list[Work], steps: list[Work]) -> None:
+        request = trainer_pb2.CycleRequest()
+        for work in passes:
+            r = work.request
+            request.forward_backward.add(
+                adapter_id=work.run_id, data=r.data, loss_fn=r.loss_fn, loss_fn_config=r.loss_fn_config, forward_only=r.forward_only
+            )
+        for work in steps:
+            request.optim_step.add(adapter_id=work.run_id, adam_params=work.request.adam_params)
+        async with downstream(f"trainer {trainer.address}"):
+            response = await trainer.stub.RunCycle(request)
+        await self._record(passes + steps, None)
+        for work, output in zip(passes, response.forward_backward):
+            work.resolve(output)
+        for work, output in zip(steps, response.optim_step):
+            work.resolve(service_pb2.OptimStepResponse(metrics=output.metrics))
+
+    async def _run_barrier(self, work: Work) -> None:
+        trainer = self.backends.trainer_for(self.run_models[work.run_id], work.run_id)
+        request = work.request
+        if work.kind is WorkKind.SAVE_WEIGHTS:
+            path = CheckpointPath(work.run_id, request.kind, request.name)
+            async with downstream(f"trainer {trainer.address}"):
+                saved = await trainer.stub.SaveAdapter(trainer_pb2.SaveAdapterRequest(
+                    adapter_id=work.run_id, checkpoint_key=path.key,
+                    include_optimizer=request.kind == types_pb2.CHECKPOINT_KIND_TRAINING,
+                ))
+            row = await asyncio.to_thread(self.store.add_checkpoint, work.run_id, KIND_NAMES[request.kind], request.name, str(path), saved.size_bytes)
+            if request.kind == types_pb2.CHECKPOINT_KIND_SAMPLER:
+                # Push now so a sampling client on this checkpoint starts without waiting for weights.
+                sampler = self.backends.sampler_for(self.run_models[work.run_id])
+                await self.backends.push_checkpoint(trainer, sampler, path.key)
+            result = service_pb2.SaveWeightsResponse(checkpoint=checkpoint_message(row))
+        else:
+            path = request.path
+            key = parse_path(path).key
+            async with downstream(f"trainer {trainer.address}"):
+                await trainer.stub.LoadAdapter(trainer_pb2.LoadAdapterRequest(
+                    adapter_id=work.run_id, checkpoint_key=key, with_optimizer=request.with_optimizer))
+            result = service_pb2.LoadWeightsResponse(path=path)
+        await self._record([work], None)
+        work.resolve(result)
+
+    async def _record(self, works: list[Work], error: TemperError | None) -> None:
+        status = "failed" if error else "done"
+        outcomes = [(w.run_id, w.seq_id, status, error.message if error else None) for w in works]
+        tokens, steps, next_seq = defaultdict(int), defaultdict(int), {}
+        for w in works:
+            next_seq[w.run_id] = max(next_seq.get(w.run_id, 0), w.seq_id + 1)
+            if not error and w.kind is WorkKind.FORWARD_BACKWARD:
+                tokens[w.run_id] += w.num_tokens
+            if not error and w.kind is WorkKind.OPTIM_STEP:
+                steps[w.run_id] += 1
+        await asyncio.to_thread(self.store.finish_requests, outcomes, tokens, steps, next_seq)
+
+
+def checkpoint_message(row) -> types_pb2.Checkpoint:
+    kind = {v: k for k, v in KIND_NAMES.items()}[row.kind]
+    return types_pb2.Checkpoint(
+        checkpoint_id=f"{KIND_DIRS[kind]}/{row.name}", kind=kind, path=row.path, training_run_id=row.training_run_id,
+        size_bytes=row.size_bytes, created_unix_ms=int(row.created_at.timestamp() * 1000),
+    )

@@ -1,0 +1,79 @@
+"""Units of sequenced training work and the per-run queues that keep them in seq_id order."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class WorkKind(str, enum.Enum):
+    FORWARD_BACKWARD = "forward_backward"
+    FORWARD = "forward"
+    OPTIM_STEP = "optim_step"
+    SAVE_WEIGHTS = "save_weights"
+    LOAD_WEIGHTS = "load_weights"
+
+    @property
+    def is_pass(self) -> bool:
+        """Work that runs in a cycle's forward/backward pass over the base model."""
+        return self in (WorkKind.FORWARD_BACKWARD, WorkKind.FORWARD)
+
+    @property
+    def is_barrier(self) -> bool:
+        """Work that runs alone for its run (between cycles): weights are read or replaced."""
+        return self in (WorkKind.SAVE_WEIGHTS, WorkKind.LOAD_WEIGHTS)
+
+
+@dataclass(eq=False)
+class Work:
+    run_id: str
+    seq_id: int
+    kind: WorkKind
+    request: Any = None
+    payload_sha256: str = ""
+    num_tokens: int = 0
+    rejected: bool = False           # failed validation: answered at once, skipped when its turn comes
+    submitted_at: float = 0.0        # monotonic time of arrival (oldest heads are served first)
+    future: asyncio.Future | None = field(default=None, repr=False)
+
+    def resolve(self, result: Any) -> None:
+        if self.future is not None and not self.future.done():
+            self.future.set_result(result)
+
+    def fail(self, exc: BaseException) -> None:
+        if self.future is not None and not self.future.done():
+            self.future.set_exception(exc)
+
+
+class RunQueue:
+    """Pending work of one training run, keyed by seq_id; releases it strictly in order."""
+
+    def __init__(self, run_id: str, next_seq_id: int):
+        self.run_id = run_id
+        self.next_seq_id = next_seq_id
+        self.pending: dict[int, Work] = {}
+
+    def add(self, work: Work) -> None:
+        self.pending[work.seq_id] = work
+
+    def ready(self) -> list[Work]:
+        """The contiguous run of pending work starting at next_seq_id (rejected work is skipped)."""
+        while (head := self.pending.get(self.next_seq_id)) is not None and head.rejected:
+            del self.pending[self.next_seq_id]
+            self.next_seq_id += 1
+        out, seq = [], self.next_seq_id
+        while (work := self.pending.get(seq)) is not None and not work.rejected:
+            out.append(work)
+            seq += 1
+        return out
+
+    def take(self, work: Work) -> None:
+        """Remove work that a cycle is about to execute; it must be the head."""
+        assert work.seq_id == self.next_seq_id, (work.seq_id, self.next_seq_id)
+        del self.pending[work.seq_id]
+        self.next_seq_id += 1
+
+    def __len__(self) -> int:
+        return len(self.pending)

@@ -1,0 +1,199 @@
+"""docker-compose.yml stays consistent with the code: modules, console scripts, settings fields.
+
+No Docker engine is needed: the file is read with PyYAML, and `docker compose config -q`
+(or the standalone `docker-compose`) validates it when a compose client is installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shlex
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from temper.scheduler.settings import SchedulerSettings
+from temper.services.sampler.settings import SamplerSettings
+from temper.services.trainer.settings import TrainerSettings
+
+REPO = Path(__file__).resolve().parents[1]
+COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+SERVICES = COMPOSE["services"]
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+
+# Settings class per compose service; services not listed fall back to the variable's prefix.
+SERVICE_SETTINGS = {"scheduler": SchedulerSettings, "migrate": SchedulerSettings,
+                    "trainer": TrainerSettings, "sampler": SamplerSettings}
+PREFIX_SETTINGS = [("TEMPER_TRAINER_", TrainerSettings), ("TEMPER_SAMPLER_", SamplerSettings), ("TEMPER_", SchedulerSettings)]
+# Read outside the settings classes: services/models/prepare.py (the shared model cache).
+NON_SETTINGS_VARS = {"TEMPER_MODEL_CACHE"}
+
+
+def command_of(service: dict) -> list[str]:
+    cmd = service.get("command")
+    if cmd is None:
+        return []
+    return shlex.split(cmd) if isinstance(cmd, str) else [str(part) for part in cmd]
+
+
+def environment_of(service: dict) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) if "=" in item else (item, "") for item in env)
+    return {str(k): "" if v is None else str(v) for k, v in env.items()}
+
+
+def settings_for(service_name: str, var: str):
+    if service_name in SERVICE_SETTINGS:
+        cls = SERVICE_SETTINGS[service_name]
+        return cls, cls.model_config["env_prefix"]
+    for prefix, cls in PREFIX_SETTINGS:
+        if var.startswith(prefix):
+            return cls, prefix
+    raise AssertionError(var)
+
+
+def test_expected_services():
+    assert {"postgres", "migrate", "scheduler", "trainer", "sampler"} <= SERVICES.keys()
+
+
+def test_python_modules_exist():
+    checked = 0
+    for name, service in SERVICES.items():
+        cmd = command_of(service)
+        if len(cmd) >= 3 and cmd[0].startswith("python") and cmd[1] == "-m":
+            module = cmd[2]
+            spec = importlib.util.find_spec(module)
+            assert spec is not None, f"{name}: `python -m {module}`: no such module"
+            if spec.submodule_search_locations is not None:  # a package needs a __main__
+                assert importlib.util.find_spec(f"{module}.__main__") is not None, f"{name}: {module} has no __main__"
+            checked += 1
+    assert checked >= 3
+
+
+def test_console_scripts_exist():
+    scripts = PYPROJECT["project"].get("scripts", {})
+    for name, service in SERVICES.items():
+        cmd = command_of(service)
+        if cmd and cmd[0].startswith("temper-"):
+            assert cmd[0] in scripts, f"{name}: {cmd[0]} is not in pyproject [project.scripts]"
+            module, _, func = scripts[cmd[0]].partition(":")
+            assert importlib.util.find_spec(module) is not None, f"{cmd[0]} -> {module}: no such module"
+
+
+@pytest.mark.parametrize("service_name", sorted(SERVICES))
+def test_temper_env_vars_are_settings_fields(service_name, monkeypatch):
+    env = {k: v for k, v in environment_of(SERVICES[service_name]).items() if k.startswith("TEMPER_")}
+    classes = set()
+    for var in env:
+        if var in NON_SETTINGS_VARS:
+            continue
+        cls, prefix = settings_for(service_name, var)
+        assert var.startswith(prefix), f"{service_name}: {var} does not have {cls.__name__}'s prefix {prefix}"
+        field = var[len(prefix):].lower()
+        assert field in cls.model_fields, f"{service_name}: {var} is not a field of {cls.__name__}"
+        classes.add(cls)
+    if "TEMPER_DATABASE_URL" in env:  # alembic (migrations/env.py) reads it too, but it is a scheduler setting
+        assert "database_url" in SchedulerSettings.model_fields
+    # The values must parse: build each settings class from exactly this environment.
+    for cls in classes:
+        for field in cls.model_fields:
+            monkeypatch.delenv(f"{cls.model_config['env_prefix']}{field}".upper(), raising=False)
+        for var, value in env.items():
+            monkeypatch.setenv(var, value)
+        cls()
+
+
+def test_scheduler_wiring():
+    env = environment_of(SERVICES["scheduler"])
+    settings_env = {k[len("TEMPER_"):].lower(): v for k, v in env.items()}
+    trainer_port = environment_of(SERVICES["trainer"])["TEMPER_TRAINER_BIND"].rsplit(":", 1)[1]
+    sampler_port = environment_of(SERVICES["sampler"])["TEMPER_SAMPLER_BIND"].rsplit(":", 1)[1]
+    assert settings_env["trainer_addresses"] == f"trainer:{trainer_port}"
+    assert settings_env["sampler_addresses"] == f"sampler:{sampler_port}"
+    assert settings_env["auto_migrate"].lower() == "false", "the migrate service owns migrations in compose"
+    assert env["TEMPER_DATABASE_URL"] == environment_of(SERVICES["migrate"])["TEMPER_DATABASE_URL"]
+    depends = SERVICES["scheduler"]["depends_on"]
+    assert depends["migrate"]["condition"] == "service_completed_successfully"
+    assert depends["trainer"]["condition"] == "service_healthy"
+    assert depends["sampler"]["condition"] == "service_healthy"
+    bind_port = env["TEMPER_BIND"].rsplit(":", 1)[1]
+    assert any(str(p).split(":")[-1] == bind_port for p in SERVICES["scheduler"].get("ports", []))
+
+
+@pytest.mark.parametrize("service_name", ["postgres", "trainer", "sampler", "scheduler"])
+def test_healthchecks(service_name):
+    service = SERVICES[service_name]
+    test = service.get("healthcheck", {}).get("test")
+    assert test, f"{service_name} has no healthcheck"
+    if service_name == "postgres":
+        return
+    # gRPC services probe themselves with temper.common.healthcheck on their own bound port.
+    cmd = [str(part) for part in test[1:]] if isinstance(test, list) else shlex.split(test)
+    assert cmd[:3] == ["python", "-m", "temper.common.healthcheck"], cmd
+    assert importlib.util.find_spec("temper.common.healthcheck") is not None
+    bind = next(v for k, v in environment_of(service).items() if k.endswith("BIND"))
+    assert cmd[3].rsplit(":", 1)[1] == bind.rsplit(":", 1)[1], f"{service_name} probes {cmd[3]} but binds {bind}"
+
+
+def test_build_context_points_at_dockerfile():
+    dockerfile = REPO / "Dockerfile"
+    assert dockerfile.is_file()
+    built = [name for name, service in SERVICES.items() if "build" in service]
+    assert {"migrate", "scheduler", "trainer", "sampler"} <= set(built)
+    for name in built:
+        build = SERVICES[name]["build"]
+        context = build if isinstance(build, str) else build.get("context", ".")
+        file = "Dockerfile" if isinstance(build, str) else build.get("dockerfile", "Dockerfile")
+        assert (REPO / context / file).resolve() == dockerfile.resolve(), name
+    text = dockerfile.read_text()
+    assert "torch==2.13.0" in text and "download.pytorch.org/whl/cpu" in text
+
+
+def test_healthcheck_module():
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from temper.common import healthcheck
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        address = f"127.0.0.1:{port}"
+        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert healthcheck.main([address]) == 1
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert healthcheck.main([address]) == 0
+        assert healthcheck.main([address, "temper.v1.Unknown"]) == 1  # NOT_FOUND
+    finally:
+        server.stop(None)
+    assert healthcheck.main(["127.0.0.1:1", "--timeout", "0.5"]) == 1
+
+
+def _compose_command() -> list[str] | None:
+    if shutil.which("docker"):
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=60)
+        if probe.returncode == 0:
+            return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    return None
+
+
+def test_docker_compose_config_validates():
+    compose = _compose_command()
+    if compose is None:
+        missing = "the 'docker compose' plugin" if shutil.which("docker") else "the 'docker' binary"
+        pytest.skip(f"compose validation needs {missing} or 'docker-compose'; neither is installed")
+    proc = subprocess.run([*compose, "-f", str(REPO / "docker-compose.yml"), "config", "-q"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
