@@ -54,7 +54,7 @@ class SchedulerLoop:
 
     def next_seq_id(self, run_id: str) -> int | None:
         queue = self.queues.get(run_id)
-        return queue.next_seq_id if queue else None
+        return queue.next_seq_id if queue is not None else None
 
     def check_capacity(self) -> None:
         if sum(len(q) for q in self.queues.values()) >= self.max_queued:
