@@ -50,15 +50,19 @@ class TrainingClient:
 
     def _forward(self, data, loss_fn, loss_fn_config, forward_only: bool) -> APIFuture[t.ForwardBackwardOutput]:
         request = service_pb2.ForwardBackwardRequest(
-            training_run_id=self.model_id, seq_id=self._next_seq(), data=[convert.datum_to_proto(d) for d in data],
+            training_run_id=self.model_id, data=[convert.datum_to_proto(d) for d in data],
             loss_fn=loss_fn, loss_fn_config=convert.loss_config_to_proto(loss_fn_config), forward_only=forward_only,
         )
+        # The seq is taken only once the request is built: a local error must not leave a gap
+        # that the scheduler would wait on.
+        request.seq_id = self._next_seq()
         return APIFuture(self._runtime.rpc("ForwardBackward", request), convert.forward_backward_from_proto)
 
     def optim_step(self, adam_params: t.AdamParams | None = None) -> APIFuture[t.OptimStepResponse]:
         request = service_pb2.OptimStepRequest(
-            training_run_id=self.model_id, seq_id=self._next_seq(), adam_params=convert.adam_to_proto(adam_params or t.AdamParams())
+            training_run_id=self.model_id, adam_params=convert.adam_to_proto(adam_params or t.AdamParams())
         )
+        request.seq_id = self._next_seq()
         return APIFuture(self._runtime.rpc("OptimStep", request), lambda r: t.OptimStepResponse(metrics=t.metrics_dict(r.metrics)))
 
     # ---- checkpoints --------------------------------------------------------------------------

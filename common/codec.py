@@ -46,8 +46,8 @@ def encode_array(array: Any, dtype: str | None = None) -> types_pb2.Tensor:
     if name not in NAME_TO_DTYPE:
         raise InvalidArgument(f"unsupported dtype {name!r}; use one of {sorted(NAME_TO_DTYPE)}")
     code = NAME_TO_DTYPE[name]
-    arr = np.ascontiguousarray(arr, dtype=DTYPE_TO_NUMPY[code])
-    return types_pb2.Tensor(dtype=code, shape=list(arr.shape), data=arr.tobytes())
+    arr = np.asarray(arr, dtype=DTYPE_TO_NUMPY[code])  # (ascontiguousarray would turn a scalar into 1-d)
+    return types_pb2.Tensor(dtype=code, shape=list(arr.shape), data=arr.tobytes(order="C"))
 
 
 def _infer_dtype_name(arr: np.ndarray) -> str:

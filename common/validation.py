@@ -114,7 +114,7 @@ def validate_adam(params: types_pb2.AdamParams) -> None:
     checks = [
         (params.learning_rate >= 0, "learning_rate must be >= 0"),
         (0 <= params.beta1 < 1 and 0 <= params.beta2 < 1, "beta1 and beta2 must be in [0, 1)"),
-        (params.eps >= 0, "eps must be >= 0"),
+        (params.eps > 0, "eps must be > 0 (Adam divides by sqrt(v) + eps; zero gradients would give NaN)"),
         (params.weight_decay >= 0, "weight_decay must be >= 0"),
         (params.grad_clip_norm >= 0, "grad_clip_norm must be >= 0 (0 disables clipping)"),
     ]

@@ -66,16 +66,6 @@ class SchedulerLoop:
         work.submitted_at = time.monotonic()
         self._remember(work)
 
-    def release(self, work: Work, exc: BaseException) -> None:
-        """Undo ``claim`` for work that was never acknowledged (e.g. it could not be recorded)."""
-        if self.recent.get((work.run_id, work.seq_id)) is work:
-            del self.recent[(work.run_id, work.seq_id)]
-        if isinstance(exc, Exception):
-            work.fail(exc)
-            work.future.exception()  # retrieved: the submitting call re-raises it
-        else:
-            work.future.cancel()
-
     def enqueue(self, work: Work) -> None:
         """Queue claimed work; its turn comes by seq_id (rejected work only holds its place)."""
         self.queues[work.run_id].add(work)

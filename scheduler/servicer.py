@@ -8,7 +8,7 @@ import hashlib
 
 from temper.common.checkpoints import KIND_DIRS, check_name, parse_path
 from temper.common.codec import decode_tokens
-from temper.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, TemperError
+from temper.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from temper.common.validation import check_token_range, model_input_tokens, validate_adam, validate_forward_backward
 from temper.scheduler.backends import Backends, downstream
 from temper.scheduler.db import models as m
@@ -118,7 +118,7 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
     # ---- the sequenced verbs ------------------------------------------------------------------
 
     async def ForwardBackward(self, request, context):
-        def validate(run):
+        async def validate(run):
             trainer = self.backends.trainer_for(run.base_model, run.id)
             data, _ = validate_forward_backward(
                 request.data, request.loss_fn, request.loss_fn_config, trainer.info.vocab_size, trainer.info.max_context_length
@@ -129,7 +129,7 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
         return await self._sequenced(request, kind, validate)
 
     async def OptimStep(self, request, context):
-        def validate(run):
+        async def validate(run):
             if not request.HasField("adam_params"):
                 raise InvalidArgument("optim_step needs adam_params")
             validate_adam(request.adam_params)
@@ -138,24 +138,21 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
         return await self._sequenced(request, WorkKind.OPTIM_STEP, validate)
 
     async def SaveWeights(self, request, context):
-        if request.kind not in KIND_DIRS:
-            raise InvalidArgument("kind must be CHECKPOINT_KIND_SAMPLER or CHECKPOINT_KIND_TRAINING")
-        exists = await asyncio.to_thread(self.store.checkpoint_exists, request.training_run_id, KIND_NAMES[request.kind], request.name)
-
-        def validate(run):
+        async def validate(run):
+            if request.kind not in KIND_DIRS:
+                raise InvalidArgument("kind must be CHECKPOINT_KIND_SAMPLER or CHECKPOINT_KIND_TRAINING")
             check_name(request.name)
-            if exists:
+            if await asyncio.to_thread(self.store.checkpoint_exists, run.id, KIND_NAMES[request.kind], request.name):
                 raise AlreadyExists(f"checkpoint {KIND_DIRS[request.kind]}/{request.name} already exists for {run.id}")
             return 0
 
         return await self._sequenced(request, WorkKind.SAVE_WEIGHTS, validate)
 
     async def LoadWeights(self, request, context):
-        path = parse_path(request.path)
-        checkpoint = await asyncio.to_thread(self.store.get_checkpoint, str(path))
-        source = await self._run(checkpoint.training_run_id)
-
-        def validate(run):
+        async def validate(run):
+            path = parse_path(request.path)
+            checkpoint = await asyncio.to_thread(self.store.get_checkpoint, str(path))
+            source = await self._run(checkpoint.training_run_id)
             if source.base_model != run.base_model:
                 raise FailedPrecondition(f"checkpoint is for {source.base_model}, run {run.id} uses {run.base_model}")
             if request.with_optimizer and path.kind != types_pb2.CHECKPOINT_KIND_TRAINING:
@@ -167,6 +164,8 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
         return await self._sequenced(request, WorkKind.LOAD_WEIGHTS, validate)
 
     async def _sequenced(self, request, kind: WorkKind, validate):
+        """Run ``request`` in its run's seq order. ``validate(run)`` raises on bad input (the seq is
+        then spent and nothing else changes) or returns the request's token count."""
         run = await self._run(request.training_run_id)
         seq = request.seq_id
         if seq < 1:
@@ -187,23 +186,19 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
         next_seq = self.loop.next_seq_id(run.id)
         if seq < next_seq:
             raise InvalidArgument(f"seq_id {seq} of {run.id} is behind the next expected seq_id {next_seq}")
+        self.loop.check_capacity()  # full: nothing is claimed, the client retries the same seq later
         work = Work(run.id, seq, kind, request, sha)
+        self.loop.claim(work)  # from here a retry of this (run, seq) waits for this answer
         try:
-            work.num_tokens = validate(run)
-        except TemperError as exc:
-            # The seq is spent (the client numbered later requests after it) but nothing else changes.
+            work.num_tokens = await validate(run)
+            await asyncio.to_thread(self.store.add_request, run.id, seq, kind.value, sha, "queued", work.num_tokens)
+        except Exception as exc:  # noqa: BLE001 - any rejection must still release the seq
+            # The seq is spent (the client numbered later requests after it) but nothing else changes;
+            # a failed add_request wrote nothing either.
             work.rejected = True
-            self.loop.claim(work)
             self.loop.enqueue(work)
             work.fail(exc)
             work.future.exception()  # retrieved: this call re-raises it
-            raise
-        self.loop.check_capacity()
-        self.loop.claim(work)
-        try:
-            await asyncio.to_thread(self.store.add_request, run.id, seq, kind.value, sha, "queued", work.num_tokens)
-        except BaseException as exc:
-            self.loop.release(work, exc)
             raise
         self.loop.enqueue(work)
         return await asyncio.shield(work.future)

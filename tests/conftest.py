@@ -1,1 +1,1 @@
-pytest_plugins = ["fixtures_postgres"]
+pytest_plugins = ["fixtures_postgres", "fixtures_stack"]

@@ -312,7 +312,7 @@ POLISHED = [
     "Completely solved. This change significantly improves reliability going forward.",
 ]
 
-EXIT_FMT = ["(exit {c})", "[exit {c}]", "exit={c}", "(rc={c})"]
+EXIT_FMT = "exit {c}"
 NO_RECEIPT = ["none", "(none)", "no commands run", "-"]
 
 REASONS = {
@@ -353,7 +353,8 @@ def _receipt(rng: random.Random, dom: dict, obj: dict, ok: bool) -> str:
         res, code = _fill(rng, rng.choice(dom["ok"]), obj), 0
     else:
         res, code = _fill(rng, rng.choice(dom["fail"]), obj), rng.choice(dom["fail_codes"])
-    return f"{cmd} -> {res} {rng.choice(EXIT_FMT).format(c=code)}"
+    # Uniform, decisive format: the exit status comes first, then the command log.
+    return f"{EXIT_FMT.format(c=code)} | {cmd}: {res}"
 
 
 def _attempt(rng, dom, obj, *, output: str, receipt: str | None) -> dict:

@@ -8,11 +8,13 @@ Completion: ``"<letter>. <reason>"`` followed by the eos token ``<|im_end|>``.
 Weights (what the demo sends to the trainer; loss = SUM over tokens and datums
 of -logprob(target) * weight):
   * 0 on every prompt token;
-  * on completion tokens, the answer-letter token gets ``letter_weight`` and each
-    other completion token (reason + eos) gets 1; then the completion weights
+  * on completion tokens, the answer-letter token gets ``letter_weight`` (default
+    50) and each other completion token (reason + eos, ~15 tokens) gets 1; then the completion weights
     are normalized to sum to 1 per datum (as the Tinker cookbook does), so the
     summed loss over a batch is "number of datums x mean per-datum NLL" and the
-    learning rate does not depend on reason length.
+    learning rate does not depend on reason length. With the default the letter
+    carries ~75% of each datum's weight; with letter_weight 4 or 16 the model did
+    not learn the letter within the CPU budget (it only learned the reason text).
 Weights are returned aligned with ``tokens`` (weight i belongs to token i); the
 trainer shifts tokens and weights the same way (input tokens[:-1], targets
 tokens[1:], weights[1:]).
@@ -24,7 +26,7 @@ import re
 
 SYSTEM_PROMPT = "You judge agent attempts."
 QUESTION = "Which is better, A or B? Give the letter, then one sentence why."
-DEFAULT_LETTER_WEIGHT = 4.0
+DEFAULT_LETTER_WEIGHT = 50.0
 
 
 def _attempt_block(label: str, att: dict) -> str:

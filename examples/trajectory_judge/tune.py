@@ -11,7 +11,7 @@ Evaluation: greedy first generated token of the assistant reply, parsed with
 render.parse_answer (equivalent to sampling with temperature 0, max_tokens=1).
 
 Run from the repo root:
-    python -m examples.trajectory_judge.tune --rank 16 --lr 1e-3 --batch 8 --steps 40
+    python -m examples.trajectory_judge.tune --rank 16 --lr 1e-3 --batch 4 --steps 80 --letter-weight 50
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ def main() -> None:
     ap.add_argument("--targets", default=ALL_TARGETS)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--beta2", type=float, default=0.95)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--letter-weight", type=float, default=render.DEFAULT_LETTER_WEIGHT)
     ap.add_argument("--no-normalize", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
@@ -155,7 +155,7 @@ def main() -> None:
         if args.eval_every and step % args.eval_every == 0 and step < args.steps:
             t0 = time.time()
             r = evaluate(model, tok, heldout)
-            print(f"  eval@{step} ({time.time() - t0:.1f}s): acc {r['acc']:.3f} {r['by_kind']}")
+            print(f"  eval@{step} ({time.time() - t0:.1f}s): acc {r['acc']:.3f} logit_acc {r['logit_acc']:.3f} {r['by_kind']} {r['first_tokens']}")
 
     print(f"TRAIN: {args.steps} steps, {tok_total} tokens, {t_train:.1f}s, {tok_total / t_train:.0f} tok/s")
     t0 = time.time()

@@ -1,0 +1,79 @@
+"""Batching policy and per-run ordering on synthetic queues: no model, no network."""
+
+from temper.scheduler.policy import plan_cycle
+from temper.scheduler.work import RunQueue, Work, WorkKind
+
+FB, FWD, OPT, SAVE, LOAD = WorkKind.FORWARD_BACKWARD, WorkKind.FORWARD, WorkKind.OPTIM_STEP, WorkKind.SAVE_WEIGHTS, WorkKind.LOAD_WEIGHTS
+
+
+def queue(run, kinds, start=1, tokens=10):
+    q = RunQueue(run, start)
+    for i, kind in enumerate(kinds):
+        q.add(Work(run, start + i, kind, num_tokens=tokens))
+    return q
+
+
+def seqs(works):
+    return [(w.run_id, w.seq_id) for w in works]
+
+
+def test_forward_backward_and_optim_step_share_a_cycle():
+    q = queue("a", [FB, OPT, FB, OPT])
+    plan = plan_cycle({"a": q.ready()}, token_budget=1000)
+    assert seqs(plan.passes) == [("a", 1)]
+    assert seqs(plan.optim_steps) == [("a", 2)]
+    assert plan.barriers == []
+
+
+def test_work_after_an_optim_step_waits_for_the_next_cycle():
+    q = queue("a", [FB, FB, OPT, FB])
+    plan = plan_cycle({"a": q.ready()}, 1000)
+    assert seqs(plan.passes) == [("a", 1), ("a", 2)] and seqs(plan.optim_steps) == [("a", 3)]
+    for w in plan.all_work():
+        q.take(w)
+    plan = plan_cycle({"a": q.ready()}, 1000)
+    assert seqs(plan.passes) == [("a", 4)] and plan.optim_steps == []
+
+
+def test_ordering_waits_for_gaps():
+    q = RunQueue("a", 1)
+    q.add(Work("a", 2, FB))
+    q.add(Work("a", 3, OPT))
+    assert q.ready() == []  # seq 1 has not arrived: nothing may run
+    q.add(Work("a", 1, FB))
+    assert [w.seq_id for w in q.ready()] == [1, 2, 3]
+
+
+def test_rejected_work_holds_its_place_then_is_skipped():
+    q = RunQueue("a", 1)
+    q.add(Work("a", 1, FB, rejected=True))
+    q.add(Work("a", 2, OPT))
+    assert [w.seq_id for w in q.ready()] == [2]
+    assert q.next_seq_id == 2
+
+
+def test_barrier_is_per_run_and_runs_alone():
+    a = queue("a", [SAVE, FB])
+    b = queue("b", [FB, OPT])
+    c = queue("c", [FB, LOAD, FB])
+    plan = plan_cycle({"a": a.ready(), "b": b.ready(), "c": c.ready()}, 1000)
+    assert seqs(plan.barriers) == [("a", 1)]
+    assert seqs(plan.passes) == [("b", 1), ("c", 1)]  # c's load waits until its earlier pass ran
+    assert seqs(plan.optim_steps) == [("b", 2)]
+
+
+def test_token_budget_bounds_a_cycle_but_one_oversized_pass_still_runs():
+    a = queue("a", [FB, FB, FB], tokens=400)
+    b = queue("b", [FB], tokens=100)
+    plan = plan_cycle({"a": a.ready(), "b": b.ready()}, token_budget=1000)
+    assert seqs(plan.passes) == [("a", 1), ("a", 2), ("b", 1)]
+    huge = queue("h", [FB, FB], tokens=5000)
+    plan = plan_cycle({"h": huge.ready()}, token_budget=1000)
+    assert seqs(plan.passes) == [("h", 1)]
+
+
+def test_forward_only_counts_as_a_pass_and_empty_queues_plan_nothing():
+    q = queue("a", [FWD, FB])
+    plan = plan_cycle({"a": q.ready()}, 1000)
+    assert seqs(plan.passes) == [("a", 1), ("a", 2)]
+    assert not plan_cycle({}, 1000)

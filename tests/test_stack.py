@@ -1,0 +1,179 @@
+"""The real scheduler, trainer and sampler processes, driven only through the client (tiny model,
+scheduler on Postgres)."""
+
+import grpc
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+from sqlalchemy import create_engine, text
+
+from fixtures_stack import sft_datum
+from temper.client import AdamParams, AlreadyExists, InvalidArgument, ModelInput, NotFound, SamplingParams
+from temper.client import convert
+from temper.v1 import service_pb2, service_pb2_grpc
+
+PATTERN = [7, 19, 42, 101, 250, 33, 77, 5, 310, 64, 128, 12]
+ADAM = AdamParams(learning_rate=1e-2, eps=1e-8, grad_clip_norm=1.0)
+
+
+def request_rows(url, run_id):
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text("select seq_id, kind, status from requests where training_run_id = :r order by seq_id"), {"r": run_id}
+        ).all()
+    engine.dispose()
+    return [tuple(r) for r in rows]
+
+
+def adapter_weights(client, path, tmp_path):
+    folder = client.download_checkpoint(path, tmp_path / path.replace("/", "_").replace(":", "_"))
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+def assert_same_weights(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_server_capabilities(service_client, tiny_model_dir):
+    caps = service_client.get_server_capabilities()
+    assert [(m.model_name, m.trainable, m.sampleable) for m in caps.supported_models] == [(tiny_model_dir, True, True)]
+
+
+def test_sft_trains_saves_and_samples_the_trained_adapter(service_client, tiny_model_dir, postgres_url):
+    tc = service_client.create_lora_training_client(tiny_model_dir, rank=8, seed=0)
+    datum = sft_datum(PATTERN)
+    losses = []
+    for _ in range(40):
+        fb = tc.forward_backward([datum])       # submitted together: one scheduler cycle
+        step = tc.optim_step(ADAM)
+        losses.append(fb.result().metrics["loss:sum"])
+        assert step.result().metrics["step:max"] >= 1
+    print("losses", [round(x, 2) for x in losses])
+    assert losses[-1] < 0.2 * losses[0], losses
+
+    saved = tc.save_weights_for_sampler("memorized").result()
+    assert saved.path == f"tinker://{tc.model_id}/sampler_weights/memorized"
+    [listed] = tc.list_checkpoints()
+    assert (listed.tinker_path, listed.checkpoint_type) == (saved.path, "sampler")
+    assert listed.size_bytes > 0
+
+    prompt = ModelInput.from_ints(PATTERN[:3])
+    greedy = SamplingParams(max_tokens=len(PATTERN) - 3, temperature=0.0, stop=[])
+    trained = service_client.create_sampling_client(model_path=saved.path).sample(prompt, 1, greedy).result()
+    base = service_client.create_sampling_client(base_model=tiny_model_dir).sample(prompt, 1, greedy).result()
+    assert trained.sequences[0].tokens == PATTERN[3:]
+    assert base.sequences[0].tokens != PATTERN[3:]
+    assert trained.sequences[0].stop_reason == "length"
+
+    # sampler logprobs of the saved adapter agree with the trainer's for the same tokens
+    sampler = service_client.create_sampling_client(model_path=saved.path)
+    sampler_lp = sampler.compute_logprobs(ModelInput.from_ints(PATTERN)).result()
+    trainer_lp = tc.forward([datum]).result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    assert sampler_lp[0] is None
+    np.testing.assert_allclose(np.array(sampler_lp[1:], dtype=np.float32), trainer_lp, atol=1e-4)
+
+    rows = request_rows(postgres_url, tc.model_id)
+    assert [r[2] for r in rows] == ["done"] * len(rows)
+    assert [r[0] for r in rows] == list(range(1, len(rows) + 1))
+
+
+def test_retried_seq_returns_first_result_and_runs_once(service_client, stack, tiny_model_dir, postgres_url, tmp_path):
+    stub = service_pb2_grpc.TemperStub(grpc.insecure_channel(stack.address))
+    twin_a = service_client.create_lora_training_client(tiny_model_dir, rank=4, seed=11)
+    twin_b = service_client.create_lora_training_client(tiny_model_dir, rank=4, seed=11)
+    datum = convert.datum_to_proto(sft_datum(PATTERN))
+
+    def fb(run, seq):
+        return service_pb2.ForwardBackwardRequest(training_run_id=run, seq_id=seq, data=[datum], loss_fn="cross_entropy")
+
+    first = stub.ForwardBackward(fb(twin_a.model_id, 1))
+    retry = stub.ForwardBackward(fb(twin_a.model_id, 1))
+    assert retry == first
+    other = service_pb2.ForwardBackwardRequest(training_run_id=twin_a.model_id, seq_id=1, data=[datum], loss_fn="cross_entropy", forward_only=True)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ForwardBackward(other)
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    stub.ForwardBackward(fb(twin_b.model_id, 1))
+    for twin in (twin_a, twin_b):
+        step = service_pb2.OptimStepRequest(training_run_id=twin.model_id, seq_id=2, adam_params=convert.adam_to_proto(ADAM))
+        stub.OptimStep(step)
+        stub.OptimStep(step)  # retried step: the same answer, not a second step
+    # If the retry had run again, A's gradient would have been doubled before the step.
+    paths = [stub.SaveWeights(service_pb2.SaveWeightsRequest(training_run_id=t.model_id, seq_id=3, name="after", kind=1)).checkpoint.path
+             for t in (twin_a, twin_b)]
+    assert_same_weights(adapter_weights(service_client, paths[0], tmp_path), adapter_weights(service_client, paths[1], tmp_path))
+    assert request_rows(postgres_url, twin_a.model_id) == [(1, "forward_backward", "done"), (2, "optim_step", "done"), (3, "save_weights", "done")]
+
+
+def test_bad_input_gets_the_right_status_and_changes_nothing(service_client, tiny_model_dir, postgres_url, tmp_path):
+    clean = service_client.create_lora_training_client(tiny_model_dir, rank=4, seed=5)
+    dirty = service_client.create_lora_training_client(tiny_model_dir, rank=4, seed=5)
+    good = sft_datum(PATTERN)
+    vocab = dirty.get_info().vocab_size
+
+    bad_dtype = sft_datum(PATTERN)
+    bad_dtype.loss_fn_inputs["target_tokens"] = type(bad_dtype.loss_fn_inputs["weights"])(
+        data=np.asarray(PATTERN[1:], np.float32), dtype="float32", shape=[len(PATTERN) - 1])
+    mismatched = sft_datum(PATTERN, weights=[1.0] * (len(PATTERN) + 2))
+    out_of_vocab = sft_datum(PATTERN[:-1] + [vocab + 5])
+
+    dirty.forward_backward([good]).result()
+    rows_before = request_rows(postgres_url, dirty.model_id)
+    checkpoints_before = dirty.list_checkpoints()
+    for data, loss, match in [
+        ([bad_dtype], "cross_entropy", "must be int64"),
+        ([mismatched], "cross_entropy", "shape"),
+        ([out_of_vocab], "cross_entropy", "outside the vocabulary"),
+        ([good], "no_such_loss", "unknown loss_fn"),
+    ]:
+        with pytest.raises(InvalidArgument, match=match):
+            dirty.forward_backward(data, loss_fn=loss).result()
+    with pytest.raises(InvalidArgument, match="eps"):
+        dirty.optim_step(AdamParams(learning_rate=1e-3, eps=0.0)).result()
+    with pytest.raises(NotFound):
+        dirty.load_state(f"tinker://{dirty.model_id}/weights/never-saved").result()
+    with pytest.raises(NotFound):
+        service_client.create_sampling_client(model_path=f"tinker://{dirty.model_id}/sampler_weights/nope")
+    with pytest.raises(NotFound):
+        service_client.training_client("no-such-session:train:0")
+    assert request_rows(postgres_url, dirty.model_id) == rows_before  # rejected requests write no rows
+    assert dirty.list_checkpoints() == checkpoints_before
+
+    # The rejected requests spent their seq ids but nothing else: later work runs, and the adapter
+    # ends exactly where its twin (same seed, only the good requests) does.
+    clean.forward_backward([good]).result()
+    for tc in (clean, dirty):
+        tc.optim_step(ADAM).result()
+    paths = [tc.save_weights_for_sampler("final").result().path for tc in (clean, dirty)]
+    assert_same_weights(adapter_weights(service_client, paths[0], tmp_path), adapter_weights(service_client, paths[1], tmp_path))
+
+    with pytest.raises(AlreadyExists):
+        dirty.save_weights_for_sampler("final").result()
+
+
+def test_unknown_run_and_base_model_are_not_found(stack):
+    stub = service_pb2_grpc.TemperStub(grpc.insecure_channel(stack.address))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.OptimStep(service_pb2.OptimStepRequest(training_run_id="nope:train:0", seq_id=1))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    session = stub.CreateSession(service_pb2.CreateSessionRequest()).session_id
+    with pytest.raises(grpc.RpcError) as err:
+        stub.CreateTrainingRun(service_pb2.CreateTrainingRunRequest(session_id=session, base_model="not/a-model",
+                                                                    lora_config={"rank": 4, "train_mlp": True}))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_health_and_reflection_are_served(stack):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    channel = grpc.insecure_channel(stack.address)
+    status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="temper.v1.Temper"))
+    assert status.status == health_pb2.HealthCheckResponse.SERVING
+    responses = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    names = {s.name for r in responses for s in r.list_services_response.service}
+    assert "temper.v1.Temper" in names
