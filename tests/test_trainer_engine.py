@@ -41,13 +41,13 @@ def random_data(n=3, seed=0, vocab=512):
 def direct(engine, raw):
     """Loss, per-datum logprobs and LoRA grads computed the plain way: one datum at a time, full logits."""
     adapter = engine.host.get("run-a")
-    engine.host.activate(adapter)
     for p in adapter.params.values():
         p.grad = None
     total, logprobs = 0.0, []
     for tokens, weights in raw:
         ids = torch.tensor(tokens[:-1])[None]
-        logits = engine.host.model(input_ids=ids).logits[0].float()
+        with engine.lora.route([("run-a", None)]):
+            logits = engine.loaded.model(input_ids=ids).logits[0].float()
         lp = logits.log_softmax(-1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
         loss = -(lp * torch.from_numpy(weights)).sum()
         loss.backward()
@@ -148,9 +148,8 @@ def test_save_and_load_round_trip_with_optimizer(engine, tiny_model_dir):
     # peft loads the folder unchanged and gives the same outputs
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(engine.store.existing("run-a/weights/s1")))
     ids = torch.tensor([[3, 9, 27, 81]])
-    engine.host.activate(engine.host.get("run-a"))
-    with torch.no_grad():
-        torch.testing.assert_close(peft_model(input_ids=ids).logits, engine.host.model(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+    with torch.no_grad(), engine.lora.route([("run-a", None)]):
+        torch.testing.assert_close(peft_model(input_ids=ids).logits, engine.loaded.model(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
     # a second run loads the state and then steps exactly like the first
     engine.host.create("run-b", LORA)
     engine.load("run-b", "run-a/weights/s1", with_optimizer=True)

@@ -1,11 +1,16 @@
-"""The trainer's compute: forward/backward with a loss, Adam steps, checkpoint save/load.
+"""The trainer's compute: co-batched forward/backward for many adapters, Adam steps, checkpoints.
 
 Transport-free (no gRPC here) so tests drive it directly. Every public method validates its whole
 input before it touches an adapter, gradient or optimizer state: a rejected call changes nothing.
+
+One cycle packs the datums of every forward_backward item (each item belongs to one adapter)
+into shared passes over the base model; each row is routed to its own adapter, so gradients
+land only where they belong. Forward-only items run in their own no-grad passes.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,8 +18,9 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from temper.common.validation import DecodedDatum, validate_adam, validate_forward_backward
+from temper.services.lora.model import LoraModel
 from temper.services.models.loading import LoadedModel
-from temper.services.trainer.adapters import Adapter, AdapterHost
+from temper.services.trainer.adapters import AdapterHost, TrainedAdapter
 from temper.services.trainer.checkpoints import CheckpointStore
 from temper.services.trainer.losses import LOSS_FNS
 from temper.services.trainer.settings import TrainerSettings
@@ -23,7 +29,7 @@ from temper.v1 import types_pb2
 
 @dataclass
 class PreparedForwardBackward:
-    adapter: Adapter
+    adapter: TrainedAdapter
     data: list[DecodedDatum]
     loss_fn: str
     config: dict[str, float]
@@ -37,12 +43,20 @@ class ForwardBackwardResult:
     metrics: dict[str, float]
 
 
+@dataclass
+class Row:
+    item: int                 # index of the forward_backward item
+    index: int                # datum index within the item
+    datum: DecodedDatum
+
+
 class TrainerEngine:
     def __init__(self, loaded: LoadedModel, settings: TrainerSettings):
         self.loaded = loaded
         self.settings = settings
         self.device = torch.device(settings.device)
-        self.host = AdapterHost(loaded.model, loaded.name, settings.default_lora_alpha)
+        self.lora = LoraModel(loaded.model, loaded.name)
+        self.host = AdapterHost(self.lora, settings.default_lora_alpha)
         self.store = CheckpointStore(settings.checkpoint_dir)
         # Models that post-process logits (e.g. soft-capping) take the plain full-logits path.
         self._plain_head = not getattr(loaded.model.config, "final_logit_softcapping", None)
@@ -64,36 +78,43 @@ class TrainerEngine:
         for item in optim_step:
             validate_adam(item.adam_params)
             steps.append((self.host.get(item.adapter_id), item.adam_params))
-        results = [self.forward_backward(p) for p in prepared]
+        results = self.forward_backward(prepared)
         return results, [self.optim_step(adapter, params) for adapter, params in steps]
 
-    def forward_backward(self, prepared: PreparedForwardBackward) -> ForwardBackwardResult:
-        adapter = prepared.adapter
-        model = self.host.activate(adapter)
-        snapshot = None if prepared.forward_only else adapter.grads_snapshot()
-        logprobs, losses, total = [], [], 0.0
+    def forward_backward(self, items: list[PreparedForwardBackward]) -> list[ForwardBackwardResult]:
+        """All items in shared passes; gradients accumulate into each item's own adapter."""
+        logprobs = [[None] * len(p.data) for p in items]
+        losses = [[None] * len(p.data) for p in items]
+        totals = [0.0] * len(items)
+        training = {p.adapter.adapter_id: p.adapter for p in items if not p.forward_only}
+        snapshots = {key: adapter.grads_snapshot() for key, adapter in training.items()}
         try:
-            for batch in self._microbatches(prepared.data):
-                with torch.set_grad_enabled(not prepared.forward_only):
-                    lp, elementwise, mask = self._loss(model, batch, prepared.loss_fn, prepared.config)
-                    loss = elementwise.sum()
-                    if not prepared.forward_only:
-                        loss.backward()
-                total += float(loss.detach())
-                for row, datum in enumerate(batch):
-                    n = len(datum.tokens)
-                    logprobs.append(lp[row, :n].detach().float().cpu().numpy())
-                    losses.append(elementwise[row, :n].detach().float().cpu().numpy())
+            for grad in (True, False):
+                rows = [Row(i, j, d) for i, p in enumerate(items) if p.forward_only != grad for j, d in enumerate(p.data)]
+                for batch in self._microbatches(rows):
+                    with torch.set_grad_enabled(grad):
+                        lp, elementwise = self._pass(items, batch)
+                        loss = elementwise.sum()
+                        if grad:
+                            loss.backward()
+                    for r, row in enumerate(batch):
+                        n = len(row.datum.tokens)
+                        logprobs[row.item][row.index] = lp[r, :n].detach().float().cpu().numpy()
+                        losses[row.item][row.index] = elementwise[r, :n].detach().float().cpu().numpy()
+                        totals[row.item] += float(losses[row.item][row.index].sum(dtype=np.float64))
         except BaseException:
-            if snapshot is not None:
-                adapter.restore_grads(snapshot)  # an internal failure must not leave half a gradient
+            for key, adapter in training.items():
+                adapter.restore_grads(snapshots[key])  # an internal failure must not leave half a gradient
             raise
-        ntokens = sum(len(d.tokens) for d in prepared.data)
-        if not prepared.forward_only:
-            adapter.pending_tokens += ntokens
-        return ForwardBackwardResult(logprobs, losses, {"loss:sum": total, "num_tokens:sum": float(ntokens)})
+        results = []
+        for i, p in enumerate(items):
+            ntokens = sum(len(d.tokens) for d in p.data)
+            if not p.forward_only:
+                p.adapter.pending_tokens += ntokens
+            results.append(ForwardBackwardResult(logprobs[i], losses[i], {"loss:sum": totals[i], "num_tokens:sum": float(ntokens)}))
+        return results
 
-    def optim_step(self, adapter: Adapter, params: types_pb2.AdamParams) -> dict[str, float]:
+    def optim_step(self, adapter: TrainedAdapter, params: types_pb2.AdamParams) -> dict[str, float]:
         grads = [p for p in adapter.params.values() if p.grad is not None]
         max_norm = params.grad_clip_norm if params.grad_clip_norm > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
@@ -123,68 +144,93 @@ class TrainerEngine:
     def load(self, adapter_id: str, key: str, with_optimizer: bool) -> None:
         adapter = self.host.get(adapter_id)
         folder = self.store.existing(key)
-        weights = self.host.check_compatible(adapter, folder, with_optimizer)
+        weights = self.host.read_checkpoint(adapter, folder, with_optimizer)
         self.host.load(adapter, folder, weights, with_optimizer)
 
     # ---- numerics -----------------------------------------------------------------------------
 
-    def _microbatches(self, data: list[DecodedDatum]):
-        """Group datums (in order) so that rows × longest row stays under the token budget."""
+    def _microbatches(self, rows: list[Row]):
+        """Group rows (in order) so that rows × longest row stays under the token budget."""
         batch, longest = [], 0
-        for datum in data:
-            n = len(datum.tokens)
+        for row in rows:
+            n = len(row.datum.tokens)
             if batch and max(longest, n) * (len(batch) + 1) > self.settings.max_tokens_per_microbatch:
                 yield batch
                 batch, longest = [], 0
-            batch.append(datum)
+            batch.append(row)
             longest = max(longest, n)
         if batch:
             yield batch
 
-    def _loss(self, model, batch: list[DecodedDatum], loss_fn: str, config: dict[str, float]):
-        width = max(len(d.tokens) for d in batch)
+    def _pass(self, items: list[PreparedForwardBackward], batch: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target logprobs (B, T) and the elementwise loss (B, T) of one micro-batch."""
+        width = max(len(row.datum.tokens) for row in batch)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         mask = torch.zeros(len(batch), width, dtype=torch.bool)
-        inputs: dict[str, torch.Tensor] = {}
-        for row, datum in enumerate(batch):
-            n = len(datum.tokens)
-            ids[row, :n] = torch.from_numpy(datum.tokens.astype(np.int64))
-            mask[row, :n] = True
-            for name, arr in datum.inputs.items():
-                if name not in inputs:
-                    inputs[name] = torch.zeros(len(batch), width, dtype=torch.long if arr.dtype.kind == "i" else torch.float32)
-                inputs[name][row, :n] = torch.from_numpy(np.array(arr))
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        inputs = {k: v.to(self.device) for k, v in inputs.items()}
-        lp = self._target_logprobs(model, ids, mask, inputs["target_tokens"])
-        elementwise = LOSS_FNS[loss_fn](lp, inputs, config) * mask
-        return lp, elementwise, mask
+        targets = torch.zeros(len(batch), width, dtype=torch.long)
+        for r, row in enumerate(batch):
+            n = len(row.datum.tokens)
+            ids[r, :n] = torch.from_numpy(row.datum.tokens.astype(np.int64))
+            mask[r, :n] = True
+            targets[r, :n] = torch.from_numpy(row.datum.inputs["target_tokens"].astype(np.int64))
+        ids, mask, targets = ids.to(self.device), mask.to(self.device), targets.to(self.device)
+        rows_of: dict[str, list[int]] = defaultdict(list)
+        for r, row in enumerate(batch):
+            rows_of[items[row.item].adapter.adapter_id].append(r)
+        groups = [(key, torch.tensor(rs, device=self.device)) for key, rs in rows_of.items()]
+        lp = self._target_logprobs(ids, mask, targets, groups)
 
-    def _target_logprobs(self, model, ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        elementwise = torch.zeros_like(lp)
+        by_item: dict[int, list[int]] = defaultdict(list)
+        for r, row in enumerate(batch):
+            by_item[row.item].append(r)
+        for i, rs in by_item.items():
+            item = items[i]
+            index = torch.tensor(rs, device=self.device)
+            inputs = {}
+            for name in item.data[0].inputs:
+                if name == "target_tokens":
+                    continue
+                values = torch.zeros(len(rs), width, dtype=torch.float32)
+                for k, r in enumerate(rs):
+                    arr = batch[r].datum.inputs[name]
+                    values[k, : len(arr)] = torch.from_numpy(np.asarray(arr, dtype=np.float32))
+                inputs[name] = values.to(self.device)
+            part = LOSS_FNS[item.loss_fn](lp.index_select(0, index), inputs, item.config) * mask.index_select(0, index)
+            elementwise = elementwise.index_add(0, index, part)
+        return lp, elementwise
+
+    def _target_logprobs(self, ids, mask, targets, groups) -> torch.Tensor:
         """log p(target) at every position, temperature 1, full vocabulary, shape (B, T).
 
         The lm_head + log-softmax runs over chunks of real (unpadded) positions, recomputed in the
         backward pass, so the B×T×V logits tensor never exists at once.
         """
-        hf = self.host.base
+        model = self.loaded.model
         if not self._plain_head:
-            logits = model(input_ids=ids, attention_mask=mask.long()).logits.float()
+            with self.lora.route(groups):
+                logits = model(input_ids=ids, attention_mask=mask.long()).logits.float()
             return logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1) * mask
-        hidden = hf.get_decoder()(input_ids=ids, attention_mask=mask.long()).last_hidden_state
-        head = hf.get_output_embeddings()
+        with self.lora.route(groups):
+            hidden = model.get_decoder()(input_ids=ids, attention_mask=mask.long()).last_hidden_state
+        head = model.get_output_embeddings()
         flat_hidden, flat_targets = hidden[mask], targets[mask]
+        # the adapter of every real token, for the head's routing
+        token_rows = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)[mask]
+        token_groups = [(key, torch.isin(token_rows, rows).nonzero().squeeze(-1)) for key, rows in groups]
         chunk = self.settings.logprob_chunk_tokens
         pieces = []
         for start in range(0, flat_hidden.shape[0], chunk):
-            h, t = flat_hidden[start : start + chunk], flat_targets[start : start + chunk]
-            if torch.is_grad_enabled():
-                pieces.append(checkpoint(_head_logprobs, head, h, t, use_reentrant=False))
-            else:
-                pieces.append(_head_logprobs(head, h, t))
+            stop = start + chunk
+            local = [(k, t[(t >= start) & (t < stop)] - start) for k, t in token_groups]
+            args = (self.lora, head, flat_hidden[start:stop], flat_targets[start:stop], [(k, t) for k, t in local if t.numel()])
+            pieces.append(checkpoint(_head_logprobs, *args, use_reentrant=False) if torch.is_grad_enabled() else _head_logprobs(*args))
         out = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
         return out.masked_scatter(mask, torch.cat(pieces)) if pieces else out
 
 
-def _head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = head(hidden).float()
+def _head_logprobs(lora: LoraModel, head, hidden: torch.Tensor, targets: torch.Tensor, groups) -> torch.Tensor:
+    # Routing is set inside so the backward-pass recomputation routes the same way.
+    with lora.route(groups):
+        logits = head(hidden).float()
     return logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
