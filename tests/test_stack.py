@@ -13,7 +13,7 @@ from temper.client import convert
 from temper.v1 import service_pb2, service_pb2_grpc
 
 PATTERN = [7, 19, 42, 101, 250, 33, 77, 5, 310, 64, 128, 12]
-ADAM = AdamParams(learning_rate=1e-2, eps=1e-8, grad_clip_norm=1.0)
+ADAM = AdamParams(learning_rate=5e-3, eps=1e-8, grad_clip_norm=1.0)
 
 
 def request_rows(url, run_id):
@@ -46,13 +46,12 @@ def test_sft_trains_saves_and_samples_the_trained_adapter(service_client, tiny_m
     tc = service_client.create_lora_training_client(tiny_model_dir, rank=8, seed=0)
     datum = sft_datum(PATTERN)
     losses = []
-    for _ in range(40):
+    while len(losses) < 150 and (not losses or losses[-1] > 0.05):  # memorize: every token p > 0.99
         fb = tc.forward_backward([datum])       # submitted together: one scheduler cycle
         step = tc.optim_step(ADAM)
         losses.append(fb.result().metrics["loss:sum"])
-        assert step.result().metrics["step:max"] >= 1
-    print("losses", [round(x, 2) for x in losses])
-    assert losses[-1] < 0.2 * losses[0], losses
+        assert step.result().metrics["step:max"] == len(losses)
+    assert losses[-1] < 0.05, losses
 
     saved = tc.save_weights_for_sampler("memorized").result()
     assert saved.path == f"tinker://{tc.model_id}/sampler_weights/memorized"

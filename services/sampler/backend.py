@@ -57,6 +57,15 @@ class SampleResult:
 
 
 @dataclass
+class SampleRequest:
+    adapter_id: str | None
+    prompt: np.ndarray
+    num_samples: int
+    options: SamplingOptions
+    prompt_logprobs: bool = False
+
+
+@dataclass
 class ModelDescription:
     base_model: str
     tokenizer_id: str
@@ -82,6 +91,11 @@ class SamplerBackend(abc.ABC):
     def sample(
         self, adapter_id: str | None, prompt: np.ndarray, num_samples: int, options: SamplingOptions, prompt_logprobs: bool
     ) -> SampleResult: ...
+
+    def sample_batch(self, requests: list[SampleRequest]) -> list[SampleResult]:
+        """Serve several requests (possibly for different adapters) together; backends that can
+        decode them in one batch override this."""
+        return [self.sample(r.adapter_id, r.prompt, r.num_samples, r.options, r.prompt_logprobs) for r in requests]
 
     @abc.abstractmethod
     def compute_logprobs(self, adapter_id: str | None, prompt: np.ndarray) -> np.ndarray:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from temper.common.codec import decode_tokens, encode_array, encode_floats, encode_tokens
 from temper.common.errors import InvalidArgument
-from temper.services.sampler.backend import SamplerBackend, SamplingOptions
+from temper.services.sampler.backend import SampleRequest, SampleResult, SamplerBackend, SamplingOptions
 from temper.common.checkpoints import WEIGHT_FILES
 from temper.v1 import sampler_pb2, sampler_pb2_grpc, types_pb2
 
@@ -19,8 +19,11 @@ _STOP_REASONS = {"stop": types_pb2.STOP_REASON_STOP, "length": types_pb2.STOP_RE
 
 
 class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
-    def __init__(self, backend: SamplerBackend, adapter_dir: Path, max_num_samples: int):
+    def __init__(self, backend: SamplerBackend, adapter_dir: Path, max_num_samples: int, max_batch_sequences: int = 64):
         self.backend = backend
+        self.max_batch_sequences = max_batch_sequences
+        self._pending: list[tuple[SampleRequest, asyncio.Future]] = []
+        self._batcher: asyncio.Task | None = None
         self.adapter_dir = Path(adapter_dir)
         self.adapter_dir.mkdir(parents=True, exist_ok=True)
         self.max_num_samples = max_num_samples
@@ -76,10 +79,8 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
             raise InvalidArgument(f"num_samples must be in [1, {self.max_num_samples}], got {request.num_samples}")
         options = SamplingOptions.from_proto(request.sampling_params, self.backend.describe().vocab_size)
         prompt = decode_tokens(request.prompt_tokens)
-        result = await self._run(
-            self.backend.sample, request.adapter_id or None, prompt, request.num_samples, options,
-            request.include_prompt_logprobs,
-        )
+        sample = SampleRequest(request.adapter_id or None, prompt, request.num_samples, options, request.include_prompt_logprobs)
+        result = await self._submit(sample)
         response = types_pb2.SampleResponse()
         for seq in result.sequences:
             response.sequences.add(
@@ -88,6 +89,36 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         if result.prompt_logprobs is not None:
             response.prompt_logprobs.CopyFrom(encode_array(result.prompt_logprobs, "float32"))
         return response
+
+    async def _submit(self, request: SampleRequest) -> SampleResult:
+        """Queue a request; requests that arrive while a batch decodes go together into the next."""
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((request, future))
+        if self._batcher is None or self._batcher.done():
+            self._batcher = asyncio.create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        while self._pending:
+            batch, rows = [], 0
+            while self._pending and (not batch or rows + self._pending[0][0].num_samples <= self.max_batch_sequences):
+                item = self._pending.pop(0)
+                batch.append(item)
+                rows += item[0].num_samples
+            try:
+                results = await self._run(self.backend.sample_batch, [r for r, _ in batch])
+            except Exception:  # noqa: BLE001 - retry alone so one bad request fails only itself
+                results = None
+            for k, (request, future) in enumerate(batch):
+                if future.done():
+                    continue
+                if results is not None:
+                    future.set_result(results[k])
+                    continue
+                try:
+                    future.set_result((await self._run(self.backend.sample_batch, [request]))[0])
+                except Exception as exc:  # noqa: BLE001 - delivered to that request's caller
+                    future.set_exception(exc)
 
     async def ComputeLogprobs(self, request, context):
         logprobs = await self._run(self.backend.compute_logprobs, request.adapter_id or None, decode_tokens(request.prompt_tokens))

@@ -1,25 +1,41 @@
-"""Sampling with plain torch + transformers + peft: a KV-cached decode loop we control, so we can
-return per-token logprobs, honour top-k/top-p/stop rules and make seeds reproducible."""
+"""Sampling with plain torch + transformers: a KV-cached decode loop we control, so we return
+per-token logprobs, honour top-k/top-p/stop rules, make seeds reproducible, and decode requests
+for different adapters together in one batch (rows routed to their adapter by the LoRA layer)."""
 
 from __future__ import annotations
 
-import contextlib
-import itertools
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-from peft import PeftModel
 
 from temper.common.errors import InvalidArgument, NotFound
+from temper.services.lora.model import LoraModel
 from temper.services.models.loading import LoadedModel
 from temper.services.sampler.backend import (
     GeneratedSequence,
     ModelDescription,
+    SampleRequest,
     SampleResult,
     SamplerBackend,
     SamplingOptions,
 )
+
+
+@dataclass
+class _Live:
+    """Decode state of one request inside a batch."""
+
+    request: SampleRequest
+    rows: list[int]
+    stop_ids: set[int]
+    generator: torch.Generator
+    tokens: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+    alive: list[bool] = field(default_factory=list)
+    prompt_logprobs: np.ndarray | None = None
 
 
 class TorchSamplerBackend(SamplerBackend):
@@ -28,9 +44,7 @@ class TorchSamplerBackend(SamplerBackend):
     def __init__(self, loaded: LoadedModel, device: str = "cpu"):
         self.loaded = loaded
         self.device = torch.device(device)
-        self.model: torch.nn.Module = loaded.model
-        self._peft_names: dict[str, str] = {}
-        self._names = (f"s{i}" for i in itertools.count())
+        self.lora = LoraModel(loaded.model, loaded.name)
         eos = loaded.model.generation_config.eos_token_id if loaded.model.generation_config else None
         eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
         if loaded.tokenizer.eos_token_id is not None:
@@ -40,130 +54,155 @@ class TorchSamplerBackend(SamplerBackend):
     def describe(self) -> ModelDescription:
         return ModelDescription(
             base_model=self.loaded.name, tokenizer_id=self.loaded.path, vocab_size=self.loaded.vocab_size,
-            max_context_length=self.loaded.max_context_length, loaded_adapters=sorted(self._peft_names),
+            max_context_length=self.loaded.max_context_length, loaded_adapters=sorted(self.lora.adapters),
         )
 
     # ---- adapters -----------------------------------------------------------------------------
 
     def load_adapter(self, adapter_id: str, folder: Path) -> None:
-        if adapter_id in self._peft_names:
-            self.drop_adapter(adapter_id)
-        name = next(self._names)
-        if isinstance(self.model, PeftModel):
-            self.model.load_adapter(str(folder), adapter_name=name)
-        else:
-            self.model = PeftModel.from_pretrained(self.loaded.model, str(folder), adapter_name=name)
-        self.model.eval()
-        self._peft_names[adapter_id] = name
+        try:
+            spec, weights = LoraModel.read(folder)
+        except (ValueError, KeyError, OSError) as exc:
+            raise InvalidArgument(f"not a peft LoRA adapter: {exc}") from None
+        if adapter_id in self.lora.adapters:
+            self.lora.remove(adapter_id)
+        try:
+            self.lora.add(adapter_id, spec)
+            self.lora.load_weights(adapter_id, weights)
+        except ValueError as exc:
+            self.lora.remove(adapter_id) if adapter_id in self.lora.adapters else None
+            raise InvalidArgument(str(exc)) from None
 
     def drop_adapter(self, adapter_id: str) -> None:
-        name = self._peft_names.pop(adapter_id, None)
-        if name is None:
+        if adapter_id not in self.lora.adapters:
             raise NotFound(f"adapter {adapter_id} is not loaded on this sampler")
-        self.model.delete_adapter(name)
+        self.lora.remove(adapter_id)
 
-    @contextlib.contextmanager
-    def _using(self, adapter_id: str | None):
-        if adapter_id:
-            if adapter_id not in self._peft_names:
-                raise NotFound(f"adapter {adapter_id} is not loaded on this sampler")
-            self.model.set_adapter(self._peft_names[adapter_id])
-            yield self.model
-        elif isinstance(self.model, PeftModel):
-            with self.model.disable_adapter():
-                yield self.model
-        else:
-            yield self.model
-
-    # ---- numerics -----------------------------------------------------------------------------
-
-    def _check_prompt(self, prompt: np.ndarray) -> torch.Tensor:
+    def _check(self, adapter_id: str | None, prompt: np.ndarray) -> None:
+        if adapter_id and adapter_id not in self.lora.adapters:
+            raise NotFound(f"adapter {adapter_id} is not loaded on this sampler")
         if prompt.size == 0:
             raise InvalidArgument("prompt is empty")
         vocab = self.loaded.vocab_size
         if int(prompt.min()) < 0 or int(prompt.max()) >= vocab:
             raise InvalidArgument(f"prompt token ids must be in [0, {vocab})")
-        return torch.from_numpy(prompt.astype(np.int64)).to(self.device)
 
-    @staticmethod
-    def _prompt_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> np.ndarray:
-        out = np.full(ids.shape[0], np.nan, dtype=np.float32)
-        if ids.shape[0] > 1:
-            lp = logits[:-1].float().log_softmax(-1).gather(-1, ids[1:, None]).squeeze(-1)
-            out[1:] = lp.cpu().numpy()
-        return out
+    # ---- numerics -----------------------------------------------------------------------------
 
     @torch.no_grad()
     def compute_logprobs(self, adapter_id: str | None, prompt: np.ndarray) -> np.ndarray:
-        ids = self._check_prompt(prompt)
-        with self._using(adapter_id) as model:
-            logits = model(input_ids=ids[None]).logits[0]
-        return self._prompt_logprobs(logits, ids)
+        self._check(adapter_id, prompt)
+        ids = torch.from_numpy(prompt.astype(np.int64)).to(self.device)
+        with self.lora.route([(adapter_id, None)]):
+            logits = self.loaded.model(input_ids=ids[None]).logits[0]
+        return _prompt_logprobs(logits, ids)
+
+    def sample(self, adapter_id, prompt, num_samples, options, prompt_logprobs) -> SampleResult:
+        return self.sample_batch([SampleRequest(adapter_id, prompt, num_samples, options, prompt_logprobs)])[0]
 
     @torch.no_grad()
-    def sample(
-        self, adapter_id: str | None, prompt: np.ndarray, num_samples: int, options: SamplingOptions, prompt_logprobs: bool
-    ) -> SampleResult:
-        ids = self._check_prompt(prompt)
-        if len(prompt) + options.max_tokens > self.loaded.max_context_length:
-            raise InvalidArgument(
-                f"prompt ({len(prompt)}) + max_tokens ({options.max_tokens}) exceeds the context length {self.loaded.max_context_length}"
-            )
-        generator = torch.Generator(device=self.device)
-        if options.seed is not None:
-            generator.manual_seed(options.seed)
-        else:
-            generator.seed()
-        stop_ids = set() if options.stop_disabled else set(options.stop_token_ids or ())
-        if not options.stop_disabled and not options.stop_token_ids and not options.stop_strings:
-            stop_ids = set(self.default_stop_ids)
-        tokens = [[] for _ in range(num_samples)]
-        logps = [[] for _ in range(num_samples)]
-        reasons = ["length"] * num_samples
-        alive = torch.ones(num_samples, dtype=torch.bool)
-        with self._using(adapter_id) as model:
-            out = model(input_ids=ids[None].expand(num_samples, -1), use_cache=True)
-            prompt_lp = self._prompt_logprobs(out.logits[0], ids) if prompt_logprobs else None
+    def sample_batch(self, requests: list[SampleRequest]) -> list[SampleResult]:
+        """Decode every sequence of every request in one left-padded, KV-cached batch."""
+        for r in requests:
+            self._check(r.adapter_id, r.prompt)
+            if len(r.prompt) + r.options.max_tokens > self.loaded.max_context_length:
+                raise InvalidArgument(
+                    f"prompt ({len(r.prompt)}) + max_tokens ({r.options.max_tokens}) exceeds the context length "
+                    f"{self.loaded.max_context_length}"
+                )
+        width = max(len(r.prompt) for r in requests)
+        live, prompts = [], []
+        for r in requests:
+            rows = list(range(len(prompts), len(prompts) + r.num_samples))
+            prompts += [r.prompt] * r.num_samples
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(r.options.seed) if r.options.seed is not None else generator.seed()
+            live.append(_Live(r, rows, self._stop_ids(r.options), generator, [[] for _ in rows], [[] for _ in rows],
+                              ["length"] * len(rows), [True] * len(rows)))
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for row, prompt in enumerate(prompts):  # left padding keeps every row's last token aligned
+            ids[row, width - len(prompt):] = torch.from_numpy(prompt.astype(np.int64))
+            mask[row, width - len(prompt):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        groups: dict[str | None, list[int]] = {}
+        for state in live:
+            groups.setdefault(state.request.adapter_id, []).extend(state.rows)
+        routing = [(key, torch.tensor(rows, device=self.device)) for key, rows in groups.items()]
+        model = self.loaded.model
+        steps = max(r.options.max_tokens for r in requests)
+        with self.lora.route(routing):
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+            for state in live:
+                if state.request.prompt_logprobs:
+                    n = len(state.request.prompt)
+                    state.prompt_logprobs = _prompt_logprobs(out.logits[state.rows[0], width - n:], ids[state.rows[0], width - n:])
             logits, past = out.logits[:, -1].float(), out.past_key_values
-            for _ in range(options.max_tokens):
+            for step in range(steps):
+                chosen = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
                 raw = logits.log_softmax(-1)
-                chosen = self._choose(logits, options, generator)
-                chosen_lp = raw.gather(-1, chosen[:, None]).squeeze(-1)
-                for row in torch.nonzero(alive).flatten().tolist():
-                    tok = int(chosen[row])
-                    tokens[row].append(tok)
-                    logps[row].append(float(chosen_lp[row]))
-                    if tok in stop_ids or self._hits_stop_string(tokens[row], options.stop_strings):
-                        alive[row] = False
-                        reasons[row] = "stop"
-                if not alive.any():
+                for state in live:
+                    rows = torch.tensor(state.rows, device=self.device)
+                    chosen[rows] = _choose(logits.index_select(0, rows), state.request.options, state.generator)
+                chosen_lp = raw.gather(-1, chosen[:, None]).squeeze(-1).tolist()
+                chosen_list = chosen.tolist()
+                for state in live:
+                    for k, row in enumerate(state.rows):
+                        if not state.alive[k]:
+                            continue
+                        tok = chosen_list[row]
+                        state.tokens[k].append(tok)
+                        state.logprobs[k].append(chosen_lp[row])
+                        if tok in state.stop_ids or self._hits_stop_string(state.tokens[k], state.request.options.stop_strings):
+                            state.alive[k], state.reasons[k] = False, "stop"
+                        elif len(state.tokens[k]) >= state.request.options.max_tokens:
+                            state.alive[k] = False
+                if not any(any(s.alive) for s in live):
                     break
-                out = model(input_ids=chosen[:, None], past_key_values=past, use_cache=True)
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                positions = positions[:, -1:] + 1
+                out = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
                 logits, past = out.logits[:, -1].float(), out.past_key_values
-        sequences = [GeneratedSequence(t, lp, r) for t, lp, r in zip(tokens, logps, reasons)]
-        return SampleResult(sequences, prompt_lp)
+        return [
+            SampleResult([GeneratedSequence(t, lp, r) for t, lp, r in zip(s.tokens, s.logprobs, s.reasons)], s.prompt_logprobs)
+            for s in live
+        ]
 
-    @staticmethod
-    def _choose(logits: torch.Tensor, options: SamplingOptions, generator: torch.Generator) -> torch.Tensor:
-        if options.temperature == 0:
-            return logits.argmax(-1)
-        scaled = logits / options.temperature
-        if options.top_k and options.top_k < scaled.shape[-1]:
-            kth = scaled.topk(options.top_k, dim=-1).values[:, -1:]
-            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-        if options.top_p < 1.0:
-            sorted_logits, order = scaled.sort(dim=-1, descending=True)
-            probs = sorted_logits.softmax(-1)
-            # drop a token when the mass before it already reaches top_p (the first token always stays)
-            drop = probs.cumsum(-1) - probs >= options.top_p
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
-        probs = scaled.softmax(-1)
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    def _stop_ids(self, options: SamplingOptions) -> set[int]:
+        if options.stop_disabled:
+            return set()
+        if options.stop_token_ids or options.stop_strings:
+            return set(options.stop_token_ids)
+        return set(self.default_stop_ids)
 
     def _hits_stop_string(self, tokens: list[int], stop_strings: tuple[str, ...]) -> bool:
         if not stop_strings:
             return False
         # Only the tail can complete a stop string; decode enough of it to cover the longest one.
-        tail = self.loaded.tokenizer.decode(tokens[-(max(len(s) for s in stop_strings) + 8) :])
+        tail = self.loaded.tokenizer.decode(tokens[-(max(len(s) for s in stop_strings) + 8):])
         return any(s in tail for s in stop_strings)
+
+
+def _prompt_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> np.ndarray:
+    out = np.full(ids.shape[0], np.nan, dtype=np.float32)
+    if ids.shape[0] > 1:
+        out[1:] = logits[:-1].float().log_softmax(-1).gather(-1, ids[1:, None]).squeeze(-1).cpu().numpy()
+    return out
+
+
+def _choose(logits: torch.Tensor, options: SamplingOptions, generator: torch.Generator) -> torch.Tensor:
+    if options.temperature == 0:
+        return logits.argmax(-1)
+    scaled = logits / options.temperature
+    if options.top_k and options.top_k < scaled.shape[-1]:
+        kth = scaled.topk(options.top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if options.top_p < 1.0:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the mass before it already reaches top_p (the first token always stays)
+        drop = probs.cumsum(-1) - probs >= options.top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
+    return torch.multinomial(scaled.softmax(-1), 1, generator=generator).squeeze(-1)
