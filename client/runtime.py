@@ -42,15 +42,19 @@ class Runtime:
 
     async def _call(self, method: str, request: Any):
         fn: Callable = getattr(self.stub, method)
-        delay = 0.05
-        for attempt in range(self.max_retries + 1):
+        delay, failures = 0.05, 0
+        while True:
             try:
                 return await fn(request, metadata=self.metadata, timeout=self.timeout, wait_for_ready=True)
             except grpc.aio.AioRpcError as err:
-                if err.code() not in RETRY_CODES or attempt == self.max_retries:
+                # A full queue is backpressure, not failure (as Tinker treats HTTP 429): wait and
+                # resend for as long as it takes. Unavailability is retried a bounded number of times.
+                if err.code() == grpc.StatusCode.UNAVAILABLE:
+                    failures += 1
+                if err.code() not in RETRY_CODES or failures > self.max_retries:
                     raise from_rpc_error(err) from None
             await asyncio.sleep(delay * (1 + random.random()))
-            delay = min(delay * 2, 5.0)
+            delay = min(delay * 2, 2.0)
 
     def stream(self, method: str, request: Any):
         async def collect():

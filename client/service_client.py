@@ -74,6 +74,15 @@ class ServiceClient:
             t.SupportedModel(m.model_name, m.max_context_length, m.trainable, m.sampleable) for m in r.supported_models
         ])
 
+    def get_usage(self) -> dict:
+        """This tenant's usage: tokens trained and sampled, optimizer steps, per run and in total."""
+        r = self.runtime.rpc("GetUsage", service_pb2.GetUsageRequest()).result()
+        return {
+            "tenant": r.tenant, "weight": r.weight, "tokens_trained": r.tokens_trained, "tokens_sampled": r.tokens_sampled,
+            "steps": r.steps, "runs": {u.training_run_id: {"tokens_trained": u.tokens_trained, "steps": u.steps} for u in r.runs},
+            "samplers": {u.sampler_id: u.tokens_sampled for u in r.samplers},
+        }
+
     def list_checkpoints(self, training_run_id: str) -> list[t.Checkpoint]:
         r = self.runtime.rpc("ListCheckpoints", service_pb2.ListCheckpointsRequest(training_run_id=training_run_id)).result()
         return [convert.checkpoint_from_proto(c) for c in r.checkpoints]

@@ -9,6 +9,7 @@ from temper.common.server import build_server, configure_logging, mark_serving
 from temper.scheduler.backends import Backends
 from temper.scheduler.db.store import Store, upgrade_schema
 from temper.scheduler.loop import SchedulerLoop
+from temper.scheduler.policy import FairShare
 from temper.scheduler.servicer import TemperServicer
 from temper.scheduler.settings import SchedulerSettings
 from temper.v1 import service_pb2, service_pb2_grpc
@@ -21,8 +22,10 @@ async def serve(settings: SchedulerSettings) -> None:
     if settings.auto_migrate:
         await asyncio.to_thread(upgrade_schema, settings.database_url)
     store = Store(settings.database_url)
+    await asyncio.to_thread(store.set_tenant_weights, settings.tenant_weights)
+    share = FairShare(weights=await asyncio.to_thread(store.tenant_weights), quantum=settings.fair_share_quantum_tokens)
     backends = Backends(settings.trainer_addresses, settings.sampler_addresses)
-    loop = SchedulerLoop(backends, store, settings.cycle_token_budget, settings.max_queued_requests, settings.result_cache_size)
+    loop = SchedulerLoop(backends, store, settings.cycle_token_budget, settings.max_queued_requests, settings.result_cache_size, share)
     servicer = TemperServicer(store, backends, loop)
     server, port, health = build_server([(service_pb2_grpc.add_TemperServicer_to_server, servicer, SERVICE)], settings.bind)
     await mark_serving(health, [SERVICE], serving=False)  # until the trainers and samplers answer

@@ -19,7 +19,7 @@ from temper.common.checkpoints import KIND_DIRS, CheckpointPath, parse_path
 from temper.common.errors import ResourceExhausted, TemperError
 from temper.scheduler.backends import Backends, TrainerHandle, downstream
 from temper.scheduler.db.store import Store
-from temper.scheduler.policy import CyclePlan, plan_cycle
+from temper.scheduler.policy import CyclePlan, FairShare, plan_cycle
 from temper.scheduler.work import RunQueue, Work, WorkKind
 from temper.v1 import service_pb2, trainer_pb2, types_pb2
 
@@ -28,7 +28,8 @@ KIND_NAMES = {types_pb2.CHECKPOINT_KIND_SAMPLER: "sampler", types_pb2.CHECKPOINT
 
 
 class SchedulerLoop:
-    def __init__(self, backends: Backends, store: Store, token_budget: int, max_queued: int, cache_size: int):
+    def __init__(self, backends: Backends, store: Store, token_budget: int, max_queued: int, cache_size: int,
+                 share: FairShare | None = None):
         self.backends = backends
         self.store = store
         self.token_budget = token_budget
@@ -36,14 +37,17 @@ class SchedulerLoop:
         self.cache_size = cache_size
         self.queues: dict[str, RunQueue] = {}
         self.run_models: dict[str, str] = {}              # run id -> base model
+        self.run_tenants: dict[str, str] = {}             # run id -> tenant (for fair share)
+        self.share = share or FairShare()
         self.recent: OrderedDict[tuple[str, int], Work] = OrderedDict()  # answers retried (run, seq)
         self._wake = asyncio.Event()
         self.cycles = 0
 
     # ---- intake -------------------------------------------------------------------------------
 
-    def register_run(self, run_id: str, base_model: str, next_seq_id: int) -> None:
+    def register_run(self, run_id: str, base_model: str, next_seq_id: int, tenant: str = "default") -> None:
         self.run_models.setdefault(run_id, base_model)
+        self.run_tenants.setdefault(run_id, tenant)
         self.queues.setdefault(run_id, RunQueue(run_id, next_seq_id))
 
     def known(self, run_id: str, seq_id: int) -> Work | None:
@@ -56,7 +60,10 @@ class SchedulerLoop:
         queue = self.queues.get(run_id)
         return queue.next_seq_id if queue is not None else None
 
-    def check_capacity(self) -> None:
+    def check_capacity(self, run_id: str, seq_id: int) -> None:
+        queue = self.queues[run_id]
+        if seq_id == queue.next_seq_id and len(queue):
+            return  # the request this run's queued work waits for is always admitted, or it would deadlock
         if sum(len(q) for q in self.queues.values()) >= self.max_queued:
             raise ResourceExhausted(f"the scheduler has {self.max_queued} queued requests; retry with backoff")
 
@@ -82,7 +89,7 @@ class SchedulerLoop:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while plan := plan_cycle(self._ready(), self.token_budget):
+            while plan := plan_cycle(self._ready(), self.token_budget, self.run_tenants, self.share):
                 for work in plan.all_work():
                     self.queues[work.run_id].take(work)
                 await self._run_cycle(plan)

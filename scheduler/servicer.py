@@ -35,6 +35,7 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
         self.loop = loop
         self._runs: dict[str, m.TrainingRun] = {}
         self._samplers: dict[str, m.SamplingClient] = {}
+        self._tenants: dict[str, str] = {}   # session id -> tenant
 
     # ---- sessions -----------------------------------------------------------------------------
 
@@ -87,7 +88,7 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
         )
         await asyncio.to_thread(self.store.add_training_run, row)
         self._runs[run_id] = row
-        self.loop.register_run(run_id, row.base_model, 1)
+        self.loop.register_run(run_id, row.base_model, 1, await self._tenant_of(row.session_id))
         return self._run_info(row)
 
     async def GetInfo(self, request, context):
@@ -112,8 +113,14 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
         if run is None:
             run = await asyncio.to_thread(self.store.get_training_run, run_id)
             self._runs[run_id] = run
-        self.loop.register_run(run.id, run.base_model, run.next_seq_id)
+        self.loop.register_run(run.id, run.base_model, run.next_seq_id, await self._tenant_of(run.session_id))
         return run
+
+    async def _tenant_of(self, session_id: str) -> str:
+        tenant = self._tenants.get(session_id)
+        if tenant is None:
+            tenant = self._tenants[session_id] = await asyncio.to_thread(self.store.tenant_of_session, session_id)
+        return tenant
 
     # ---- the sequenced verbs ------------------------------------------------------------------
 
@@ -186,7 +193,7 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
         next_seq = self.loop.next_seq_id(run.id)
         if seq < next_seq:
             raise InvalidArgument(f"seq_id {seq} of {run.id} is behind the next expected seq_id {next_seq}")
-        self.loop.check_capacity()  # full: nothing is claimed, the client retries the same seq later
+        self.loop.check_capacity(run.id, seq)  # full: nothing is claimed, the client retries the same seq later
         work = Work(run.id, seq, kind, request, sha)
         self.loop.claim(work)  # from here a retry of this (run, seq) waits for this answer
         try:
@@ -253,10 +260,13 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
         stop_ids = decode_tokens(request.sampling_params.stop_token_ids)
         check_token_range(stop_ids, sampler.info.vocab_size, "stop token ids")
         async with downstream(f"sampler {sampler.address}"):
-            return await sampler.stub.Sample(sampler_pb2.SamplerSampleRequest(
+            response = await sampler.stub.Sample(sampler_pb2.SamplerSampleRequest(
                 adapter_id=adapter_id, prompt_tokens=tokens.astype("<i4").tobytes(), num_samples=request.num_samples,
                 sampling_params=request.sampling_params, include_prompt_logprobs=request.include_prompt_logprobs,
             ))
+        generated = sum(len(s.tokens) // 4 for s in response.sequences)
+        await asyncio.to_thread(self.store.add_sampled_tokens, request.sampler_id, generated)
+        return response
 
     async def ComputeLogprobs(self, request, context):
         sampler, adapter_id, tokens = await self._sampling_target(request.sampler_id, request.prompt)
@@ -265,6 +275,19 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
                 sampler_pb2.SamplerLogprobsRequest(adapter_id=adapter_id, prompt_tokens=tokens.astype("<i4").tobytes())
             )
         return service_pb2.ComputeLogprobsResponse(logprobs=response.logprobs)
+
+    async def GetUsage(self, request, context):
+        tenant = _tenant(context)
+        weight, runs, samplers = await asyncio.to_thread(self.store.usage, tenant)
+        response = service_pb2.UsageResponse(tenant=tenant, weight=weight)
+        for run in runs:
+            response.runs.add(training_run_id=run.id, tokens_trained=run.tokens_trained, steps=run.steps)
+        for sampler in samplers:
+            response.samplers.add(sampler_id=sampler.id, tokens_sampled=sampler.tokens_sampled)
+        response.tokens_trained = sum(r.tokens_trained for r in runs)
+        response.steps = sum(r.steps for r in runs)
+        response.tokens_sampled = sum(s.tokens_sampled for s in samplers)
+        return response
 
     # ---- checkpoints --------------------------------------------------------------------------
 

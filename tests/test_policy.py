@@ -1,5 +1,7 @@
 """Batching policy and per-run ordering on synthetic queues: no model, no network."""
 
+import pytest
+
 from temper.scheduler.policy import plan_cycle
 from temper.scheduler.work import RunQueue, Work, WorkKind
 
@@ -77,3 +79,63 @@ def test_forward_only_counts_as_a_pass_and_empty_queues_plan_nothing():
     plan = plan_cycle({"a": q.ready()}, 1000)
     assert seqs(plan.passes) == [("a", 1), ("a", 2)]
     assert not plan_cycle({}, 1000)
+
+
+# ---- fair share across tenants ------------------------------------------------------------------
+
+from collections import Counter  # noqa: E402
+
+from temper.scheduler.policy import FairShare  # noqa: E402
+
+
+def simulate(runs: dict[str, tuple[str, int, int]], cycles: int, budget: int, share: FairShare):
+    """runs: run id -> (tenant, tokens per request, requests). Returns tokens served per tenant per cycle."""
+    queues = {run: queue(run, [FB] * n, tokens=t) for run, (_, t, n) in runs.items()}
+    tenant_of = {run: tenant for run, (tenant, _, _) in runs.items()}
+    served = []
+    for _ in range(cycles):
+        plan = plan_cycle({r: q.ready() for r, q in queues.items()}, budget, tenant_of, share)
+        got = Counter()
+        for w in plan.all_work():
+            queues[w.run_id].take(w)
+            got[tenant_of[w.run_id]] += w.num_tokens
+        served.append(got)
+    return served
+
+
+def test_a_tenant_with_huge_batches_cannot_starve_one_with_small_ones():
+    share = FairShare(quantum=256)
+    served = simulate({"big": ("alice", 4000, 500), "small": ("bob", 100, 5000)}, cycles=20, budget=4096, share=share)
+    # bob never waits more than one cycle, and the tokens split evenly (within two big requests:
+    # alice first has to bank a deficit as large as her request)
+    assert all(a["bob"] > 0 or b["bob"] > 0 for a, b in zip(served, served[1:]))
+    total = sum(served, Counter())
+    assert abs(total["alice"] - total["bob"]) <= 2 * 4000
+
+
+def test_token_shares_follow_the_weights():
+    share = FairShare(quantum=100, weights={"alice": 2.0, "bob": 1.0})
+    served = simulate({"a1": ("alice", 100, 500), "a2": ("alice", 100, 500), "b1": ("bob", 100, 1000)},
+                      cycles=30, budget=900, share=share)
+    total = sum(served, Counter())
+    assert total["alice"] / total["bob"] == pytest.approx(2.0, rel=0.1)
+
+
+def test_idle_tenants_do_not_bank_credit_and_equal_tenants_split_evenly():
+    share = FairShare(quantum=100)
+    served = simulate({"a": ("alice", 100, 1000), "b": ("bob", 100, 1000), "c": ("carol", 100, 1000)},
+                      cycles=10, budget=600, share=share)
+    total = sum(served, Counter())
+    assert total["alice"] == total["bob"] == total["carol"] == 2000
+    simulate({"x": ("dave", 100, 1)}, cycles=3, budget=600, share=share)
+    assert share.deficits["dave"] == 0.0
+
+
+def test_fair_share_keeps_each_runs_order_and_barriers():
+    share = FairShare(quantum=50)
+    a = queue("a", [FB, FB, OPT, FB], tokens=100)
+    b = queue("b", [SAVE, FB], tokens=100)
+    plan = plan_cycle({"a": a.ready(), "b": b.ready()}, 1000, {"a": "alice", "b": "bob"}, share)
+    assert seqs(plan.passes) == [("a", 1), ("a", 2)]
+    assert seqs(plan.optim_steps) == [("a", 3)]
+    assert seqs(plan.barriers) == [("b", 1)]

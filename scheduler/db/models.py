@@ -81,6 +81,7 @@ class SamplingClient(Base):
     session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id"), index=True)
     base_model: Mapped[str] = mapped_column(String(512))
     model_path: Mapped[str | None] = mapped_column(String(512), nullable=True)
+    tokens_sampled: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

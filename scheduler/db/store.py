@@ -69,6 +69,23 @@ class Store:
                 db.flush()
             return tenant.id
 
+    def set_tenant_weights(self, weights: dict[str, float]) -> None:
+        for name, weight in weights.items():
+            self.ensure_tenant(name)
+            with self.sessions.begin() as db:
+                db.execute(update(m.Tenant).where(m.Tenant.name == name).values(weight=float(weight)))
+
+    def tenant_weights(self) -> dict[str, float]:
+        with self.sessions() as db:
+            return {t.name: t.weight for t in db.scalars(select(m.Tenant))}
+
+    def tenant_of_session(self, session_id: str) -> str:
+        with self.sessions() as db:
+            name = db.scalar(select(m.Tenant.name).join(m.Session, m.Session.tenant_id == m.Tenant.id).where(m.Session.id == session_id))
+        if name is None:
+            raise NotFound(f"session {session_id!r} not found")
+        return name
+
     def create_session(self, tenant: str, tags: list[str], metadata: dict[str, str]) -> m.Session:
         tenant_id = self.ensure_tenant(tenant)
         with self.sessions.begin() as db:
@@ -189,6 +206,22 @@ class Store:
             row = m.SamplingClient(id=f"{session_id}:sample:{n}", session_id=session_id, base_model=base_model, model_path=model_path)
             db.add(row)
             return row
+
+    def add_sampled_tokens(self, sampler_id: str, tokens: int) -> None:
+        with self.sessions.begin() as db:
+            db.execute(update(m.SamplingClient).where(m.SamplingClient.id == sampler_id)
+                       .values(tokens_sampled=m.SamplingClient.tokens_sampled + tokens))
+
+    def usage(self, tenant: str) -> tuple[float, list[m.TrainingRun], list[m.SamplingClient]]:
+        """The tenant's weight, training runs and sampling clients (with their counters)."""
+        with self.sessions() as db:
+            row = db.scalar(select(m.Tenant).where(m.Tenant.name == tenant))
+            if row is None:
+                return 1.0, [], []
+            sessions = select(m.Session.id).where(m.Session.tenant_id == row.id)
+            runs = list(db.scalars(select(m.TrainingRun).where(m.TrainingRun.session_id.in_(sessions)).order_by(m.TrainingRun.created_at)))
+            samplers = list(db.scalars(select(m.SamplingClient).where(m.SamplingClient.session_id.in_(sessions)).order_by(m.SamplingClient.created_at)))
+            return row.weight, runs, samplers
 
     def get_sampling_client(self, sampler_id: str) -> m.SamplingClient:
         with self.sessions() as db:

@@ -194,7 +194,7 @@ class TrainerEngine:
                 values = torch.zeros(len(rs), width, dtype=torch.float32)
                 for k, r in enumerate(rs):
                     arr = batch[r].datum.inputs[name]
-                    values[k, : len(arr)] = torch.from_numpy(np.asarray(arr, dtype=np.float32))
+                    values[k, : len(arr)] = torch.tensor(arr, dtype=torch.float32)
                 inputs[name] = values.to(self.device)
             part = LOSS_FNS[item.loss_fn](lp.index_select(0, index), inputs, item.config) * mask.index_select(0, index)
             elementwise = elementwise.index_add(0, index, part)

@@ -266,3 +266,43 @@ class DownloadCheckpointRequest(_message.Message):
     PATH_FIELD_NUMBER: _ClassVar[int]
     path: str
     def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class GetUsageRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RunUsage(_message.Message):
+    __slots__ = ("training_run_id", "tokens_trained", "steps")
+    TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_TRAINED_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    training_run_id: str
+    tokens_trained: int
+    steps: int
+    def __init__(self, training_run_id: _Optional[str] = ..., tokens_trained: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
+
+class SamplerUsage(_message.Message):
+    __slots__ = ("sampler_id", "tokens_sampled")
+    SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    sampler_id: str
+    tokens_sampled: int
+    def __init__(self, sampler_id: _Optional[str] = ..., tokens_sampled: _Optional[int] = ...) -> None: ...
+
+class UsageResponse(_message.Message):
+    __slots__ = ("tenant", "weight", "tokens_trained", "tokens_sampled", "steps", "runs", "samplers")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_TRAINED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLERS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    weight: float
+    tokens_trained: int
+    tokens_sampled: int
+    steps: int
+    runs: _containers.RepeatedCompositeFieldContainer[RunUsage]
+    samplers: _containers.RepeatedCompositeFieldContainer[SamplerUsage]
+    def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[float] = ..., tokens_trained: _Optional[int] = ..., tokens_sampled: _Optional[int] = ..., steps: _Optional[int] = ..., runs: _Optional[_Iterable[_Union[RunUsage, _Mapping]]] = ..., samplers: _Optional[_Iterable[_Union[SamplerUsage, _Mapping]]] = ...) -> None: ...

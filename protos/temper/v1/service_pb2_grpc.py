@@ -110,6 +110,11 @@ class TemperStub:
                 request_serializer=temper_dot_v1_dot_service__pb2.DownloadCheckpointRequest.SerializeToString,
                 response_deserializer=temper_dot_v1_dot_types__pb2.FileChunk.FromString,
                 _registered_method=True)
+        self.GetUsage = channel.unary_unary(
+                '/temper.v1.Temper/GetUsage',
+                request_serializer=temper_dot_v1_dot_service__pb2.GetUsageRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_service__pb2.UsageResponse.FromString,
+                _registered_method=True)
 
 
 class TemperServicer:
@@ -208,6 +213,13 @@ class TemperServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetUsage(self, request, context):
+        """Usage of the calling tenant (x-temper-tenant metadata): tokens trained and sampled, steps.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TemperServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -285,6 +297,11 @@ def add_TemperServicer_to_server(servicer, server):
                     servicer.DownloadCheckpoint,
                     request_deserializer=temper_dot_v1_dot_service__pb2.DownloadCheckpointRequest.FromString,
                     response_serializer=temper_dot_v1_dot_types__pb2.FileChunk.SerializeToString,
+            ),
+            'GetUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetUsage,
+                    request_deserializer=temper_dot_v1_dot_service__pb2.GetUsageRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_service__pb2.UsageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -692,6 +709,33 @@ class Temper:
             '/temper.v1.Temper/DownloadCheckpoint',
             temper_dot_v1_dot_service__pb2.DownloadCheckpointRequest.SerializeToString,
             temper_dot_v1_dot_types__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Temper/GetUsage',
+            temper_dot_v1_dot_service__pb2.GetUsageRequest.SerializeToString,
+            temper_dot_v1_dot_service__pb2.UsageResponse.FromString,
             options,
             channel_credentials,
             insecure,
