@@ -132,3 +132,28 @@ def test_lora_dropout_is_applied_when_asked(tiny_model_dir, tmp_path):
     item = trainer_pb2.ForwardBackwardItem(adapter_id="dropout", data=items_for(4)[0].data, loss_fn="cross_entropy", forward_only=True)
     first, second = (engine.run_cycle([item], [])[0][0] for _ in range(2))
     assert not np.allclose(first.logprobs[0], second.logprobs[0])  # dropout masks differ between passes
+
+
+def test_evicted_adapters_come_back_with_weights_grads_and_adam_state(tiny_model_dir, tmp_path):
+    limited = make_engine(tiny_model_dir, tmp_path / "limited", max_resident_adapters=2, offload_dir=tmp_path / "offload")
+    unlimited = make_engine(tiny_model_dir, tmp_path / "unlimited")
+    assert len(limited.host.resident()) == 2
+    items = items_for(5)
+    for engine in (limited, unlimited):
+        for round_ in range(3):  # every cycle touches two adapters; the others wait offloaded
+            for a, b in zip(items[::2], items[1::2]):
+                engine.run_cycle([a, b], [trainer_pb2.OptimStepItem(adapter_id=a.adapter_id, adam_params=ADAM)])
+            engine.run_cycle([items[-1]], [])  # leaves gradients pending on an adapter that gets evicted
+    assert len(limited.host.resident()) == 2
+    assert sorted(p.name for p in (tmp_path / "offload").iterdir()) != []
+    for key in CONFIGS:
+        a, b = limited.host.get(key), unlimited.host.get(key)   # brought back on access
+        assert a.steps == b.steps
+        for name in b.params:
+            assert torch.equal(a.params[name].detach(), b.params[name].detach()), (key, name)
+            assert (a.params[name].grad is None) == (b.params[name].grad is None)
+            if b.params[name].grad is not None:
+                assert torch.equal(a.params[name].grad, b.params[name].grad)
+            sa, sb = a.optimizer.state.get(a.params[name], {}), b.optimizer.state.get(b.params[name], {})
+            assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sb)
+        assert len(limited.host.resident()) <= 2

@@ -3,8 +3,11 @@ one AdamW per adapter, accumulated gradients, and checkpoint files in peft's for
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -38,6 +41,8 @@ class TrainedAdapter:
     optimizer: torch.optim.AdamW
     steps: int = 0
     pending_tokens: int = 0                 # tokens accumulated into gradients since the last step
+    offloaded: Path | None = None           # set while evicted: weights, grads and Adam state live there
+    last_used: int = field(default=0, compare=False)
 
     def grads_snapshot(self) -> dict[str, torch.Tensor | None]:
         return {n: (p.grad.clone() if p.grad is not None else None) for n, p in self.params.items()}
@@ -48,16 +53,88 @@ class TrainedAdapter:
 
 
 class AdapterHost:
-    def __init__(self, lora: LoraModel, default_alpha: float):
+    """Every adapter of the trainer. At most ``max_resident`` live in the model; past that the least
+    recently used adapter outside the current cycle is offloaded to ``offload_dir`` with its
+    gradients and optimizer state, and brought back exactly when next used."""
+
+    def __init__(self, lora: LoraModel, default_alpha: float, max_resident: int = 0, offload_dir: Path | None = None):
         self.lora = lora
         self.default_alpha = default_alpha
+        self.max_resident = max_resident            # 0: no limit
+        self.offload_dir = Path(offload_dir) if offload_dir else None
         self.adapters: dict[str, TrainedAdapter] = {}
+        self._clock = itertools.count(1)
+        self._pinned: set[str] = set()
 
     def get(self, adapter_id: str) -> TrainedAdapter:
+        """The adapter, resident in the model (restored from offload if needed)."""
         try:
-            return self.adapters[adapter_id]
+            adapter = self.adapters[adapter_id]
         except KeyError:
             raise NotFound(f"adapter {adapter_id} is not loaded on this trainer") from None
+        adapter.last_used = next(self._clock)
+        if adapter.offloaded is not None:
+            self._restore(adapter)
+        self._evict_over_capacity(keep=adapter_id)
+        return adapter
+
+    @contextlib.contextmanager
+    def pinned(self, adapter_ids):
+        """Adapters of the cycle in progress: never evicted while it runs."""
+        previous, self._pinned = self._pinned, set(adapter_ids)
+        try:
+            yield
+        finally:
+            self._pinned = previous
+
+    def resident(self) -> list[str]:
+        return [k for k, a in self.adapters.items() if a.offloaded is None]
+
+    def _evict_over_capacity(self, keep: str) -> None:
+        if not self.max_resident or self.offload_dir is None:
+            return
+        resident = [a for a in self.adapters.values() if a.offloaded is None]
+        candidates = sorted((a for a in resident if a.adapter_id != keep and a.adapter_id not in self._pinned), key=lambda a: a.last_used)
+        for adapter in candidates[: max(0, len(resident) - self.max_resident)]:
+            self._offload(adapter)
+
+    def _offload(self, adapter: TrainedAdapter) -> None:
+        self.offload_dir.mkdir(parents=True, exist_ok=True)
+        path = self.offload_dir / (re.sub(r"[^A-Za-z0-9._-]", "_", adapter.adapter_id) + ".safetensors")
+        tensors, param_steps = {}, {}
+        for name, param in adapter.params.items():
+            tensors[f"weight/{name}"] = param.detach().cpu().contiguous()
+            if param.grad is not None:
+                tensors[f"grad/{name}"] = param.grad.detach().cpu().contiguous()
+            state = adapter.optimizer.state.get(param)
+            if state:
+                tensors[f"exp_avg/{name}"] = state["exp_avg"].detach().cpu().contiguous()
+                tensors[f"exp_avg_sq/{name}"] = state["exp_avg_sq"].detach().cpu().contiguous()
+                param_steps[name] = float(state["step"])
+        save_file(tensors, str(path), metadata={"param_steps": json.dumps(param_steps)})
+        self.lora.remove(adapter.adapter_id)
+        adapter.params, adapter.optimizer, adapter.offloaded = {}, None, path
+
+    def _restore(self, adapter: TrainedAdapter) -> None:
+        from safetensors import safe_open
+
+        with safe_open(str(adapter.offloaded), "pt") as f:
+            param_steps = json.loads(f.metadata()["param_steps"])
+        tensors = load_file(str(adapter.offloaded))
+        params = self.lora.add(adapter.adapter_id, adapter.spec, seed=0).params
+        self.lora.load_weights(adapter.adapter_id, {n: tensors[f"weight/{n}"] for n in params})
+        optimizer = torch.optim.AdamW(list(params.values()), lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+        for name, param in params.items():
+            if f"grad/{name}" in tensors:
+                param.grad = tensors[f"grad/{name}"].to(param.device)
+            if name in param_steps:
+                optimizer.state[param] = {
+                    "step": torch.tensor(param_steps[name]),
+                    "exp_avg": tensors[f"exp_avg/{name}"].to(param.device),
+                    "exp_avg_sq": tensors[f"exp_avg_sq/{name}"].to(param.device),
+                }
+        adapter.offloaded.unlink()
+        adapter.params, adapter.optimizer, adapter.offloaded = params, optimizer, None
 
     def create(self, adapter_id: str, cfg: types_pb2.LoraConfig) -> TrainedAdapter:
         if adapter_id in self.adapters:
@@ -70,13 +147,19 @@ class AdapterHost:
         params = lora_adapter.params
         # Adam settings are overwritten on every step from the request's AdamParams.
         optimizer = torch.optim.AdamW(list(params.values()), lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
-        adapter = TrainedAdapter(adapter_id, spec, params, optimizer)
+        adapter = TrainedAdapter(adapter_id, spec, params, optimizer, last_used=next(self._clock))
         self.adapters[adapter_id] = adapter
+        self._evict_over_capacity(keep=adapter_id)
         return adapter
 
     def drop(self, adapter_id: str) -> None:
-        self.get(adapter_id)
-        self.lora.remove(adapter_id)
+        adapter = self.adapters.get(adapter_id)
+        if adapter is None:
+            raise NotFound(f"adapter {adapter_id} is not loaded on this trainer")
+        if adapter.offloaded is not None:
+            adapter.offloaded.unlink(missing_ok=True)
+        else:
+            self.lora.remove(adapter_id)
         del self.adapters[adapter_id]
 
     # ---- persistence -------------------------------------------------------------------------

@@ -56,7 +56,7 @@ class TrainerEngine:
         self.settings = settings
         self.device = torch.device(settings.device)
         self.lora = LoraModel(loaded.model, loaded.name)
-        self.host = AdapterHost(self.lora, settings.default_lora_alpha)
+        self.host = AdapterHost(self.lora, settings.default_lora_alpha, settings.max_resident_adapters, settings.offload_dir)
         self.store = CheckpointStore(settings.checkpoint_dir)
         # Models that post-process logits (e.g. soft-capping) take the plain full-logits path.
         self._plain_head = not getattr(loaded.model.config, "final_logit_softcapping", None)
@@ -73,13 +73,14 @@ class TrainerEngine:
     def run_cycle(
         self, forward_backward: list[types_pb2.ForwardBackwardItem], optim_step: list[types_pb2.OptimStepItem]
     ) -> tuple[list[ForwardBackwardResult], list[dict[str, float]]]:
-        prepared = [self.prepare_forward_backward(item) for item in forward_backward]
-        steps = []
-        for item in optim_step:
-            validate_adam(item.adam_params)
-            steps.append((self.host.get(item.adapter_id), item.adam_params))
-        results = self.forward_backward(prepared)
-        return results, [self.optim_step(adapter, params) for adapter, params in steps]
+        with self.host.pinned([i.adapter_id for i in forward_backward] + [i.adapter_id for i in optim_step]):
+            prepared = [self.prepare_forward_backward(item) for item in forward_backward]
+            steps = []
+            for item in optim_step:
+                validate_adam(item.adam_params)
+                steps.append((self.host.get(item.adapter_id), item.adam_params))
+            results = self.forward_backward(prepared)
+            return results, [self.optim_step(adapter, params) for adapter, params in steps]
 
     def forward_backward(self, items: list[PreparedForwardBackward]) -> list[ForwardBackwardResult]:
         """All items in shared passes; gradients accumulate into each item's own adapter."""

@@ -1,0 +1,448 @@
+"""Multi-tenant training benchmark: what co-batching many LoRA adapters costs and gains.
+
+Runs on SmolLM2-135M-Instruct on CPU by default and measures four ratios, each side by side in
+the same run (repetitions interleaved in a rotating order, medians reported with the raw samples):
+
+  (a) cobatch_overhead   one forward_backward pass over 8 adapters (8 rows x 128 tokens, one row per
+                         adapter) / the same tokens in one pass on a single adapter.        goal <= 1.10
+  (b) cobatch_gain       8 tenants x (1 datum x 128 tokens): 8 time-sliced run_cycle calls (one
+                         tenant per pass) / one co-batched run_cycle with 8 items.           goal >= 1.2
+  (c) scheduler_overhead forward_backward through client -> scheduler -> trainer (LocalStack) / the
+                         same batch in-process on a TrainerEngine (engine.run_cycle).        goal <= 1.05
+  (d) memory_ratio       activation memory (peak RSS - RSS before the pass) of a forward_backward of
+                         8 x 512 tokens with the engine's chunked logprob path / full logits
+                         (B x T x V materialized), each in a fresh subprocess.               goal <= 0.5
+
+Every in-process timing uses ``engine.run_cycle`` on a TrainerEngine with the trainer's default
+settings; the stack's trainer runs with the same thread count, and it is idle (its CPU time is
+recorded to show it) while the in-process variants run.
+
+    python benchmarks/multitenant.py            # about 6-8 minutes on 2 CPU cores
+    python benchmarks/multitenant.py --quick    # fewer repetitions, about 3 minutes
+
+The last stdout line is the result JSON; it is also written to benchmarks/results/multitenant.json,
+with a bar chart of the ratios against their goals in benchmarks/results/multitenant.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROWS, TOKENS, MEM_TOKENS, RANK = 8, 128, 512, 16
+GOALS = {  # name -> (comparison, goal)
+    "cobatch_overhead": ("<=", 1.10),
+    "cobatch_gain": (">=", 1.2),
+    "scheduler_overhead": ("<=", 1.05),
+    "memory_ratio": ("<=", 0.5),
+}
+MEM_PREFIX = "TEMPER_MEMORY_RESULT "
+
+
+# ---- shared helpers ---------------------------------------------------------------------------
+
+
+def random_sequences(n: int, length: int, vocab: int, seed: int) -> list[np.ndarray]:
+    """n token sequences of length+1 (inputs are [:-1], targets [1:])."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, length + 1, dtype=np.int64) for _ in range(n)]
+
+
+def datum_proto(tokens: np.ndarray):
+    from temper.common.codec import encode_array, encode_tokens
+    from temper.v1 import types_pb2
+
+    chunk = types_pb2.ModelInputChunk(encoded_text=types_pb2.EncodedTextChunk(tokens=encode_tokens(tokens[:-1])))
+    return types_pb2.Datum(
+        model_input=types_pb2.ModelInput(chunks=[chunk]),
+        loss_fn_inputs={"target_tokens": encode_array(tokens[1:], "int64"),
+                        "weights": encode_array(np.ones(len(tokens) - 1, np.float32), "float32")},
+    )
+
+
+def fb_item(adapter_id: str, data: list):
+    from temper.v1 import trainer_pb2
+
+    return trainer_pb2.ForwardBackwardItem(adapter_id=adapter_id, data=data, loss_fn="cross_entropy")
+
+
+def lora_config(seed: int):
+    from temper.v1 import types_pb2
+
+    return types_pb2.LoraConfig(rank=RANK, train_attn=True, train_mlp=True, train_unembed=False, seed=seed)
+
+
+def build_engine(args, checkpoint_dir: Path, adapters: int):
+    from temper.services.models.loading import load_model
+    from temper.services.trainer.engine import TrainerEngine
+    from temper.services.trainer.settings import TrainerSettings
+
+    loaded = load_model(args.model, args.device, args.dtype, args.threads)
+    settings = TrainerSettings(base_model=args.model, checkpoint_dir=checkpoint_dir, device=args.device, dtype=args.dtype,
+                               num_threads=args.threads)
+    engine = TrainerEngine(loaded, settings)
+    for i in range(adapters):
+        engine.host.create(f"tenant-{i}", lora_config(seed=i))
+    return engine
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+# ---- (d) memory: one pass in a fresh child process ----------------------------------------------
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (Linux >= 4.0), so ru_maxrss then measures from here."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _current_rss_kb() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+    except OSError:
+        return -1
+
+
+def full_logits_forward_backward(engine, sequences: list[np.ndarray]) -> float:
+    """The reference the chunked path replaces: full B x T x V logits, log_softmax, gather, backward,
+    under the same per-row LoRA routing as the engine (row i -> tenant-i)."""
+    import torch
+
+    device = engine.device
+    ids = torch.from_numpy(np.stack([s[:-1] for s in sequences])).to(device)
+    targets = torch.from_numpy(np.stack([s[1:] for s in sequences])).to(device)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    weights = torch.ones(ids.shape, dtype=torch.float32, device=device)
+    groups = [(f"tenant-{i}", torch.tensor([i], device=device)) for i in range(len(sequences))]
+    with engine.lora.route(groups):
+        logits = engine.loaded.model(input_ids=ids, attention_mask=mask.long()).logits.float()
+    lp = logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1) * mask
+    loss = -(lp * weights).sum()
+    loss.backward()
+    return float(loss.detach())
+
+
+def memory_child(args) -> None:
+    import torch
+
+    variant = args.memory_child
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = build_engine(args, Path(tmp), ROWS)
+        sequences = random_sequences(ROWS, MEM_TOKENS, engine.loaded.vocab_size, seed=1)
+        items = [fb_item(f"tenant-{i}", [datum_proto(s)]) for i, s in enumerate(sequences)]
+        gc.collect()
+        load_peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        reset = _reset_peak_rss()
+        baseline_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        rss_before_kb = _current_rss_kb()
+        if engine.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            cuda_before = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        if variant == "chunked":
+            results, _ = engine.run_cycle(items, [])
+            loss = sum(r.metrics["loss:sum"] for r in results)
+        else:
+            loss = full_logits_forward_backward(engine, sequences)
+        sync(args.device)
+        seconds = time.perf_counter() - start
+        peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        out = {
+            "variant": variant, "rows": ROWS, "tokens": MEM_TOKENS, "seconds": seconds, "loss": loss,
+            "load_peak_rss_kb": load_peak_kb, "peak_reset": reset, "baseline_rss_kb": baseline_kb, "rss_before_pass_kb": rss_before_kb,
+            "peak_rss_kb": peak_kb, "delta_rss_kb": peak_kb - baseline_kb,
+            "logprob_chunk_tokens": engine.settings.logprob_chunk_tokens, "vocab": engine.loaded.vocab_size,
+        }
+        if engine.device.type == "cuda":
+            out["cuda_delta_bytes"] = torch.cuda.max_memory_allocated() - cuda_before
+    print(MEM_PREFIX + json.dumps(out), flush=True)
+
+
+def run_memory_child(args, variant: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", variant, "--model", args.model, "--device", args.device,
+           "--dtype", args.dtype, "--threads", str(args.threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith(MEM_PREFIX):
+            return json.loads(line[len(MEM_PREFIX):])
+    raise RuntimeError(f"memory child {variant} failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+# ---- stack bookkeeping ----------------------------------------------------------------------------
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """utime + stime of the given processes (Linux /proc; 0 elsewhere)."""
+    total, tick = 0.0, os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+# ---- main -------------------------------------------------------------------------------------------
+
+
+def median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def verdict(name: str, value: float | None) -> bool | None:
+    if value is None:
+        return None
+    op, goal = GOALS[name]
+    return value <= goal if op == "<=" else value >= goal
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in GOALS if result["ratios"].get(n) is not None]
+    values = [result["ratios"][n] for n in names]
+    fig, ax = plt.subplots(figsize=(6.4, 3.4), dpi=90)
+    colors = ["#3a923a" if result["goal_met"][n] else "#c8423a" for n in names]
+    bars = ax.bar(range(len(names)), values, color=colors, width=0.6)
+    for i, n in enumerate(names):
+        op, goal = GOALS[n]
+        ax.hlines(goal, i - 0.38, i + 0.38, colors="black", linestyles="--", linewidth=1.4)
+        ax.text(i, goal, f" goal {op} {goal:g}", ha="center", va="bottom", fontsize=7)
+        ax.text(i, bars[i].get_height() / 2, f"{values[i]:.2f}", ha="center", va="center", color="white", fontsize=9,
+                fontweight="bold")
+    ax.set_xticks(range(len(names)), names, fontsize=8)
+    ax.set_ylabel("ratio")
+    ax.set_ylim(0, max(values + [g for _, g in GOALS.values()]) * 1.2)
+    c = result["config"]
+    ax.set_title(f"Temper multi-tenant benchmark: {Path(c['model']).name} on {c['device']} ({c['threads']} threads, "
+                 f"{c['reps']} reps)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="base model name or folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads, in-process and in the stack's trainer")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (about 3 minutes on 2 cores)")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per variant (default 7, --quick 2)")
+    parser.add_argument("--no-stack", action="store_true", help="skip (c), which starts scheduler/trainer/sampler processes")
+    parser.add_argument("--out-dir", type=Path, default=HERE / "results")
+    parser.add_argument("--memory-child", choices=["chunked", "full"], help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.model is None:
+        from temper.services.models.prepare import SMOLLM2_NAME, prepare_smollm2
+
+        prepare_smollm2()
+        args.model = SMOLLM2_NAME
+    if args.memory_child:
+        memory_child(args)
+        return 0
+
+    import torch
+    from tqdm import tqdm
+
+    reps = args.reps or (2 if args.quick else 7)
+    warm_all = not args.quick
+    started = time.perf_counter()
+    variants = ["cobatched", "single_adapter", "time_sliced"] + ([] if args.no_stack else ["stack"])
+    progress = tqdm(total=2 + 1 + 1 + len(variants) * ((1 if warm_all else 0) + reps),
+                    desc="multitenant", unit="step", file=sys.stderr)
+    work = Path(tempfile.mkdtemp(prefix="temper-bench-"))
+
+    # The stack starts (two model loads) while the memory children run: they measure memory, not time.
+    stack, stack_thread, stack_box = None, None, {}
+    if not args.no_stack:
+        from temper.scheduler.localstack import LocalStack
+
+        extra = {"TEMPER_TRAINER_DEVICE": args.device, "TEMPER_TRAINER_DTYPE": args.dtype,
+                 "TEMPER_SAMPLER_DEVICE": args.device, "TEMPER_SAMPLER_DTYPE": args.dtype}
+        stack = LocalStack(args.model, work / "stack", extra_env=extra, num_threads=args.threads)
+
+        def start_stack():
+            try:
+                stack_box["address"] = stack.start()
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                stack_box["error"] = exc
+
+        stack_thread = threading.Thread(target=start_stack, daemon=True)
+        stack_thread.start()
+
+    client = None
+    try:
+        memory = {}
+        for variant in ("chunked", "full"):
+            progress.set_postfix_str(f"memory: {variant}")
+            memory[variant] = run_memory_child(args, variant)
+            progress.update()
+            tqdm.write(f"memory {variant}: peak {memory[variant]['peak_rss_kb'] / 1024:.0f} MiB, "
+                       f"delta {memory[variant]['delta_rss_kb'] / 1024:.0f} MiB ({memory[variant]['seconds']:.1f} s)")
+
+        progress.set_postfix_str("loading in-process engine")
+        engine = build_engine(args, work / "ckpt", ROWS)
+        vocab = engine.loaded.vocab_size
+        sequences = random_sequences(ROWS, TOKENS, vocab, seed=0)
+        protos = [datum_proto(s) for s in sequences]
+        cobatched_items = [fb_item(f"tenant-{i}", [d]) for i, d in enumerate(protos)]
+        single_items = [fb_item("tenant-0", protos)]
+
+        stack_pids: list[int] = []
+        if stack is not None:
+            progress.set_postfix_str("waiting for the stack")
+            stack_thread.join()
+            if "error" in stack_box:
+                raise stack_box["error"]
+            from temper.client import Datum, ModelInput, ServiceClient
+
+            client = ServiceClient(stack_box["address"])
+            tc = client.create_lora_training_client(args.model, rank=RANK, seed=0, train_mlp=True, train_attn=True,
+                                                    train_unembed=False)
+            client_data = [Datum(model_input=ModelInput.from_ints(s[:-1].tolist()),
+                                 loss_fn_inputs={"target_tokens": s[1:], "weights": np.ones(TOKENS, np.float32)})
+                           for s in sequences]
+            stack_pids = [s.process.pid for s in stack.services]
+        progress.update()
+
+        def run_cobatched():
+            engine.run_cycle(cobatched_items, [])
+
+        def run_single():
+            engine.run_cycle(single_items, [])
+
+        def run_time_sliced():
+            for item in cobatched_items:
+                engine.run_cycle([item], [])
+
+        def run_stack():
+            tc.forward_backward(client_data).result()
+
+        fns = {"cobatched": run_cobatched, "single_adapter": run_single, "time_sliced": run_time_sliced, "stack": run_stack}
+        samples: dict[str, list[float]] = {v: [] for v in variants}
+        stack_busy = {"cpu_s": 0.0, "wall_s": 0.0}
+
+        def timed(name: str) -> float:
+            before = cpu_seconds(stack_pids) if name != "stack" else 0.0
+            start = time.perf_counter()
+            fns[name]()
+            sync(args.device)
+            seconds = time.perf_counter() - start
+            if name != "stack" and stack_pids:
+                stack_busy["cpu_s"] += cpu_seconds(stack_pids) - before
+                stack_busy["wall_s"] += seconds
+            return seconds
+
+        # Warm-up: the first pass of a process pays one-off allocations. Quick mode warms only the
+        # first pass of each process (in-process and the stack's trainer).
+        progress.set_postfix_str("warm-up")
+        timed("cobatched")
+        if stack is not None:
+            timed("stack")
+        progress.update()
+        if warm_all:
+            for name in variants:
+                timed(name)
+                progress.update()
+
+        for rep in range(reps):
+            order = variants[rep % len(variants):] + variants[: rep % len(variants)]  # rotate: no fixed position
+            for name in order:
+                progress.set_postfix_str(f"rep {rep + 1}/{reps}: {name}")
+                samples[name].append(timed(name))
+                progress.update()
+            tqdm.write(f"rep {rep + 1}: " + ", ".join(f"{n} {samples[n][-1]:.2f}s" for n in variants))
+        progress.close()
+    finally:
+        if client is not None:
+            client.close()
+        if stack is not None:
+            if stack_thread is not None:
+                stack_thread.join(timeout=600)
+            stack.stop()
+
+    med = {name: median(xs) for name, xs in samples.items()}
+    ratios = {
+        "cobatch_overhead": med["cobatched"] / med["single_adapter"],
+        "cobatch_gain": med["time_sliced"] / med["cobatched"],
+        "scheduler_overhead": med["stack"] / med["single_adapter"] if "stack" in med else None,
+        "memory_ratio": memory["chunked"]["delta_rss_kb"] / memory["full"]["delta_rss_kb"],
+    }
+    result = {
+        "benchmark": "multitenant",
+        "ratios": ratios,
+        "goals": {n: f"{op} {g}" for n, (op, g) in GOALS.items()},
+        "goal_met": {n: verdict(n, v) for n, v in ratios.items()},
+        "medians_s": med,
+        "samples_s": samples,
+        "measures": {
+            "cobatch_overhead": "median(one run_cycle: 8 items, 8 adapters, 1 x 128 tokens each) / "
+                                "median(one run_cycle: 1 item, 8 x 128 tokens, one adapter)",
+            "cobatch_gain": "median(8 run_cycle calls of 1 item each) / median(one run_cycle with the 8 items)",
+            "scheduler_overhead": "median(client forward_backward of 8 x 128 tokens through LocalStack, .result()) / "
+                                  "median(in-process run_cycle of the same batch)",
+            "memory_ratio": "activation memory delta (peak RSS during the pass - RSS before it, peak mark reset after "
+                            "model load) of 8 x 512 tokens: chunked logprob engine path / full B x T x V logits",
+        },
+        "memory": {
+            "chunked": memory["chunked"], "full": memory["full"],
+            "peak_ratio_raw": memory["chunked"]["peak_rss_kb"] / memory["full"]["peak_rss_kb"],
+            "delta_ratio": ratios["memory_ratio"],
+            "full_logits_tensor_mib": ROWS * MEM_TOKENS * memory["full"]["vocab"] * 4 / 2**20,
+        },
+        "stack_idle_check": {"stack_cpu_s_during_inprocess": stack_busy["cpu_s"], "inprocess_wall_s": stack_busy["wall_s"]},
+        "config": {
+            "model": args.model, "device": args.device, "dtype": args.dtype, "threads": args.threads, "reps": reps,
+            "quick": args.quick, "rows": ROWS, "tokens_per_row": TOKENS, "memory_tokens_per_row": MEM_TOKENS, "rank": RANK,
+            "targets": "attn+mlp", "max_tokens_per_microbatch": engine.settings.max_tokens_per_microbatch,
+            "logprob_chunk_tokens": engine.settings.logprob_chunk_tokens, "torch": torch.__version__,
+            "python": platform.python_version(), "cpu_count": os.cpu_count(),
+            "load_average_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        },
+        "total_seconds": time.perf_counter() - started,
+    }
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "multitenant.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, args.out_dir / "multitenant.png")
+    for name, value in ratios.items():
+        if value is not None:
+            op, goal = GOALS[name]
+            print(f"{name:20s} {value:6.3f}  (goal {op} {goal:g}: {'met' if result['goal_met'][name] else 'MISSED'})",
+                  file=sys.stderr)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
