@@ -21,10 +21,16 @@ class LossSpec:
     required: dict[str, str]                       # input name -> dtype name
     optional: dict[str, str] = field(default_factory=dict)
     config: dict[str, float] = field(default_factory=dict)  # numeric config keys -> default
+    top_k_targets: bool = False                    # accepts (N, K) target_tokens and weights
 
 
+_RL_INPUTS = {"target_tokens": "int64", "logprobs": "float32", "advantages": "float32"}
 LOSS_SPECS: dict[str, LossSpec] = {
-    "cross_entropy": LossSpec(required={"target_tokens": "int64", "weights": "float32"}),
+    "cross_entropy": LossSpec(required={"target_tokens": "int64", "weights": "float32"}, top_k_targets=True),
+    "importance_sampling": LossSpec(required=_RL_INPUTS),
+    "ppo": LossSpec(required=_RL_INPUTS, config={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
+    "cispo": LossSpec(required=_RL_INPUTS, config={"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}),
+    "dro": LossSpec(required=_RL_INPUTS, config={"beta": 0.05}),
 }
 
 
@@ -94,13 +100,16 @@ def validate_forward_backward(
             if dtype_name(tensor.dtype) != want:
                 raise InvalidArgument(f"datum {i}: {name} must be {want}, got {dtype_name(tensor.dtype)}")
             arr = decode_array(tensor)
-            if arr.ndim != 1 or arr.shape[0] != n:
-                raise InvalidArgument(
-                    f"datum {i}: {name} has shape {list(arr.shape)} but model_input has {n} tokens (expected [{n}])"
-                )
+            two_d = spec.top_k_targets and arr.ndim == 2 and arr.shape[1] >= 1
+            if not (arr.ndim == 1 or two_d) or arr.shape[0] != n:
+                want = f"[{n}] or [{n}, K]" if spec.top_k_targets else f"[{n}]"
+                raise InvalidArgument(f"datum {i}: {name} has shape {list(arr.shape)} but model_input has {n} tokens (expected {want})")
             if arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
                 raise InvalidArgument(f"datum {i}: {name} contains NaN or infinite values")
             inputs[name] = arr
+        shapes = {name: arr.shape for name, arr in inputs.items()}
+        if len(set(shapes.values())) > 1:
+            raise InvalidArgument(f"datum {i}: loss_fn_inputs shapes differ: {shapes}")
         if "target_tokens" in inputs:
             check_token_range(inputs["target_tokens"], vocab_size, f"datum {i} target_tokens")
         decoded.append(DecodedDatum(tokens=tokens, inputs=inputs))

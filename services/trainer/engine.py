@@ -87,6 +87,7 @@ class TrainerEngine:
         logprobs = [[None] * len(p.data) for p in items]
         losses = [[None] * len(p.data) for p in items]
         totals = [0.0] * len(items)
+        stat_sums: list[dict[str, list[float]]] = [defaultdict(lambda: [0.0, 0.0]) for _ in items]
         training = {p.adapter.adapter_id: p.adapter for p in items if not p.forward_only}
         snapshots = {key: adapter.grads_snapshot() for key, adapter in training.items()}
         try:
@@ -94,15 +95,20 @@ class TrainerEngine:
                 rows = [Row(i, j, d) for i, p in enumerate(items) if p.forward_only != grad for j, d in enumerate(p.data)]
                 for batch in self._microbatches(rows):
                     with torch.set_grad_enabled(grad):
-                        lp, elementwise = self._pass(items, batch)
+                        lp, elementwise, stats = self._pass(items, batch)
                         loss = elementwise.sum()
                         if grad:
                             loss.backward()
                     for r, row in enumerate(batch):
-                        n = len(row.datum.tokens)
-                        logprobs[row.item][row.index] = lp[r, :n].detach().float().cpu().numpy()
-                        losses[row.item][row.index] = elementwise[r, :n].detach().float().cpu().numpy()
+                        n, shape = len(row.datum.tokens), row.datum.inputs["target_tokens"].shape
+                        cols = _columns(row.datum.inputs["target_tokens"])
+                        logprobs[row.item][row.index] = lp[r, :n, :cols].detach().float().cpu().numpy().reshape(shape)
+                        losses[row.item][row.index] = elementwise[r, :n, :cols].detach().float().cpu().numpy().reshape(shape)
                         totals[row.item] += float(losses[row.item][row.index].sum(dtype=np.float64))
+                    for i, item_stats in stats.items():
+                        for name, (total, count) in item_stats.items():
+                            stat_sums[i][name][0] += total
+                            stat_sums[i][name][1] += count
         except BaseException:
             for key, adapter in training.items():
                 adapter.restore_grads(snapshots[key])  # an internal failure must not leave half a gradient
@@ -112,7 +118,9 @@ class TrainerEngine:
             ntokens = sum(len(d.tokens) for d in p.data)
             if not p.forward_only:
                 p.adapter.pending_tokens += ntokens
-            results.append(ForwardBackwardResult(logprobs[i], losses[i], {"loss:sum": totals[i], "num_tokens:sum": float(ntokens)}))
+            metrics = {"loss:sum": totals[i], "num_tokens:sum": float(ntokens)}
+            metrics.update({f"{name}:mean": total / max(count, 1.0) for name, (total, count) in stat_sums[i].items()})
+            results.append(ForwardBackwardResult(logprobs[i], losses[i], metrics))
         return results
 
     def optim_step(self, adapter: TrainedAdapter, params: types_pb2.AdamParams) -> dict[str, float]:
@@ -163,46 +171,60 @@ class TrainerEngine:
         if batch:
             yield batch
 
-    def _pass(self, items: list[PreparedForwardBackward], batch: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target logprobs (B, T) and the elementwise loss (B, T) of one micro-batch."""
+    def _pass(self, items: list[PreparedForwardBackward], batch: list[Row]):
+        """One micro-batch: target logprobs and elementwise loss, both (B, T, K), and per-item sums
+        of each loss statistic with its token count (for ``name:mean`` metrics)."""
         width = max(len(row.datum.tokens) for row in batch)
+        k = max(_columns(row.datum.inputs["target_tokens"]) for row in batch)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         mask = torch.zeros(len(batch), width, dtype=torch.bool)
-        targets = torch.zeros(len(batch), width, dtype=torch.long)
+        targets = torch.zeros(len(batch), width, k, dtype=torch.long)
         for r, row in enumerate(batch):
             n = len(row.datum.tokens)
             ids[r, :n] = torch.from_numpy(row.datum.tokens.astype(np.int64))
             mask[r, :n] = True
-            targets[r, :n] = torch.from_numpy(row.datum.inputs["target_tokens"].astype(np.int64))
+            tt = torch.tensor(row.datum.inputs["target_tokens"], dtype=torch.long)
+            targets[r, :n, : _columns(tt)] = tt.reshape(n, -1)
         ids, mask, targets = ids.to(self.device), mask.to(self.device), targets.to(self.device)
         rows_of: dict[str, list[int]] = defaultdict(list)
+        by_item: dict[int, list[int]] = defaultdict(list)
         for r, row in enumerate(batch):
             rows_of[items[row.item].adapter.adapter_id].append(r)
+            by_item[row.item].append(r)
         groups = [(key, torch.tensor(rs, device=self.device)) for key, rs in rows_of.items()]
         lp = self._target_logprobs(ids, mask, targets, groups)
 
         elementwise = torch.zeros_like(lp)
-        by_item: dict[int, list[int]] = defaultdict(list)
-        for r, row in enumerate(batch):
-            by_item[row.item].append(r)
+        stats: dict[int, dict[str, tuple[float, float]]] = {}
         for i, rs in by_item.items():
             item = items[i]
             index = torch.tensor(rs, device=self.device)
+            ki = max(_columns(batch[r].datum.inputs["target_tokens"]) for r in rs)
             inputs = {}
             for name in item.data[0].inputs:
                 if name == "target_tokens":
                     continue
-                values = torch.zeros(len(rs), width, dtype=torch.float32)
-                for k, r in enumerate(rs):
-                    arr = batch[r].datum.inputs[name]
-                    values[k, : len(arr)] = torch.tensor(arr, dtype=torch.float32)
+                values = torch.zeros(len(rs), width, ki, dtype=torch.float32)
+                for j, r in enumerate(rs):
+                    arr = torch.tensor(batch[r].datum.inputs[name], dtype=torch.float32)
+                    values[j, : arr.shape[0], : _columns(arr)] = arr.reshape(arr.shape[0], -1)
                 inputs[name] = values.to(self.device)
-            part = LOSS_FNS[item.loss_fn](lp.index_select(0, index), inputs, item.config) * mask.index_select(0, index)
-            elementwise = elementwise.index_add(0, index, part)
-        return lp, elementwise
+            item_lp = lp.index_select(0, index)[:, :, :ki]
+            valid = mask.index_select(0, index)[:, :, None].expand_as(item_lp)
+            if ki == 1:  # per-token losses see (B, T) tensors
+                loss, extra = LOSS_FNS[item.loss_fn](item_lp[..., 0], {n: v[..., 0] for n, v in inputs.items()}, item.config)
+                loss, extra = loss[..., None], {n: v[..., None] for n, v in extra.items()}
+            else:
+                loss, extra = LOSS_FNS[item.loss_fn](item_lp, inputs, item.config)
+            loss = loss * valid
+            padded = torch.zeros(len(rs), width, k, dtype=loss.dtype, device=loss.device)
+            padded[:, :, :ki] = loss
+            elementwise = elementwise.index_add(0, index, padded)
+            stats[i] = {name: (float((v * valid).sum()), float(valid.sum())) for name, v in extra.items()}
+        return lp, elementwise, stats
 
     def _target_logprobs(self, ids, mask, targets, groups) -> torch.Tensor:
-        """log p(target) at every position, temperature 1, full vocabulary, shape (B, T).
+        """log p(target) at every position and target column, temperature 1, full vocabulary, (B, T, K).
 
         The lm_head + log-softmax runs over chunks of real (unpadded) positions, recomputed in the
         backward pass, so the B×T×V logits tensor never exists at once.
@@ -211,7 +233,7 @@ class TrainerEngine:
         if not self._plain_head:
             with self.lora.route(groups):
                 logits = model(input_ids=ids, attention_mask=mask.long()).logits.float()
-            return logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1) * mask
+            return logits.log_softmax(-1).gather(-1, targets) * mask[..., None]
         with self.lora.route(groups):
             hidden = model.get_decoder()(input_ids=ids, attention_mask=mask.long()).last_hidden_state
         head = model.get_output_embeddings()
@@ -226,12 +248,16 @@ class TrainerEngine:
             local = [(k, t[(t >= start) & (t < stop)] - start) for k, t in token_groups]
             args = (self.lora, head, flat_hidden[start:stop], flat_targets[start:stop], [(k, t) for k, t in local if t.numel()])
             pieces.append(checkpoint(_head_logprobs, *args, use_reentrant=False) if torch.is_grad_enabled() else _head_logprobs(*args))
-        out = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
-        return out.masked_scatter(mask, torch.cat(pieces)) if pieces else out
+        out = torch.zeros(targets.shape, dtype=torch.float32, device=ids.device)
+        return out.masked_scatter(mask[..., None].expand_as(targets), torch.cat(pieces)) if pieces else out
+
+
+def _columns(arr) -> int:
+    return 1 if arr.ndim == 1 else int(arr.shape[1])
 
 
 def _head_logprobs(lora: LoraModel, head, hidden: torch.Tensor, targets: torch.Tensor, groups) -> torch.Tensor:
     # Routing is set inside so the backward-pass recomputation routes the same way.
     with lora.route(groups):
         logits = head(hidden).float()
-    return logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return logits.log_softmax(-1).gather(-1, targets)
