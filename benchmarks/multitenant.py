@@ -147,13 +147,29 @@ def full_logits_forward_backward(engine, sequences: list[np.ndarray]) -> float:
     return float(loss.detach())
 
 
+def decoder_only_forward_backward(engine, sequences: list[np.ndarray]) -> float:
+    """The decoder alone (no lm_head, no logprobs) with a trivial loss: the activation memory that
+    both logprob paths share, to split the memory delta into decoder and head parts."""
+    import torch
+
+    device = engine.device
+    ids = torch.from_numpy(np.stack([s[:-1] for s in sequences])).to(device)
+    mask = torch.ones_like(ids)
+    groups = [(f"tenant-{i}", torch.tensor([i], device=device)) for i in range(len(sequences))]
+    with engine.lora.route(groups):
+        hidden = engine.loaded.model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+    loss = hidden.float().sum()
+    loss.backward()
+    return float(loss.detach())
+
+
 def memory_child(args) -> None:
     import torch
 
     variant = args.memory_child
     with tempfile.TemporaryDirectory() as tmp:
         engine = build_engine(args, Path(tmp), ROWS)
-        sequences = random_sequences(ROWS, MEM_TOKENS, engine.loaded.vocab_size, seed=1)
+        sequences = random_sequences(ROWS, args.memory_tokens, engine.loaded.vocab_size, seed=1)
         items = [fb_item(f"tenant-{i}", [datum_proto(s)]) for i, s in enumerate(sequences)]
         gc.collect()
         load_peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -167,13 +183,15 @@ def memory_child(args) -> None:
         if variant == "chunked":
             results, _ = engine.run_cycle(items, [])
             loss = sum(r.metrics["loss:sum"] for r in results)
-        else:
+        elif variant == "full":
             loss = full_logits_forward_backward(engine, sequences)
+        else:
+            loss = decoder_only_forward_backward(engine, sequences)
         sync(args.device)
         seconds = time.perf_counter() - start
         peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         out = {
-            "variant": variant, "rows": ROWS, "tokens": MEM_TOKENS, "seconds": seconds, "loss": loss,
+            "variant": variant, "rows": ROWS, "tokens": args.memory_tokens, "seconds": seconds, "loss": loss,
             "load_peak_rss_kb": load_peak_kb, "peak_reset": reset, "baseline_rss_kb": baseline_kb, "rss_before_pass_kb": rss_before_kb,
             "peak_rss_kb": peak_kb, "delta_rss_kb": peak_kb - baseline_kb,
             "logprob_chunk_tokens": engine.settings.logprob_chunk_tokens, "vocab": engine.loaded.vocab_size,
@@ -185,7 +203,7 @@ def memory_child(args) -> None:
 
 def run_memory_child(args, variant: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", variant, "--model", args.model, "--device", args.device,
-           "--dtype", args.dtype, "--threads", str(args.threads)]
+           "--dtype", args.dtype, "--threads", str(args.threads), "--memory-tokens", str(args.memory_tokens)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith(MEM_PREFIX):
@@ -261,13 +279,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per variant (default 7, --quick 2)")
     parser.add_argument("--no-stack", action="store_true", help="skip (c), which starts scheduler/trainer/sampler processes")
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
-    parser.add_argument("--memory-child", choices=["chunked", "full"], help=argparse.SUPPRESS)
+    parser.add_argument("--memory-tokens", type=int, default=None,
+                        help=f"tokens per row in (d) (default {MEM_TOKENS}, --quick {MEM_TOKENS // 2})")
+    parser.add_argument("--no-memory-breakdown", action="store_true",
+                        help="skip the decoder-only child that splits (d) into decoder and head memory (skipped by --quick)")
+    parser.add_argument("--memory-child", choices=["chunked", "full", "decoder_only"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.model is None:
         from temper.services.models.prepare import SMOLLM2_NAME, prepare_smollm2
 
         prepare_smollm2()
         args.model = SMOLLM2_NAME
+    if args.memory_tokens is None:
+        args.memory_tokens = MEM_TOKENS // 2 if args.quick else MEM_TOKENS
     if args.memory_child:
         memory_child(args)
         return 0
@@ -275,11 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from tqdm import tqdm
 
-    reps = args.reps or (2 if args.quick else 7)
+    reps = args.reps or (2 if args.quick else 6)
+    memory_variants = ["chunked", "full"] + ([] if args.quick or args.no_memory_breakdown else ["decoder_only"])
     warm_all = not args.quick
     started = time.perf_counter()
     variants = ["cobatched", "single_adapter", "time_sliced"] + ([] if args.no_stack else ["stack"])
-    progress = tqdm(total=2 + 1 + 1 + len(variants) * ((1 if warm_all else 0) + reps),
+    progress = tqdm(total=len(memory_variants) + 1 + 1 + len(variants) * ((1 if warm_all else 0) + reps),
                     desc="multitenant", unit="step", file=sys.stderr)
     work = Path(tempfile.mkdtemp(prefix="temper-bench-"))
 
@@ -304,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     client = None
     try:
         memory = {}
-        for variant in ("chunked", "full"):
+        for variant in memory_variants:
             progress.set_postfix_str(f"memory: {variant}")
             memory[variant] = run_memory_child(args, variant)
             progress.update()
@@ -399,6 +424,13 @@ def main(argv: list[str] | None = None) -> int:
         "scheduler_overhead": med["stack"] / med["single_adapter"] if "stack" in med else None,
         "memory_ratio": memory["chunked"]["delta_rss_kb"] / memory["full"]["delta_rss_kb"],
     }
+    head_breakdown = {}
+    if "decoder_only" in memory:  # the memory both paths share; what remains is the logprob head's
+        decoder = memory["decoder_only"]["delta_rss_kb"]
+        head_chunked, head_full = memory["chunked"]["delta_rss_kb"] - decoder, memory["full"]["delta_rss_kb"] - decoder
+        head_breakdown = {"decoder_only_delta_mib": decoder / 1024, "head_chunked_delta_mib": head_chunked / 1024,
+                          "head_full_delta_mib": head_full / 1024,
+                          "head_only_ratio": head_chunked / head_full if head_full > 0 else None}
     result = {
         "benchmark": "multitenant",
         "ratios": ratios,
@@ -412,19 +444,22 @@ def main(argv: list[str] | None = None) -> int:
             "cobatch_gain": "median(8 run_cycle calls of 1 item each) / median(one run_cycle with the 8 items)",
             "scheduler_overhead": "median(client forward_backward of 8 x 128 tokens through LocalStack, .result()) / "
                                   "median(in-process run_cycle of the same batch)",
-            "memory_ratio": "activation memory delta (peak RSS during the pass - RSS before it, peak mark reset after "
-                            "model load) of 8 x 512 tokens: chunked logprob engine path / full B x T x V logits",
+            "memory_ratio": f"activation memory delta (peak RSS during the pass - RSS before it, peak mark reset after "
+                            f"model load) of {ROWS} x {args.memory_tokens} tokens, whole forward_backward (decoder "
+                            f"activations included): chunked logprob engine path / full B x T x V logits",
         },
         "memory": {
             "chunked": memory["chunked"], "full": memory["full"],
             "peak_ratio_raw": memory["chunked"]["peak_rss_kb"] / memory["full"]["peak_rss_kb"],
             "delta_ratio": ratios["memory_ratio"],
-            "full_logits_tensor_mib": ROWS * MEM_TOKENS * memory["full"]["vocab"] * 4 / 2**20,
+            "full_logits_tensor_mib": ROWS * args.memory_tokens * memory["full"]["vocab"] * 4 / 2**20,
+            "head_saving_mib": (memory["full"]["delta_rss_kb"] - memory["chunked"]["delta_rss_kb"]) / 1024,
+            **head_breakdown,
         },
         "stack_idle_check": {"stack_cpu_s_during_inprocess": stack_busy["cpu_s"], "inprocess_wall_s": stack_busy["wall_s"]},
         "config": {
             "model": args.model, "device": args.device, "dtype": args.dtype, "threads": args.threads, "reps": reps,
-            "quick": args.quick, "rows": ROWS, "tokens_per_row": TOKENS, "memory_tokens_per_row": MEM_TOKENS, "rank": RANK,
+            "quick": args.quick, "rows": ROWS, "tokens_per_row": TOKENS, "memory_tokens_per_row": args.memory_tokens, "rank": RANK,
             "targets": "attn+mlp", "max_tokens_per_microbatch": engine.settings.max_tokens_per_microbatch,
             "logprob_chunk_tokens": engine.settings.logprob_chunk_tokens, "torch": torch.__version__,
             "python": platform.python_version(), "cpu_count": os.cpu_count(),

@@ -7,10 +7,14 @@ submitted, and the scheduler executes the run's requests in seq_id order, so
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import threading
 import uuid
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import numpy as np
 
 from temper.client import convert
 from temper.client import types as t
@@ -57,6 +61,64 @@ class TrainingClient:
         # that the scheduler would wait on.
         request.seq_id = self._next_seq()
         return APIFuture(self._runtime.rpc("ForwardBackward", request), convert.forward_backward_from_proto)
+
+    def forward_backward_custom(
+        self, data: Sequence[t.Datum], loss_fn: Callable[[Sequence[t.Datum], list[Any]], tuple[Any, dict[str, float]]]
+    ) -> APIFuture[t.ForwardBackwardOutput]:
+        """A loss written in torch on the client, as in the Tinker SDK: a forward pass returns each
+        datum's target logprobs, ``loss_fn(data, logprobs)`` gives (loss, metrics), and a
+        cross_entropy backward with weights = -dloss/dlogprobs puts exactly that gradient into the
+        adapter. Needs torch on the client."""
+        import torch
+
+        def zeros_like_targets(d: t.Datum) -> t.TensorData:
+            shape = d.loss_fn_inputs["target_tokens"].to_numpy().shape
+            return t.TensorData.from_numpy(np.zeros(shape, dtype=np.float32))
+
+        forward_data = [
+            t.Datum(model_input=d.model_input, loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"],
+                                                               "weights": d.loss_fn_inputs.get("weights") or zeros_like_targets(d)})
+            for d in data
+        ]
+        forward = service_pb2.ForwardBackwardRequest(
+            training_run_id=self.model_id, data=[convert.datum_to_proto(d) for d in forward_data], loss_fn="cross_entropy", forward_only=True
+        )
+        # Both seq ids are taken now so the pair keeps its place among this run's requests.
+        forward.seq_id, backward_seq = self._next_seq(), self._next_seq()
+
+        def surrogate(outputs: types_pb2.ForwardBackwardOutput):
+            logprobs = [torch.tensor(convert.tensor_from_proto(o.fields["logprobs"]).to_numpy(), requires_grad=True)
+                        for o in outputs.loss_fn_outputs]
+            loss, metrics = loss_fn(data, logprobs)
+            loss.backward()
+            backward_data = [
+                t.Datum(model_input=d.model_input, loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"],
+                                                                   "weights": t.TensorData.from_torch(-lp.grad.float())})
+                for d, lp in zip(data, logprobs)
+            ]
+            return float(loss.detach()), dict(metrics), backward_data
+
+        async def run():
+            try:
+                outputs = await self._runtime._call("ForwardBackward", forward)
+                loss, metrics, backward_data = await asyncio.to_thread(surrogate, outputs)
+            except BaseException:
+                # Spend the reserved seq (an empty request is rejected at once) so later work is not held up.
+                empty = service_pb2.ForwardBackwardRequest(training_run_id=self.model_id, seq_id=backward_seq, loss_fn="cross_entropy")
+                with contextlib.suppress(Exception):
+                    await self._runtime._call("ForwardBackward", empty)
+                raise
+            backward = service_pb2.ForwardBackwardRequest(
+                training_run_id=self.model_id, seq_id=backward_seq, data=[convert.datum_to_proto(d) for d in backward_data],
+                loss_fn="cross_entropy",
+            )
+            result = convert.forward_backward_from_proto(await self._runtime._call("ForwardBackward", backward))
+            result.metrics["surrogate_loss:sum"] = result.metrics["loss:sum"]
+            result.metrics.update(metrics)
+            result.metrics["loss:sum"] = loss
+            return result
+
+        return APIFuture(self._runtime.call_soon(run()))
 
     def optim_step(self, adam_params: t.AdamParams | None = None) -> APIFuture[t.OptimStepResponse]:
         request = service_pb2.OptimStepRequest(

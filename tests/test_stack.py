@@ -176,3 +176,29 @@ def test_health_and_reflection_are_served(stack):
         iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
     names = {s.name for r in responses for s in r.list_services_response.service}
     assert "temper.v1.Temper" in names
+
+
+def test_forward_backward_custom_equals_the_builtin_loss(service_client, tiny_model_dir, tmp_path):
+    import torch
+
+    builtin = service_client.create_lora_training_client(tiny_model_dir, rank=4, seed=31)
+    custom = service_client.create_lora_training_client(tiny_model_dir, rank=4, seed=31)
+    data = [sft_datum(PATTERN), sft_datum(PATTERN[:7], weights=[0.5, 1, 2, 0, 1, 1])]
+
+    def weighted_nll(batch, logprobs):
+        loss = sum((-lp * torch.tensor(d.loss_fn_inputs["weights"].to_numpy())).sum() for d, lp in zip(batch, logprobs))
+        return loss, {"custom_metric:mean": 1.5}
+
+    for _ in range(2):
+        want = builtin.forward_backward(data).result()
+        got = custom.forward_backward_custom(data, weighted_nll).result()
+        builtin.optim_step(ADAM)
+        custom.optim_step(ADAM)
+        assert got.metrics["loss:sum"] == pytest.approx(want.metrics["loss:sum"], rel=1e-5)
+        assert got.metrics["custom_metric:mean"] == 1.5
+        for a, b in zip(got.loss_fn_outputs, want.loss_fn_outputs):
+            np.testing.assert_allclose(a["logprobs"].to_numpy(), b["logprobs"].to_numpy(), atol=1e-6)
+    paths = [tc.save_weights_for_sampler("custom").result().path for tc in (builtin, custom)]
+    a, b = (adapter_weights(service_client, p, tmp_path) for p in paths)
+    for key in a:
+        np.testing.assert_allclose(a[key], b[key], atol=1e-6, err_msg=key)
