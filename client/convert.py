@@ -79,6 +79,7 @@ def sampling_params_to_proto(params: t.SamplingParams) -> types_pb2.SamplingPara
     message = types_pb2.SamplingParams(
         max_tokens=params.max_tokens if params.max_tokens is not None else 16,
         temperature=params.temperature, top_k=max(params.top_k, 0), top_p=params.top_p,
+        processed_logprobs=params.processed_logprobs,
     )
     if params.seed is not None:
         message.seed = params.seed
@@ -98,11 +99,15 @@ def sampling_params_to_proto(params: t.SamplingParams) -> types_pb2.SamplingPara
 
 
 def sample_from_proto(message: types_pb2.SampleResponse) -> t.SampleResponse:
-    sequences = [
-        t.SampledSequence(stop_reason=_STOP.get(s.stop_reason, "length"), tokens=decode_tokens(s.tokens).tolist(),
-                          logprobs=decode_floats(s.logprobs).tolist())
-        for s in message.sequences
-    ]
+    sequences = []
+    for s in message.sequences:
+        topk = None
+        if s.topk:
+            ids = decode_tokens(s.topk_token_ids).reshape(-1, s.topk)
+            lps = decode_floats(s.topk_logprobs).reshape(-1, s.topk)
+            topk = [list(zip(row_ids.tolist(), row_lps.tolist())) for row_ids, row_lps in zip(ids, lps)]
+        sequences.append(t.SampledSequence(stop_reason=_STOP.get(s.stop_reason, "length"), tokens=decode_tokens(s.tokens).tolist(),
+                                           logprobs=decode_floats(s.logprobs).tolist(), topk_logprobs=topk))
     prompt = logprobs_list(message.prompt_logprobs) if message.HasField("prompt_logprobs") else None
     return t.SampleResponse(sequences=sequences, prompt_logprobs=prompt)
 

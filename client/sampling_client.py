@@ -24,12 +24,12 @@ class SamplingClient:
 
     def sample(
         self, prompt: t.ModelInput, num_samples: int = 1, sampling_params: t.SamplingParams | None = None,
-        include_prompt_logprobs: bool = False,
+        include_prompt_logprobs: bool = False, topk_logprobs: int = 0,
     ) -> APIFuture[t.SampleResponse]:
         request = service_pb2.SampleRequest(
             sampler_id=self.sampler_id, prompt=convert.model_input_to_proto(prompt), num_samples=num_samples,
             sampling_params=convert.sampling_params_to_proto(sampling_params or t.SamplingParams()),
-            include_prompt_logprobs=include_prompt_logprobs,
+            include_prompt_logprobs=include_prompt_logprobs, topk_logprobs=topk_logprobs,
         )
         return APIFuture(self._runtime.rpc("Sample", request), convert.sample_from_proto)
 

@@ -116,8 +116,10 @@ class AdamParams:
 class SamplingParams:
     """``stop``: None keeps the model's end-of-sequence stop; [] disables stopping; else strings or ids.
 
-    temperature 0 is greedy. Returned logprobs are always log p(token) under the raw model
-    (temperature 1, full vocabulary), the quantity the trainer's losses compare against.
+    temperature 0 is greedy. By default returned logprobs are log p(token) under the raw model
+    (temperature 1, full vocabulary), the quantity the trainer's losses compare against;
+    ``processed_logprobs=True`` returns them under the distribution actually sampled from (after
+    temperature, top-k and top-p).
     """
 
     max_tokens: int | None = None
@@ -126,6 +128,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
+    processed_logprobs: bool = False
 
 
 @dataclass
@@ -156,6 +159,7 @@ class SampledSequence:
     stop_reason: StopReason
     tokens: list[int]
     logprobs: list[float] | None = None
+    topk_logprobs: list[list[tuple[int, float]]] | None = None  # per position: (token, logprob), raw model
 
 
 @dataclass

@@ -263,6 +263,7 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
             response = await sampler.stub.Sample(sampler_pb2.SamplerSampleRequest(
                 adapter_id=adapter_id, prompt_tokens=tokens.astype("<i4").tobytes(), num_samples=request.num_samples,
                 sampling_params=request.sampling_params, include_prompt_logprobs=request.include_prompt_logprobs,
+                topk_logprobs=request.topk_logprobs,
             ))
         generated = sum(len(s.tokens) // 4 for s in response.sequences)
         await asyncio.to_thread(self.store.add_sampled_tokens, request.sampler_id, generated)

@@ -84,3 +84,29 @@ def test_unknown_adapter_and_bad_prompt(backend):
         backend.sample("nope", np.array([1, 2], dtype=np.int32), 1, GREEDY, False)
     with pytest.raises(InvalidArgument):
         backend.compute_logprobs(None, np.array([1, 99999], dtype=np.int32))
+
+
+def test_top_k_logprobs_and_the_logprob_mode(backend):
+    prompt = np.array([9, 10, 11], dtype=np.int32)
+    [result] = backend.sample_batch([SampleRequest("z", prompt, 1, GREEDY, topk_logprobs=3)])
+    seq = result.sequences[0]
+    assert len(seq.topk_ids) == len(seq.tokens) == 8
+    for token, lp, ids, lps in zip(seq.tokens, seq.logprobs, seq.topk_ids, seq.topk_logprobs):
+        assert ids[0] == token and lps[0] == pytest.approx(lp, abs=1e-6)  # greedy picks the top-1
+        assert lps == sorted(lps, reverse=True)
+    # processed logprobs: under the distribution actually sampled from
+    greedy_processed = backend.sample("z", prompt, 1, SamplingOptions(max_tokens=4, temperature=0.0, stop_disabled=True,
+                                                                      processed_logprobs=True), False)
+    assert greedy_processed.sequences[0].logprobs == [0.0] * 4
+    hot = SamplingOptions(max_tokens=4, temperature=0.5, seed=5, stop_disabled=True)
+    raw = backend.sample("z", prompt, 1, hot, False).sequences[0]
+    processed = backend.sample("z", prompt, 1, SamplingOptions(**{**hot.__dict__, "processed_logprobs": True}), False).sequences[0]
+    assert raw.tokens == processed.tokens
+    with torch.no_grad(), backend.lora.route([("z", None)]):
+        logits = backend.loaded.model(input_ids=torch.tensor([list(prompt) + raw.tokens])).logits[0]
+    positions = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(raw.tokens))
+    targets = torch.tensor(raw.tokens)
+    want_raw = logits.log_softmax(-1)[positions, targets].numpy()
+    want_processed = (logits / 0.5).log_softmax(-1)[positions, targets].numpy()
+    np.testing.assert_allclose(raw.logprobs, want_raw, atol=1e-4)
+    np.testing.assert_allclose(processed.logprobs, want_processed, atol=1e-4)

@@ -24,6 +24,7 @@ class SamplingOptions:
     stop_strings: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     stop_disabled: bool = False
+    processed_logprobs: bool = False
 
     @classmethod
     def from_proto(cls, p: types_pb2.SamplingParams, vocab_size: int) -> "SamplingOptions":
@@ -39,15 +40,17 @@ class SamplingOptions:
         return cls(
             max_tokens=p.max_tokens, seed=p.seed if p.HasField("seed") else None, temperature=p.temperature,
             top_k=max(p.top_k, 0), top_p=p.top_p if 0 < p.top_p < 1 else 1.0, stop_strings=tuple(p.stop_strings),
-            stop_token_ids=stop_ids, stop_disabled=p.stop_disabled,
+            stop_token_ids=stop_ids, stop_disabled=p.stop_disabled, processed_logprobs=p.processed_logprobs,
         )
 
 
 @dataclass
 class GeneratedSequence:
     tokens: list[int]
-    logprobs: list[float]       # log p(token) under the raw model (temperature 1, full vocabulary)
+    logprobs: list[float]       # log p(token): raw model (T=1, full vocab) unless processed_logprobs
     stop_reason: str            # "stop" | "length"
+    topk_ids: list[list[int]] | None = None        # per position, the k most likely tokens (raw)
+    topk_logprobs: list[list[float]] | None = None
 
 
 @dataclass
@@ -63,6 +66,7 @@ class SampleRequest:
     num_samples: int
     options: SamplingOptions
     prompt_logprobs: bool = False
+    topk_logprobs: int = 0
 
 
 @dataclass

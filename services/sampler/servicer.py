@@ -79,13 +79,21 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
             raise InvalidArgument(f"num_samples must be in [1, {self.max_num_samples}], got {request.num_samples}")
         options = SamplingOptions.from_proto(request.sampling_params, self.backend.describe().vocab_size)
         prompt = decode_tokens(request.prompt_tokens)
-        sample = SampleRequest(request.adapter_id or None, prompt, request.num_samples, options, request.include_prompt_logprobs)
+        vocab = self.backend.describe().vocab_size
+        if not 0 <= request.topk_logprobs <= min(vocab, 100):
+            raise InvalidArgument(f"topk_logprobs must be in [0, {min(vocab, 100)}], got {request.topk_logprobs}")
+        sample = SampleRequest(request.adapter_id or None, prompt, request.num_samples, options, request.include_prompt_logprobs,
+                               request.topk_logprobs)
         result = await self._submit(sample)
         response = types_pb2.SampleResponse()
         for seq in result.sequences:
-            response.sequences.add(
+            out = response.sequences.add(
                 stop_reason=_STOP_REASONS[seq.stop_reason], tokens=encode_tokens(seq.tokens), logprobs=encode_floats(seq.logprobs)
             )
+            if seq.topk_ids is not None:
+                out.topk = request.topk_logprobs
+                out.topk_token_ids = encode_tokens([t for row in seq.topk_ids for t in row])
+                out.topk_logprobs = encode_floats([x for row in seq.topk_logprobs for x in row])
         if result.prompt_logprobs is not None:
             response.prompt_logprobs.CopyFrom(encode_array(result.prompt_logprobs, "float32"))
         return response

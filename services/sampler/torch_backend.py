@@ -33,6 +33,8 @@ class _Live:
     generator: torch.Generator
     tokens: list[list[int]] = field(default_factory=list)
     logprobs: list[list[float]] = field(default_factory=list)
+    topk_ids: list[list[list[int]]] = field(default_factory=list)
+    topk_logprobs: list[list[list[float]]] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
     alive: list[bool] = field(default_factory=list)
     prompt_logprobs: np.ndarray | None = None
@@ -118,7 +120,7 @@ class TorchSamplerBackend(SamplerBackend):
             generator = torch.Generator(device=self.device)
             generator.manual_seed(r.options.seed) if r.options.seed is not None else generator.seed()
             live.append(_Live(r, rows, self._stop_ids(r.options), generator, [[] for _ in rows], [[] for _ in rows],
-                              ["length"] * len(rows), [True] * len(rows)))
+                              [[] for _ in rows], [[] for _ in rows], ["length"] * len(rows), [True] * len(rows)))
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         mask = torch.zeros(len(prompts), width, dtype=torch.long)
         for row, prompt in enumerate(prompts):  # left padding keeps every row's last token aligned
@@ -142,11 +144,17 @@ class TorchSamplerBackend(SamplerBackend):
             for step in range(steps):
                 chosen = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
                 raw = logits.log_softmax(-1)
+                reported = raw.clone()
                 for state in live:
                     rows = torch.tensor(state.rows, device=self.device)
-                    chosen[rows] = _choose(logits.index_select(0, rows), state.request.options, state.generator)
-                chosen_lp = raw.gather(-1, chosen[:, None]).squeeze(-1).tolist()
+                    picked, processed = _choose(logits.index_select(0, rows), state.request.options, state.generator)
+                    chosen[rows] = picked
+                    if state.request.options.processed_logprobs:
+                        reported[rows] = processed
+                chosen_lp = reported.gather(-1, chosen[:, None]).squeeze(-1).tolist()
                 chosen_list = chosen.tolist()
+                k_max = max(s.request.topk_logprobs for s in live)
+                top = raw.topk(k_max, dim=-1) if k_max > 0 else None
                 for state in live:
                     for k, row in enumerate(state.rows):
                         if not state.alive[k]:
@@ -154,6 +162,10 @@ class TorchSamplerBackend(SamplerBackend):
                         tok = chosen_list[row]
                         state.tokens[k].append(tok)
                         state.logprobs[k].append(chosen_lp[row])
+                        if state.request.topk_logprobs:
+                            kk = state.request.topk_logprobs
+                            state.topk_ids[k].append(top.indices[row, :kk].tolist())
+                            state.topk_logprobs[k].append(top.values[row, :kk].tolist())
                         if tok in state.stop_ids or self._hits_stop_string(state.tokens[k], state.request.options.stop_strings):
                             state.alive[k], state.reasons[k] = False, "stop"
                         elif len(state.tokens[k]) >= state.request.options.max_tokens:
@@ -165,7 +177,9 @@ class TorchSamplerBackend(SamplerBackend):
                 out = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
                 logits, past = out.logits[:, -1].float(), out.past_key_values
         return [
-            SampleResult([GeneratedSequence(t, lp, r) for t, lp, r in zip(s.tokens, s.logprobs, s.reasons)], s.prompt_logprobs)
+            SampleResult([GeneratedSequence(t, lp, r, ti if s.request.topk_logprobs else None, tl if s.request.topk_logprobs else None)
+                          for t, lp, r, ti, tl in zip(s.tokens, s.logprobs, s.reasons, s.topk_ids, s.topk_logprobs)],
+                         s.prompt_logprobs)
             for s in live
         ]
 
@@ -191,9 +205,12 @@ def _prompt_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> np.ndarray:
     return out
 
 
-def _choose(logits: torch.Tensor, options: SamplingOptions, generator: torch.Generator) -> torch.Tensor:
+def _choose(logits: torch.Tensor, options: SamplingOptions, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampled tokens and the log-distribution they were drawn from (after the processing)."""
     if options.temperature == 0:
-        return logits.argmax(-1)
+        chosen = logits.argmax(-1)
+        processed = torch.full_like(logits, float("-inf")).scatter(-1, chosen[:, None], 0.0)
+        return chosen, processed
     scaled = logits / options.temperature
     if options.top_k and options.top_k < scaled.shape[-1]:
         kth = scaled.topk(options.top_k, dim=-1).values[:, -1:]
@@ -205,4 +222,4 @@ def _choose(logits: torch.Tensor, options: SamplingOptions, generator: torch.Gen
         drop = probs.cumsum(-1) - probs >= options.top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
-    return torch.multinomial(scaled.softmax(-1), 1, generator=generator).squeeze(-1)
+    return torch.multinomial(scaled.softmax(-1), 1, generator=generator).squeeze(-1), scaled.log_softmax(-1)

@@ -52,18 +52,20 @@ class SamplerDropAdapterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SamplerSampleRequest(_message.Message):
-    __slots__ = ("adapter_id", "prompt_tokens", "num_samples", "sampling_params", "include_prompt_logprobs")
+    __slots__ = ("adapter_id", "prompt_tokens", "num_samples", "sampling_params", "include_prompt_logprobs", "topk_logprobs")
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     adapter_id: str
     prompt_tokens: bytes
     num_samples: int
     sampling_params: _types_pb2.SamplingParams
     include_prompt_logprobs: bool
-    def __init__(self, adapter_id: _Optional[str] = ..., prompt_tokens: _Optional[bytes] = ..., num_samples: _Optional[int] = ..., sampling_params: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., include_prompt_logprobs: _Optional[bool] = ...) -> None: ...
+    topk_logprobs: int
+    def __init__(self, adapter_id: _Optional[str] = ..., prompt_tokens: _Optional[bytes] = ..., num_samples: _Optional[int] = ..., sampling_params: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., include_prompt_logprobs: _Optional[bool] = ..., topk_logprobs: _Optional[int] = ...) -> None: ...
 
 class SamplerLogprobsRequest(_message.Message):
     __slots__ = ("adapter_id", "prompt_tokens")

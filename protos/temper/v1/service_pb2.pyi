@@ -222,18 +222,20 @@ class SamplingClientInfo(_message.Message):
     def __init__(self, sampler_id: _Optional[str] = ..., base_model: _Optional[str] = ..., model_path: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("sampler_id", "prompt", "num_samples", "sampling_params", "include_prompt_logprobs")
+    __slots__ = ("sampler_id", "prompt", "num_samples", "sampling_params", "include_prompt_logprobs", "topk_logprobs")
     SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     sampler_id: str
     prompt: _types_pb2.ModelInput
     num_samples: int
     sampling_params: _types_pb2.SamplingParams
     include_prompt_logprobs: bool
-    def __init__(self, sampler_id: _Optional[str] = ..., prompt: _Optional[_Union[_types_pb2.ModelInput, _Mapping]] = ..., num_samples: _Optional[int] = ..., sampling_params: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., include_prompt_logprobs: _Optional[bool] = ...) -> None: ...
+    topk_logprobs: int
+    def __init__(self, sampler_id: _Optional[str] = ..., prompt: _Optional[_Union[_types_pb2.ModelInput, _Mapping]] = ..., num_samples: _Optional[int] = ..., sampling_params: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., include_prompt_logprobs: _Optional[bool] = ..., topk_logprobs: _Optional[int] = ...) -> None: ...
 
 class ComputeLogprobsRequest(_message.Message):
     __slots__ = ("sampler_id", "prompt")

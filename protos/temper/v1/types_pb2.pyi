@@ -156,7 +156,7 @@ class AdamParams(_message.Message):
     def __init__(self, learning_rate: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., grad_clip_norm: _Optional[float] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "seed", "temperature", "top_k", "top_p", "stop_strings", "stop_token_ids", "stop_disabled")
+    __slots__ = ("max_tokens", "seed", "temperature", "top_k", "top_p", "stop_strings", "stop_token_ids", "stop_disabled", "processed_logprobs")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,7 @@ class SamplingParams(_message.Message):
     STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STOP_DISABLED_FIELD_NUMBER: _ClassVar[int]
+    PROCESSED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     seed: int
     temperature: float
@@ -173,17 +174,24 @@ class SamplingParams(_message.Message):
     stop_strings: _containers.RepeatedScalarFieldContainer[str]
     stop_token_ids: bytes
     stop_disabled: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., stop_strings: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[bytes] = ..., stop_disabled: _Optional[bool] = ...) -> None: ...
+    processed_logprobs: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., stop_strings: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[bytes] = ..., stop_disabled: _Optional[bool] = ..., processed_logprobs: _Optional[bool] = ...) -> None: ...
 
 class SampledSequence(_message.Message):
-    __slots__ = ("stop_reason", "tokens", "logprobs")
+    __slots__ = ("stop_reason", "tokens", "logprobs", "topk", "topk_token_ids", "topk_logprobs")
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_FIELD_NUMBER: _ClassVar[int]
+    TOPK_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     stop_reason: StopReason
     tokens: bytes
     logprobs: bytes
-    def __init__(self, stop_reason: _Optional[_Union[StopReason, str]] = ..., tokens: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ...) -> None: ...
+    topk: int
+    topk_token_ids: bytes
+    topk_logprobs: bytes
+    def __init__(self, stop_reason: _Optional[_Union[StopReason, str]] = ..., tokens: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., topk: _Optional[int] = ..., topk_token_ids: _Optional[bytes] = ..., topk_logprobs: _Optional[bytes] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
     __slots__ = ("sequences", "prompt_logprobs")
