@@ -202,3 +202,18 @@ def test_forward_backward_custom_equals_the_builtin_loss(service_client, tiny_mo
     a, b = (adapter_weights(service_client, p, tmp_path) for p in paths)
     for key in a:
         np.testing.assert_allclose(a[key], b[key], atol=1e-6, err_msg=key)
+
+
+def test_sampled_logprobs_match_the_trainer(service_client, tiny_model_dir):
+    tc = service_client.create_lora_training_client(tiny_model_dir, rank=4, seed=41)
+    tc.forward_backward([sft_datum(PATTERN)])
+    tc.optim_step(ADAM).result()
+    sampler = tc.save_weights_and_get_sampling_client("parity")
+    prompt = PATTERN[:4]
+    out = sampler.sample(ModelInput.from_ints(prompt), 3, SamplingParams(max_tokens=10, seed=7, stop=[]), topk_logprobs=2).result()
+    assert len({tuple(s.tokens) for s in out.sequences}) > 1
+    for seq in out.sequences:
+        full = prompt + seq.tokens
+        trainer_lp = tc.forward([sft_datum(full)]).result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        np.testing.assert_allclose(np.asarray(seq.logprobs, np.float32), trainer_lp[-len(seq.tokens):], atol=1e-4)
+        assert len(seq.topk_logprobs) == len(seq.tokens) and all(len(p) == 2 for p in seq.topk_logprobs)
