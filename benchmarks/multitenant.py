@@ -32,6 +32,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -201,6 +202,29 @@ def memory_child(args) -> None:
     print(MEM_PREFIX + json.dumps(out), flush=True)
 
 
+MIB_PER_TOKEN = 4.5  # peak RSS growth of a full-logits forward_backward of SmolLM2-135M fp32 on CPU, measured
+
+
+def memory_available_mib() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            fields = {line.split(":")[0]: line.split()[1] for line in f}
+        return int(fields["MemAvailable"]) / 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def fit_memory_tokens(tokens: int) -> int:
+    """Halve (d)'s tokens per row until the pass fits in the memory available now with 30% headroom:
+    on a shared machine the OOM killer may pick someone else's process, not ours."""
+    available = memory_available_mib()
+    if available is None:
+        return tokens
+    while tokens > 64 and ROWS * tokens * MIB_PER_TOKEN * 1.3 > available:
+        tokens //= 2
+    return tokens
+
+
 def run_memory_child(args, variant: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", variant, "--model", args.model, "--device", args.device,
            "--dtype", args.dtype, "--threads", str(args.threads), "--memory-tokens", str(args.memory_tokens)]
@@ -327,6 +351,11 @@ def main(argv: list[str] | None = None) -> int:
         stack_thread.start()
 
     client = None
+    requested_memory_tokens = args.memory_tokens
+    args.memory_tokens = fit_memory_tokens(args.memory_tokens)
+    if args.memory_tokens != requested_memory_tokens:
+        tqdm.write(f"memory: only {memory_available_mib():.0f} MiB available; (d) runs at {ROWS} x {args.memory_tokens} tokens "
+                   f"instead of {ROWS} x {requested_memory_tokens}")
     try:
         memory = {}
         for variant in memory_variants:
@@ -416,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
             if stack_thread is not None:
                 stack_thread.join(timeout=600)
             stack.stop()
+        shutil.rmtree(work, ignore_errors=True)
 
     med = {name: median(xs) for name, xs in samples.items()}
     ratios = {
@@ -459,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         "stack_idle_check": {"stack_cpu_s_during_inprocess": stack_busy["cpu_s"], "inprocess_wall_s": stack_busy["wall_s"]},
         "config": {
             "model": args.model, "device": args.device, "dtype": args.dtype, "threads": args.threads, "reps": reps,
-            "quick": args.quick, "rows": ROWS, "tokens_per_row": TOKENS, "memory_tokens_per_row": args.memory_tokens, "rank": RANK,
+            "quick": args.quick, "rows": ROWS, "tokens_per_row": TOKENS, "memory_tokens_per_row": args.memory_tokens, "memory_tokens_requested": requested_memory_tokens, "rank": RANK,
             "targets": "attn+mlp", "max_tokens_per_microbatch": engine.settings.max_tokens_per_microbatch,
             "logprob_chunk_tokens": engine.settings.logprob_chunk_tokens, "torch": torch.__version__,
             "python": platform.python_version(), "cpu_count": os.cpu_count(),

@@ -17,6 +17,9 @@ CONFIGS = {
     "r8-all": types_pb2.LoraConfig(rank=8, alpha=16, train_attn=True, train_mlp=True, train_unembed=True, seed=3),
     "r16-unembed": types_pb2.LoraConfig(rank=16, train_unembed=True, seed=4),
     "r3-attn-mlp": types_pb2.LoraConfig(rank=3, alpha=5, train_attn=True, train_mlp=True, seed=5),
+    # same shapes as earlier ones: these share batched matmuls inside the LoRA layers
+    "r4-mlp-twin": types_pb2.LoraConfig(rank=4, train_mlp=True, seed=6),
+    "r8-all-twin": types_pb2.LoraConfig(rank=8, alpha=16, train_attn=True, train_mlp=True, train_unembed=True, seed=7),
 }
 ADAM = types_pb2.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +20,43 @@ from torch import nn
 
 @dataclass
 class Routing:
-    """Which leading-dimension indices of the next forward's inputs belong to which adapter."""
+    """Which leading-dimension indices of the next forward's inputs belong to which adapter.
 
-    groups: list[tuple[str, torch.Tensor | None]]   # (adapter key, indices or None for all rows)
+    ``groups`` holds (adapter key, indices, or None for all rows). For several groups the rows
+    are sorted once by group (``order``) so every layer gathers its input once, runs each adapter
+    on a contiguous slice, and scatters all deltas back with one gather (``inverse``): the cost
+    of the extra adapters is their small matmuls, not a full copy of the output per adapter.
+    """
+
+    groups: list[tuple[str, torch.Tensor | None]]
+    order: torch.Tensor | None = None            # rows sorted by group, then rows with no adapter
+    inverse: torch.Tensor | None = None          # position of each row in ``order``
+    segments: list[tuple[str, int, int]] | None = None  # (key, start, stop) slices of ``order``
+    rows: int = 0
+    gathers: dict = field(default_factory=dict)  # padded (G, L) row indices per bucket of segments
+
+    def prepare(self, rows: int) -> bool:
+        """Compute the sort order for inputs with ``rows`` leading entries (once per pass);
+        returns False when a single group covers every row (no reordering needed)."""
+        if len(self.groups) == 1 and self.groups[0][1] is None:
+            return False
+        if self.order is not None and self.rows == rows:
+            return True
+        if any(index is None for _, index in self.groups):
+            raise ValueError("a group covering all rows must be the only group")
+        device = self.groups[0][1].device if self.groups else torch.device("cpu")
+        segments, start = [], 0
+        for key, index in self.groups:
+            segments.append((key, start, start + index.numel()))
+            start += index.numel()
+        covered = torch.cat([index for _, index in self.groups]) if self.groups else torch.zeros(0, dtype=torch.long)
+        rest = torch.ones(rows, dtype=torch.bool, device=device)
+        rest[covered] = False
+        self.order = torch.cat([covered, rest.nonzero().squeeze(-1)])
+        self.inverse = torch.empty_like(self.order)
+        self.inverse[self.order] = torch.arange(rows, device=device)
+        self.segments, self.rows = segments, rows
+        return True
 
 
 class Router:
@@ -88,12 +122,54 @@ class MultiLoraLinear(nn.Module):
         routing = self.router.current
         if routing is None or not self.adapters:
             return out
-        for key, rows in routing.groups:
+        if not routing.prepare(x.shape[0]):  # one adapter for every row
+            key = routing.groups[0][0]
+            return out + self.adapters[key].delta(x).to(out.dtype) if key in self.adapters else out
+        if not any(key in self.adapters for key, _, _ in routing.segments):
+            return out
+        ordered = x.index_select(0, routing.order)
+        deltas = self._grouped_deltas(ordered, routing)
+        pieces = []
+        for key, start, stop in routing.segments:
+            delta = deltas.get(start)
+            pieces.append(delta.to(out.dtype) if delta is not None else out.new_zeros((stop - start,) + out.shape[1:]))
+        rest = ordered.shape[0] - routing.segments[-1][2]
+        if rest:
+            pieces.append(out.new_zeros((rest,) + out.shape[1:]))
+        return out + torch.cat(pieces).index_select(0, routing.inverse)
+
+    def _grouped_deltas(self, ordered: torch.Tensor, routing: Routing) -> dict[int, torch.Tensor]:
+        """Each present adapter's delta for its slice of ``ordered``, keyed by slice start.
+
+        Adapters with the same rank, scale and dropout run as one batched matmul over their
+        slices padded to a common length, so many adapters cost a few kernels, not a few each.
+        """
+        buckets: dict[tuple, list[tuple[LoraWeights, int, int]]] = {}
+        for key, start, stop in routing.segments:
             weights = self.adapters.get(key)
-            if weights is None:
+            if weights is not None and stop > start:
+                buckets.setdefault((weights.rank, weights.scale, weights.dropout), []).append((weights, start, stop))
+        deltas = {}
+        for (rank, scale, dropout), members in buckets.items():
+            if len(members) == 1:
+                weights, start, stop = members[0]
+                deltas[start] = weights.delta(ordered[start:stop])
                 continue
-            if rows is None:
-                out = out + weights.delta(x).to(out.dtype)
-            else:
-                out = out.index_add(0, rows, weights.delta(x.index_select(0, rows)).to(out.dtype))
-        return out
+            spans = tuple((start, stop) for _, start, stop in members)
+            index = routing.gathers.get(spans)
+            if index is None:
+                width = max(stop - start for start, stop in spans)
+                pad = ordered.shape[0]  # points at the zero row appended below
+                rows = [list(range(start, stop)) + [pad] * (width - (stop - start)) for start, stop in spans]
+                index = routing.gathers[spans] = torch.tensor(rows, device=ordered.device)
+            padded = torch.cat([ordered, ordered.new_zeros((1,) + ordered.shape[1:])])[index]  # (G, L, ..., in)
+            lora_a = torch.stack([w.lora_A for w, _, _ in members])   # (G, r, in)
+            lora_b = torch.stack([w.lora_B for w, _, _ in members])   # (G, out, r)
+            xs = padded.to(lora_a.dtype).flatten(1, -2)               # (G, L·..., in)
+            if dropout > 0:
+                xs = F.dropout(xs, dropout, training=True)
+            batched = torch.bmm(torch.bmm(xs, lora_a.transpose(1, 2)), lora_b.transpose(1, 2)) * scale
+            batched = batched.reshape(padded.shape[:-1] + (lora_b.shape[1],))
+            for g, (_, start, stop) in enumerate(members):
+                deltas[start] = batched[g, : stop - start]
+        return deltas

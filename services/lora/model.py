@@ -103,7 +103,8 @@ class LoraModel:
     @contextlib.contextmanager
     def route(self, groups: list[tuple[str | None, torch.Tensor | None]]):
         """Run the model with ``groups``: (adapter key or None for the base model, row indices)."""
-        with self.router.route(Routing([(k, rows) for k, rows in groups if k is not None])):
+        groups = [(k, rows) for k, rows in groups if k is not None]
+        with self.router.route(Routing(groups) if groups else None):
             yield
 
     # ---- peft file format ---------------------------------------------------------------------

@@ -1,0 +1,142 @@
+"""The recipes (recipes/rl_arithmetic.py, dpo.py, distill.py) end to end on the tiny model, a couple
+of steps each, through the client against a real local stack: each must leave its final JSON line,
+metrics JSONL and PNG. The tiny model's outputs are random, so nothing is ever scored correct: the
+recipes must survive all-zero advantages; one test swaps in a reward that does vary so the RL
+update path (datums → importance_sampling / ppo → optim_step) runs too."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def run_recipe(name: str, tiny_model_dir: str, tmp_path: Path, *extra: str) -> tuple[dict, Path]:
+    out = tmp_path / f"out-{name}"
+    proc = subprocess.run(
+        [sys.executable, "-m", f"recipes.{name}", "--base-model", tiny_model_dir, "--steps", "2", "--threads", "1",
+         "--out-dir", str(out), "--data-dir", str(tmp_path / f"data-{name}"), *extra],
+        cwd=REPO, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["recipe"] == name and summary["steps"] == 2 and summary["seconds"] > 0
+    assert (out / "summary.json").is_file()
+    return summary, out
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def check_png(path: Path) -> None:
+    assert path.read_bytes()[:8] == PNG
+
+
+def test_rl_arithmetic_runs_on_the_tiny_model(tiny_model_dir, tmp_path):
+    summary, out = run_recipe("rl_arithmetic", tiny_model_dir, tmp_path, "--group-size", "2", "--batch-prompts", "2",
+                              "--heldout", "4", "--eval-every", "1", "--max-tokens", "4")
+    for key in ("heldout_reward_before", "heldout_reward_after", "heldout_reward_best", "evals", "train_reward_first",
+                "train_reward_last5", "loss", "group_size", "batch_prompts", "learning_rate", "heldout", "plot", "metrics"):
+        assert key in summary, key
+    assert 0.0 <= summary["heldout_reward_before"] <= 1.0 and 0.0 <= summary["heldout_reward_after"] <= 1.0
+    assert [s for s, _ in summary["evals"]] == [0, 1, 2]
+    check_png(out / "rewards.png")
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2]
+    assert [r["step"] for r in rows if r["kind"] == "eval"] == [0, 1, 2]
+    assert len((out / "heldout_predictions.jsonl").read_text().splitlines()) == 4
+
+
+@pytest.mark.parametrize("loss", ["importance_sampling", "ppo"])
+def test_rl_arithmetic_updates_when_rewards_vary(tiny_model_dir, tmp_path, monkeypatch, capsys, loss):
+    """With a reward that differs within groups, datums are built, trained and the importance
+    ratio of fresh samples is 1 (sampler and trainer logprobs agree)."""
+    from recipes import rl_arithmetic
+
+    monkeypatch.setattr(rl_arithmetic, "reward", lambda text, a, b: float(len(text) % 2))
+    out = tmp_path / "out"
+    assert rl_arithmetic.main(["--base-model", tiny_model_dir, "--steps", "2", "--threads", "1", "--group-size", "4",
+                               "--batch-prompts", "2", "--heldout", "2", "--eval-every", "2", "--max-tokens", "6",
+                               "--loss", loss, "--out-dir", str(out), "--data-dir", str(tmp_path / "data")]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["loss"] == loss
+    train = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
+    assert sum(r["datums"] for r in train) > 0
+    trained = [r for r in train if r["datums"]]
+    assert all(np.isfinite(r["loss"]) for r in trained)
+    assert trained[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-3)
+    check_png(out / "rewards.png")
+
+
+def test_rl_datum_layout():
+    from recipes.common import rl_datum
+
+    d = rl_datum([1, 2, 3], [7, 8], [-0.5, -0.25], 0.75)
+    assert d.model_input.to_ints() == [1, 2, 3, 7]
+    np.testing.assert_array_equal(d.loss_fn_inputs["target_tokens"].to_numpy(), [2, 3, 7, 8])
+    np.testing.assert_allclose(d.loss_fn_inputs["logprobs"].to_numpy(), [0, 0, -0.5, -0.25])
+    np.testing.assert_allclose(d.loss_fn_inputs["advantages"].to_numpy(), [0, 0, 0.75, 0.75])
+    per_token = rl_datum([1, 2], [7, 8, 9], [-1, -2, -3], [0.1, 0.2, 0.3])
+    np.testing.assert_allclose(per_token.loss_fn_inputs["advantages"].to_numpy(), [0, 0.1, 0.2, 0.3], rtol=1e-6)
+
+
+def test_dpo_runs_on_the_tiny_model(tiny_model_dir, tmp_path):
+    summary, out = run_recipe("dpo", tiny_model_dir, tmp_path, "--batch-pairs", "2", "--max-heldout", "4", "--max-train", "8")
+    for key in ("accuracy_before", "accuracy_after", "sft_demo_accuracy", "beta", "dpo_loss_first", "dpo_loss_last10",
+                "reward_accuracy_last10", "heldout", "train_pairs", "plot", "metrics"):
+        assert key in summary, key
+    assert summary["heldout"] == 4 and summary["train_pairs"] == 8
+    # Before any update the policy is the reference: the loss is log 2.
+    assert summary["dpo_loss_first"] == pytest.approx(np.log(2), abs=1e-3)
+    check_png(out / "dpo.png")
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2]
+    assert len((out / "heldout_predictions.jsonl").read_text().splitlines()) == 4
+
+
+def test_dpo_pairs_swap_the_answer():
+    from recipes.dpo import swap_letters
+
+    assert swap_letters("A's receipt shows tests passing; B's shows tests failing.") == \
+        "B's receipt shows tests passing; A's shows tests failing."
+    assert swap_letters("Only B has a receipt. AB stays.") == "Only A has a receipt. AB stays."
+
+
+def test_distill_runs_on_the_tiny_model(tiny_model_dir, tmp_path):
+    summary, out = run_recipe("distill", tiny_model_dir, tmp_path, "--batch-prompts", "2", "--group-size", "2",
+                              "--heldout", "4", "--eval-samples", "1", "--eval-every", "1", "--max-tokens", "4")
+    for key in ("teacher", "teacher_context", "reverse_kl_per_token_before", "reverse_kl_per_token_after",
+                "reverse_kl_per_seq_before", "reverse_kl_per_seq_after", "exact_answer_before", "exact_answer_after",
+                "heldout", "plot", "metrics"):
+        assert key in summary, key
+    assert summary["teacher_context"] == "fewshot"
+    check_png(out / "distill.png")
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2]
+    assert [r["step"] for r in rows if r["kind"] == "eval"] == [0, 1, 2]
+    assert all(r["ratio_mean"] == pytest.approx(1.0, abs=1e-3) for r in rows if r["kind"] == "train")
+
+
+def test_distill_from_a_checkpoint_teacher_on_a_running_stack(tiny_model_dir, tmp_path):
+    """--address + --teacher-path: the teacher is a saved adapter on an already running stack."""
+    from temper.client import ServiceClient
+    from temper.scheduler.localstack import LocalStack
+
+    with LocalStack(tiny_model_dir, tmp_path / "stack", num_threads=1) as stack:
+        address = stack.start()
+        with ServiceClient(address) as client:
+            teacher = client.create_lora_training_client(tiny_model_dir, rank=4, seed=1)
+            path = teacher.save_weights_for_sampler("teacher").result().path
+        summary, out = run_recipe("distill", tiny_model_dir, tmp_path, "--address", address, "--teacher-path", path,
+                                  "--batch-prompts", "2", "--group-size", "2", "--heldout", "2", "--eval-samples", "1",
+                                  "--eval-every", "2", "--max-tokens", "3")
+    assert summary["teacher"] == path and summary["teacher_context"] == "plain"
+    check_png(out / "distill.png")
