@@ -7,7 +7,9 @@ import argparse
 import contextlib
 import json
 import math
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -43,6 +45,9 @@ def local_client(args: argparse.Namespace) -> Iterator[ServiceClient]:
             yield client
         return
 
+    if threading.current_thread() is threading.main_thread():
+        # A plain SIGTERM would skip the cleanup below and orphan the three services.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.base_model == SMOLLM2_NAME:
         from temper.services.models.prepare import prepare_smollm2
 

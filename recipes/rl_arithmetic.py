@@ -15,7 +15,8 @@ optim_step. Held-out accuracy (greedy, mean exact reward) is measured before tra
     python -m recipes.rl_arithmetic                       # SmolLM2-135M-Instruct, defaults
     python -m recipes.rl_arithmetic --loss ppo --steps 30
 
-Writes runs/rl_arithmetic/{metrics.jsonl, rewards.png, heldout_predictions.jsonl, summary.json}
+Writes runs/rl_arithmetic/{metrics.jsonl, rewards.png, heldout_predictions.jsonl (before and after),
+summary.json}
 and prints one final JSON line.
 """
 
@@ -78,6 +79,7 @@ def main(argv=None) -> int:
     loss_config = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2} if args.loss == "ppo" else None
     adam = AdamParams(learning_rate=args.learning_rate, beta1=0.9, beta2=0.95, eps=1e-8)
     evals: list[tuple[int, float]] = []
+    predictions: list[dict] = []  # held-out answers before training and after the last step
 
     with local_client(args) as client, MetricsLog(args.out_dir / "metrics.jsonl", started) as log:
         training = client.create_lora_training_client(args.base_model, rank=args.rank, seed=args.seed)
@@ -94,6 +96,7 @@ def main(argv=None) -> int:
             if step == args.steps:  # the last iteration only evaluates the final weights
                 acc, rows = evaluate_from(eval_future, tokenizer, heldout_pairs)
                 evals.append((step, acc))
+                predictions += [{"step": step, **r} for r in rows]
                 log.write(kind="eval", step=step, heldout_reward=acc)
                 break
             batch = rng.sample(train_pairs, args.batch_prompts)
@@ -132,6 +135,8 @@ def main(argv=None) -> int:
             if eval_future is not None:  # measured on the weights before this step's update
                 acc, rows = evaluate_from(eval_future, tokenizer, heldout_pairs)
                 evals.append((step, acc))
+                if step == 0:
+                    predictions += [{"step": step, **r} for r in rows]
                 log.write(kind="eval", step=step, heldout_reward=acc)
             log.write(kind="train", **row)
             bar.set_postfix(reward=f"{row['train_reward']:.2f}", heldout=f"{evals[-1][1]:.2f}")
@@ -139,7 +144,7 @@ def main(argv=None) -> int:
         bar.close()
 
     with open(args.out_dir / "heldout_predictions.jsonl", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+        f.writelines(json.dumps(r) + "\n" for r in predictions)
     train_rows = [r for r in log.rows if r["kind"] == "train"]
     window = max(1, len(train_rows) // 10)
     smooth = [mean(r["train_reward"] for r in train_rows[max(0, i - window + 1): i + 1]) for i in range(len(train_rows))]

@@ -52,7 +52,8 @@ def test_rl_arithmetic_runs_on_the_tiny_model(tiny_model_dir, tmp_path):
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2]
     assert [r["step"] for r in rows if r["kind"] == "eval"] == [0, 1, 2]
-    assert len((out / "heldout_predictions.jsonl").read_text().splitlines()) == 4
+    predictions = read_jsonl(out / "heldout_predictions.jsonl")
+    assert [p["step"] for p in predictions] == [0] * 4 + [2] * 4
 
 
 @pytest.mark.parametrize("loss", ["importance_sampling", "ppo"])
@@ -90,7 +91,7 @@ def test_rl_datum_layout():
 
 def test_dpo_runs_on_the_tiny_model(tiny_model_dir, tmp_path):
     summary, out = run_recipe("dpo", tiny_model_dir, tmp_path, "--batch-pairs", "2", "--max-heldout", "4", "--max-train", "8")
-    for key in ("accuracy_before", "accuracy_after", "sft_demo_accuracy", "beta", "dpo_loss_first", "dpo_loss_last10",
+    for key in ("accuracy_before", "accuracy_after", "sft_demo_accuracy", "beta", "sft_weight", "dpo_loss_first", "dpo_loss_last10",
                 "reward_accuracy_last10", "heldout", "train_pairs", "plot", "metrics"):
         assert key in summary, key
     assert summary["heldout"] == 4 and summary["train_pairs"] == 8
@@ -99,7 +100,15 @@ def test_dpo_runs_on_the_tiny_model(tiny_model_dir, tmp_path):
     check_png(out / "dpo.png")
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2]
+    assert all(r["chosen_nll"] > 0 for r in rows if r["kind"] == "train")
     assert len((out / "heldout_predictions.jsonl").read_text().splitlines()) == 4
+
+
+def test_pure_dpo_runs_on_the_tiny_model(tiny_model_dir, tmp_path):
+    summary, out = run_recipe("dpo", tiny_model_dir, tmp_path, "--batch-pairs", "1", "--max-heldout", "2", "--max-train", "4",
+                              "--sft-weight", "0")
+    assert summary["sft_weight"] == 0.0
+    check_png(out / "dpo.png")
 
 
 def test_dpo_pairs_swap_the_answer():
