@@ -1,10 +1,9 @@
 """A linear layer carrying many LoRA adapters, applied per row group in one pass.
 
-``y = W x + sum_a [rows of a] scale_a * B_a A_a dropout_a(x)``. The rows of each adapter are
-gathered, multiplied by that adapter's (A, B) and added back with ``index_add``, so the forward
-and the backward pass touch only the adapter a row belongs to: gradients land in exactly one
-adapter, and rows without an adapter see the base model. Adapters of any rank coexist.
-"""
+``y = W x + sum_a [rows of a] scale_a * B_a A_a dropout_a(x)``. Each adapter multiplies only the
+rows routed to it, so the forward and the backward pass touch only the adapter a row belongs to:
+gradients land in exactly one adapter, and rows without an adapter see the base model. Adapters
+of any rank coexist; those of one shape run together as batched matmuls."""
 
 from __future__ import annotations
 
@@ -22,16 +21,18 @@ from torch import nn
 class Routing:
     """Which leading-dimension indices of the next forward's inputs belong to which adapter.
 
-    ``groups`` holds (adapter key, indices, or None for all rows). For several groups the rows
-    are sorted once by group (``order``) so every layer gathers its input once, runs each adapter
-    on a contiguous slice, and scatters all deltas back with one gather (``inverse``): the cost
-    of the extra adapters is their small matmuls, not a full copy of the output per adapter.
+    ``groups`` holds (adapter key, indices, or None for all rows). When the groups are consecutive
+    ranges from row 0 (the trainer sorts its batch by adapter) every adapter works on a view of
+    the input and nothing is copied. Otherwise the rows are sorted once by group (``order``) so
+    every layer gathers its input once, runs each adapter on a contiguous slice, and puts all
+    deltas back with one gather (``inverse``).
     """
 
     groups: list[tuple[str, torch.Tensor | None]]
     order: torch.Tensor | None = None            # rows sorted by group, then rows with no adapter
     inverse: torch.Tensor | None = None          # position of each row in ``order``
-    segments: list[tuple[str, int, int]] | None = None  # (key, start, stop) slices of ``order``
+    segments: list[tuple[str, int, int]] | None = None  # (key, start, stop) slices of the sorted rows
+    contiguous: bool = False                     # groups are already consecutive ranges from row 0
     rows: int = 0
     gathers: dict = field(default_factory=dict)  # padded (G, L) row indices per bucket of segments
 
@@ -40,7 +41,7 @@ class Routing:
         returns False when a single group covers every row (no reordering needed)."""
         if len(self.groups) == 1 and self.groups[0][1] is None:
             return False
-        if self.order is not None and self.rows == rows:
+        if self.segments is not None and self.rows == rows:
             return True
         if any(index is None for _, index in self.groups):
             raise ValueError("a group covering all rows must be the only group")
@@ -50,12 +51,15 @@ class Routing:
             segments.append((key, start, start + index.numel()))
             start += index.numel()
         covered = torch.cat([index for _, index in self.groups]) if self.groups else torch.zeros(0, dtype=torch.long)
+        self.segments, self.rows = segments, rows
+        self.contiguous = bool(torch.equal(covered.cpu(), torch.arange(covered.numel())))
+        if self.contiguous:
+            return True
         rest = torch.ones(rows, dtype=torch.bool, device=device)
         rest[covered] = False
         self.order = torch.cat([covered, rest.nonzero().squeeze(-1)])
         self.inverse = torch.empty_like(self.order)
         self.inverse[self.order] = torch.arange(rows, device=device)
-        self.segments, self.rows = segments, rows
         return True
 
 
@@ -127,42 +131,55 @@ class MultiLoraLinear(nn.Module):
             return out + self.adapters[key].delta(x).to(out.dtype) if key in self.adapters else out
         if not any(key in self.adapters for key, _, _ in routing.segments):
             return out
-        ordered = x.index_select(0, routing.order)
-        deltas = self._grouped_deltas(ordered, routing)
-        pieces = []
-        for key, start, stop in routing.segments:
-            delta = deltas.get(start)
-            pieces.append(delta.to(out.dtype) if delta is not None else out.new_zeros((stop - start,) + out.shape[1:]))
-        rest = ordered.shape[0] - routing.segments[-1][2]
-        if rest:
-            pieces.append(out.new_zeros((rest,) + out.shape[1:]))
-        return out + torch.cat(pieces).index_select(0, routing.inverse)
+        ordered = x if routing.contiguous else x.index_select(0, routing.order)
+        spans = self._grouped_deltas(ordered, routing)
+        if len(spans) == 1 and spans[0][0] == 0 and spans[0][1] == x.shape[0]:
+            delta = spans[0][2]  # every row covered by one batched matmul: no copy at all
+        else:
+            pieces, at = [], 0
+            for start, stop, span in spans:
+                if start > at:
+                    pieces.append(out.new_zeros((start - at,) + out.shape[1:]))
+                pieces.append(span.to(out.dtype))
+                at = stop
+            if at < x.shape[0]:
+                pieces.append(out.new_zeros((x.shape[0] - at,) + out.shape[1:]))
+            delta = torch.cat(pieces)
+        if not routing.contiguous:
+            delta = delta.index_select(0, routing.inverse)
+        return out + delta.to(out.dtype)
 
-    def _grouped_deltas(self, ordered: torch.Tensor, routing: Routing) -> dict[int, torch.Tensor]:
-        """Each present adapter's delta for its slice of ``ordered``, keyed by slice start.
+    def _grouped_deltas(self, ordered: torch.Tensor, routing: Routing) -> list[tuple[int, int, torch.Tensor]]:
+        """The present adapters' deltas as (start, stop, delta) spans of ``ordered``, sorted.
 
-        Adapters with the same rank, scale and dropout run as one batched matmul over their
-        slices padded to a common length, so many adapters cost a few kernels, not a few each.
+        Adapters with the same rank, scale and dropout run as one batched matmul over their slices:
+        as a plain view when the slices are adjacent and equally long (one span for all of them),
+        else padded to a common length. Many adapters cost a few kernels, not a few each.
         """
         buckets: dict[tuple, list[tuple[LoraWeights, int, int]]] = {}
         for key, start, stop in routing.segments:
             weights = self.adapters.get(key)
             if weights is not None and stop > start:
                 buckets.setdefault((weights.rank, weights.scale, weights.dropout), []).append((weights, start, stop))
-        deltas = {}
+        spans = []
         for (rank, scale, dropout), members in buckets.items():
             if len(members) == 1:
                 weights, start, stop = members[0]
-                deltas[start] = weights.delta(ordered[start:stop])
+                spans.append((start, stop, weights.delta(ordered[start:stop])))
                 continue
-            spans = tuple((start, stop) for _, start, stop in members)
-            index = routing.gathers.get(spans)
-            if index is None:
-                width = max(stop - start for start, stop in spans)
-                pad = ordered.shape[0]  # points at the zero row appended below
-                rows = [list(range(start, stop)) + [pad] * (width - (stop - start)) for start, stop in spans]
-                index = routing.gathers[spans] = torch.tensor(rows, device=ordered.device)
-            padded = torch.cat([ordered, ordered.new_zeros((1,) + ordered.shape[1:])])[index]  # (G, L, ..., in)
+            bounds = tuple((start, stop) for _, start, stop in members)
+            width = max(stop - start for start, stop in bounds)
+            adjacent = all(stop - start == width for start, stop in bounds) and all(
+                bounds[g][1] == bounds[g + 1][0] for g in range(len(bounds) - 1))
+            if adjacent:  # (G·L, ..., in) rows viewed as (G, L, ..., in)
+                padded = ordered[bounds[0][0]: bounds[-1][1]].unflatten(0, (len(members), width))
+            else:
+                index = routing.gathers.get(bounds)
+                if index is None:
+                    pad = ordered.shape[0]  # points at the zero row appended below
+                    rows = [list(range(start, stop)) + [pad] * (width - (stop - start)) for start, stop in bounds]
+                    index = routing.gathers[bounds] = torch.tensor(rows, device=ordered.device)
+                padded = torch.cat([ordered, ordered.new_zeros((1,) + ordered.shape[1:])])[index]  # (G, L, ..., in)
             lora_a = torch.stack([w.lora_A for w, _, _ in members])   # (G, r, in)
             lora_b = torch.stack([w.lora_B for w, _, _ in members])   # (G, out, r)
             xs = padded.to(lora_a.dtype).flatten(1, -2)               # (G, L·..., in)
@@ -170,6 +187,8 @@ class MultiLoraLinear(nn.Module):
                 xs = F.dropout(xs, dropout, training=True)
             batched = torch.bmm(torch.bmm(xs, lora_a.transpose(1, 2)), lora_b.transpose(1, 2)) * scale
             batched = batched.reshape(padded.shape[:-1] + (lora_b.shape[1],))
-            for g, (_, start, stop) in enumerate(members):
-                deltas[start] = batched[g, : stop - start]
-        return deltas
+            if adjacent:
+                spans.append((bounds[0][0], bounds[-1][1], batched.flatten(0, 1)))
+            else:
+                spans.extend((start, stop, batched[g, : stop - start]) for g, (start, stop) in enumerate(bounds))
+        return sorted(spans, key=lambda span: span[0])

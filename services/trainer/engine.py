@@ -90,9 +90,12 @@ class TrainerEngine:
         stat_sums: list[dict[str, list[float]]] = [defaultdict(lambda: [0.0, 0.0]) for _ in items]
         training = {p.adapter.adapter_id: p.adapter for p in items if not p.forward_only}
         snapshots = {key: adapter.grads_snapshot() for key, adapter in training.items()}
+        # Rows of one adapter side by side: the LoRA layers then work on views of the batch, not copies.
+        adapter_rank = {key: n for n, key in enumerate(dict.fromkeys(p.adapter.adapter_id for p in items))}
         try:
             for grad in (True, False):
                 rows = [Row(i, j, d) for i, p in enumerate(items) if p.forward_only != grad for j, d in enumerate(p.data)]
+                rows.sort(key=lambda row: adapter_rank[items[row.item].adapter.adapter_id])  # stable
                 for batch in self._microbatches(rows):
                     with torch.set_grad_enabled(grad):
                         lp, elementwise, stats = self._pass(items, batch)
