@@ -11,7 +11,9 @@ the same run (repetitions interleaved in a rotating order, medians reported with
                          same batch in-process on a TrainerEngine (engine.run_cycle).        goal <= 1.05
   (d) memory_ratio       activation memory (peak RSS - RSS before the pass) of a forward_backward of
                          8 x 512 tokens with the engine's chunked logprob path / full logits
-                         (B x T x V materialized), each in a fresh subprocess.               goal <= 0.5
+                         (B x T x V materialized), each in a fresh subprocess after a short
+                         warm-up pass, with the decoder checkpointed in both (the trainer's
+                         default; --no-activation-checkpointing stores every activation).  goal <= 0.5
 
 Every in-process timing uses ``engine.run_cycle`` on a TrainerEngine with the trainer's default
 settings; the stack's trainer runs with the same thread count, and it is idle (its CPU time is
@@ -94,7 +96,7 @@ def build_engine(args, checkpoint_dir: Path, adapters: int):
 
     loaded = load_model(args.model, args.device, args.dtype, args.threads)
     settings = TrainerSettings(base_model=args.model, checkpoint_dir=checkpoint_dir, device=args.device, dtype=args.dtype,
-                               num_threads=args.threads)
+                               num_threads=args.threads, activation_checkpointing=not args.no_activation_checkpointing)
     engine = TrainerEngine(loaded, settings)
     for i in range(adapters):
         engine.host.create(f"tenant-{i}", lora_config(seed=i))
@@ -141,7 +143,7 @@ def full_logits_forward_backward(engine, sequences: list[np.ndarray]) -> float:
     weights = torch.ones(ids.shape, dtype=torch.float32, device=device)
     groups = [(f"tenant-{i}", torch.tensor([i], device=device)) for i in range(len(sequences))]
     with engine.lora.route(groups):
-        logits = engine.loaded.model(input_ids=ids, attention_mask=mask.long()).logits.float()
+        logits = engine.loaded.model(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits.float()
     lp = logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1) * mask
     loss = -(lp * weights).sum()
     loss.backward()
@@ -158,10 +160,20 @@ def decoder_only_forward_backward(engine, sequences: list[np.ndarray]) -> float:
     mask = torch.ones_like(ids)
     groups = [(f"tenant-{i}", torch.tensor([i], device=device)) for i in range(len(sequences))]
     with engine.lora.route(groups):
-        hidden = engine.loaded.model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+        hidden = engine.loaded.model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
     loss = hidden.float().sum()
     loss.backward()
     return float(loss.detach())
+
+
+def run_memory_variant(engine, variant: str, sequences: list[np.ndarray]) -> float:
+    if variant == "chunked":
+        items = [fb_item(f"tenant-{i}", [datum_proto(s)]) for i, s in enumerate(sequences)]
+        results, _ = engine.run_cycle(items, [])
+        return sum(r.metrics["loss:sum"] for r in results)
+    if variant == "full":
+        return full_logits_forward_backward(engine, sequences)
+    return decoder_only_forward_backward(engine, sequences)
 
 
 def memory_child(args) -> None:
@@ -171,7 +183,9 @@ def memory_child(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         engine = build_engine(args, Path(tmp), ROWS)
         sequences = random_sequences(ROWS, args.memory_tokens, engine.loaded.vocab_size, seed=1)
-        items = [fb_item(f"tenant-{i}", [datum_proto(s)]) for i, s in enumerate(sequences)]
+        # A short pass first pays the one-off costs (thread pools, lazy inits, the adapters' .grad
+        # buffers) outside the measurement, the same for every variant.
+        run_memory_variant(engine, variant, random_sequences(ROWS, 8, engine.loaded.vocab_size, seed=2))
         gc.collect()
         load_peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         reset = _reset_peak_rss()
@@ -181,13 +195,7 @@ def memory_child(args) -> None:
             torch.cuda.reset_peak_memory_stats()
             cuda_before = torch.cuda.memory_allocated()
         start = time.perf_counter()
-        if variant == "chunked":
-            results, _ = engine.run_cycle(items, [])
-            loss = sum(r.metrics["loss:sum"] for r in results)
-        elif variant == "full":
-            loss = full_logits_forward_backward(engine, sequences)
-        else:
-            loss = decoder_only_forward_backward(engine, sequences)
+        loss = run_memory_variant(engine, variant, sequences)
         sync(args.device)
         seconds = time.perf_counter() - start
         peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -196,13 +204,17 @@ def memory_child(args) -> None:
             "load_peak_rss_kb": load_peak_kb, "peak_reset": reset, "baseline_rss_kb": baseline_kb, "rss_before_pass_kb": rss_before_kb,
             "peak_rss_kb": peak_kb, "delta_rss_kb": peak_kb - baseline_kb,
             "logprob_chunk_tokens": engine.settings.logprob_chunk_tokens, "vocab": engine.loaded.vocab_size,
+            "activation_checkpointing": engine.settings.activation_checkpointing,
+            "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
         }
         if engine.device.type == "cuda":
             out["cuda_delta_bytes"] = torch.cuda.max_memory_allocated() - cuda_before
     print(MEM_PREFIX + json.dumps(out), flush=True)
 
 
-MIB_PER_TOKEN = 4.5  # peak RSS growth of a full-logits forward_backward of SmolLM2-135M fp32 on CPU, measured
+# peak RSS growth per token of a full-logits forward_backward of SmolLM2-135M fp32 on CPU, measured:
+# with activation checkpointing (the trainer's default) 0.84, storing every activation about 4.5
+MIB_PER_TOKEN = {True: 1.0, False: 4.5}
 
 
 def memory_available_mib() -> float | None:
@@ -214,21 +226,25 @@ def memory_available_mib() -> float | None:
         return None
 
 
-def fit_memory_tokens(tokens: int) -> int:
+def fit_memory_tokens(tokens: int, checkpointing: bool) -> int:
     """Halve (d)'s tokens per row until the pass fits in the memory available now with 30% headroom:
     on a shared machine the OOM killer may pick someone else's process, not ours."""
     available = memory_available_mib()
     if available is None:
         return tokens
-    while tokens > 64 and ROWS * tokens * MIB_PER_TOKEN * 1.3 > available:
+    while tokens > 64 and ROWS * tokens * MIB_PER_TOKEN[checkpointing] * 1.3 > available:
         tokens //= 2
     return tokens
 
 
 def run_memory_child(args, variant: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", variant, "--model", args.model, "--device", args.device,
-           "--dtype", args.dtype, "--threads", str(args.threads), "--memory-tokens", str(args.memory_tokens)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+           "--dtype", args.dtype, "--threads", str(args.threads), "--memory-tokens", str(args.memory_tokens)] + (
+        ["--no-activation-checkpointing"] if args.no_activation_checkpointing else [])
+    # glibc's dynamic mmap threshold keeps freed large blocks in the heap, so RSS would show what the
+    # allocator retains rather than the tensors alive at the peak; a fixed threshold returns them.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "65536")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith(MEM_PREFIX):
             return json.loads(line[len(MEM_PREFIX):])
@@ -307,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"tokens per row in (d) (default {MEM_TOKENS}, --quick {MEM_TOKENS // 2})")
     parser.add_argument("--no-memory-breakdown", action="store_true",
                         help="skip the decoder-only child that splits (d) into decoder and head memory (skipped by --quick)")
+    parser.add_argument("--no-activation-checkpointing", action="store_true",
+                        help="store decoder activations (trainer setting activation_checkpointing=False) in every variant")
     parser.add_argument("--memory-child", choices=["chunked", "full", "decoder_only"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.model is None:
@@ -352,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
 
     client = None
     requested_memory_tokens = args.memory_tokens
-    args.memory_tokens = fit_memory_tokens(args.memory_tokens)
+    args.memory_tokens = fit_memory_tokens(args.memory_tokens, not args.no_activation_checkpointing)
     if args.memory_tokens != requested_memory_tokens:
         tqdm.write(f"memory: only {memory_available_mib():.0f} MiB available; (d) runs at {ROWS} x {args.memory_tokens} tokens "
                    f"instead of {ROWS} x {requested_memory_tokens}")
@@ -475,8 +493,10 @@ def main(argv: list[str] | None = None) -> int:
             "scheduler_overhead": "median(client forward_backward of 8 x 128 tokens through LocalStack, .result()) / "
                                   "median(in-process run_cycle of the same batch)",
             "memory_ratio": f"activation memory delta (peak RSS during the pass - RSS before it, peak mark reset after "
-                            f"model load) of {ROWS} x {args.memory_tokens} tokens, whole forward_backward (decoder "
-                            f"activations included): chunked logprob engine path / full B x T x V logits",
+                            f"model load and a short warm-up pass, MALLOC_MMAP_THRESHOLD_=65536) of {ROWS} x "
+                            f"{args.memory_tokens} tokens, whole forward_backward, decoder activation checkpointing "
+                            f"{'off' if args.no_activation_checkpointing else 'on'} in both: chunked logprob engine "
+                            f"path / full B x T x V logits",
         },
         "memory": {
             "chunked": memory["chunked"], "full": memory["full"],
@@ -490,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {
             "model": args.model, "device": args.device, "dtype": args.dtype, "threads": args.threads, "reps": reps,
             "quick": args.quick, "rows": ROWS, "tokens_per_row": TOKENS, "memory_tokens_per_row": args.memory_tokens, "memory_tokens_requested": requested_memory_tokens, "rank": RANK,
-            "targets": "attn+mlp", "max_tokens_per_microbatch": engine.settings.max_tokens_per_microbatch,
+            "targets": "attn+mlp", "activation_checkpointing": engine.settings.activation_checkpointing, "max_tokens_per_microbatch": engine.settings.max_tokens_per_microbatch,
             "logprob_chunk_tokens": engine.settings.logprob_chunk_tokens, "torch": torch.__version__,
             "python": platform.python_version(), "cpu_count": os.cpu_count(),
             "load_average_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None,

@@ -126,6 +126,41 @@ def test_micro_batching_and_logprob_chunking_do_not_change_results(tiny_model_di
             torch.testing.assert_close(g_small[key][name], g_large[key][name], atol=1e-5, rtol=1e-4)
 
 
+def test_activation_checkpointing_does_not_change_results(tiny_model_dir, tmp_path):
+    items = items_for(5)
+    engines = {on: make_engine(tiny_model_dir, tmp_path / str(on), activation_checkpointing=on) for on in (True, False)}
+    results = {on: engine.run_cycle(items, [])[0] for on, engine in engines.items()}
+    for a, b in zip(results[True], results[False]):
+        assert a.metrics["loss:sum"] == pytest.approx(b.metrics["loss:sum"], abs=1e-6)
+        for x, y in zip(a.logprobs, b.logprobs):
+            np.testing.assert_allclose(x, y, atol=1e-6, rtol=0)
+    g_on, g_off = grads(engines[True]), grads(engines[False])
+    for key in CONFIGS:
+        for name in g_on[key]:
+            torch.testing.assert_close(g_on[key][name], g_off[key][name], atol=1e-6, rtol=1e-5)
+
+
+def test_checkpointed_dropout_recomputes_the_same_masks(tiny_model_dir, tmp_path):
+    # the backward pass recomputes each layer; its dropout masks must be the forward's, or the
+    # gradient belongs to no forward at all. Same torch seed, with and without checkpointing.
+    spec = types_pb2.LoraConfig(rank=4, train_attn=True, train_mlp=True, dropout=0.3, seed=9)
+    item = trainer_pb2.ForwardBackwardItem(adapter_id="dropout", data=items_for(6)[0].data, loss_fn="cross_entropy")
+    out = {}
+    for on in (True, False):
+        engine = TrainerEngine(load_model(tiny_model_dir),
+                               TrainerSettings(checkpoint_dir=tmp_path / f"d{on}", activation_checkpointing=on))
+        engine.host.create("dropout", spec)
+        with torch.no_grad():
+            for p in engine.host.get("dropout").params.values():
+                p.add_(0.05)
+        torch.manual_seed(123)
+        result = engine.run_cycle([item], [])[0][0]
+        out[on] = (result.metrics["loss:sum"], {n: p.grad.clone() for n, p in engine.host.get("dropout").params.items()})
+    assert out[True][0] == pytest.approx(out[False][0], abs=1e-6)
+    for name, grad in out[True][1].items():
+        torch.testing.assert_close(grad, out[False][1][name], atol=1e-6, rtol=1e-5)
+
+
 def test_lora_dropout_is_applied_when_asked(tiny_model_dir, tmp_path):
     engine = make_engine(tiny_model_dir, tmp_path)
     engine.host.create("dropout", types_pb2.LoraConfig(rank=4, train_attn=True, dropout=0.5, seed=7))

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from temper.services.lora.layer import LoraWeights, MultiLoraLinear, Router, Routing
 
@@ -106,6 +107,37 @@ class LoraModel:
         groups = [(k, rows) for k, rows in groups if k is not None]
         with self.router.route(Routing(groups) if groups else None):
             yield
+
+    def checkpoint_decoder_layers(self) -> int:
+        """Keep only each decoder layer's input during a grad-enabled forward and recompute the
+        layer in the backward pass (activation checkpointing): activation memory then grows with
+        the hidden size, not with the layers' intermediate tensors. Returns the layer count.
+
+        transformers' own switch works only in train mode, and the trainer runs in eval mode (no
+        base-model dropout), so the layers are wrapped here. The routing of the pass is captured
+        and set again inside: the backward pass may run on another thread (autograd's device
+        threads), where the router's thread-local routing is not set.
+        """
+        layers = getattr(self.model.get_decoder(), "layers", None)
+        if not isinstance(layers, nn.ModuleList):
+            raise ValueError(f"{type(self.model).__name__} has no decoder .layers to checkpoint")
+        for layer in layers:
+            layer.forward = self._checkpointed(layer.forward)
+        return len(layers)
+
+    def _checkpointed(self, forward):
+        def run(*args, **kwargs):
+            if not torch.is_grad_enabled():
+                return forward(*args, **kwargs)
+            routing = self.router.current
+
+            def routed(*a, **k):
+                with self.router.route(routing):
+                    return forward(*a, **k)
+
+            return checkpoint(routed, *args, use_reentrant=False, **kwargs)
+
+        return run
 
     # ---- peft file format ---------------------------------------------------------------------
 

@@ -58,6 +58,8 @@ class TrainerEngine:
         self.lora = LoraModel(loaded.model, loaded.name)
         self.host = AdapterHost(self.lora, settings.default_lora_alpha, settings.max_resident_adapters, settings.offload_dir)
         self.store = CheckpointStore(settings.checkpoint_dir)
+        if settings.activation_checkpointing:
+            self.lora.checkpoint_decoder_layers()
         # Models that post-process logits (e.g. soft-capping) take the plain full-logits path.
         self._plain_head = not getattr(loaded.model.config, "final_logit_softcapping", None)
 
@@ -235,10 +237,10 @@ class TrainerEngine:
         model = self.loaded.model
         if not self._plain_head:
             with self.lora.route(groups):
-                logits = model(input_ids=ids, attention_mask=mask.long()).logits.float()
+                logits = model(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits.float()
             return logits.log_softmax(-1).gather(-1, targets) * mask[..., None]
         with self.lora.route(groups):
-            hidden = model.get_decoder()(input_ids=ids, attention_mask=mask.long()).last_hidden_state
+            hidden = model.get_decoder()(input_ids=ids, attention_mask=mask.long(), use_cache=False).last_hidden_state
         head = model.get_output_embeddings()
         flat_hidden, flat_targets = hidden[mask], targets[mask]
         # the adapter of every real token, for the head's routing
