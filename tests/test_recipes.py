@@ -91,32 +91,53 @@ def test_rl_datum_layout():
 
 def test_dpo_runs_on_the_tiny_model(tiny_model_dir, tmp_path):
     summary, out = run_recipe("dpo", tiny_model_dir, tmp_path, "--batch-pairs", "2", "--max-heldout", "4", "--max-train", "8")
-    for key in ("accuracy_before", "accuracy_after", "sft_demo_accuracy", "beta", "sft_weight", "dpo_loss_first", "dpo_loss_last10",
-                "reward_accuracy_last10", "heldout", "train_pairs", "plot", "metrics"):
+    for key in ("accuracy_before", "accuracy_after", "sft_accuracy_after", "beta", "sft_weight", "dpo_loss_first",
+                "dpo_loss_last10", "reward_accuracy_last10", "heldout", "train_pairs", "plot", "metrics"):
         assert key in summary, key
     assert summary["heldout"] == 4 and summary["train_pairs"] == 8
+    assert 0.0 <= summary["sft_accuracy_after"] <= 1.0
     # Before any update the policy is the reference: the loss is log 2.
     assert summary["dpo_loss_first"] == pytest.approx(np.log(2), abs=1e-3)
     check_png(out / "dpo.png")
     rows = read_jsonl(out / "metrics.jsonl")
-    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2]
-    assert all(r["chosen_nll"] > 0 for r in rows if r["kind"] == "train")
+    train = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    assert all(r["chosen_nll"] > 0 and r["sft_loss"] > 0 for r in train)
+    assert {r["run"] for r in rows if r["kind"] == "eval"} == {"base", "dpo", "sft"}
     assert len((out / "heldout_predictions.jsonl").read_text().splitlines()) == 4
 
 
-def test_pure_dpo_runs_on_the_tiny_model(tiny_model_dir, tmp_path):
+def test_dpo_plus_nll_without_the_sft_baseline_runs_on_the_tiny_model(tiny_model_dir, tmp_path):
     summary, out = run_recipe("dpo", tiny_model_dir, tmp_path, "--batch-pairs", "1", "--max-heldout", "2", "--max-train", "4",
-                              "--sft-weight", "0")
-    assert summary["sft_weight"] == 0.0
+                              "--sft-weight", "0.5", "--no-sft-baseline")
+    assert summary["sft_weight"] == 0.5 and summary["sft_accuracy_after"] is None
     check_png(out / "dpo.png")
 
 
-def test_dpo_pairs_swap_the_answer():
-    from recipes.dpo import swap_letters
+def test_dpo_loss_matches_a_direct_computation_and_its_gradient_lands_on_the_verdict():
+    import torch
+    import torch.nn.functional as F
 
-    assert swap_letters("A's receipt shows tests passing; B's shows tests failing.") == \
-        "B's receipt shows tests passing; A's shows tests failing."
-    assert swap_letters("Only B has a receipt. AB stays.") == "Only A has a receipt. AB stays."
+    from recipes.dpo import make_dpo_loss, pair_datum
+
+    pair = {"prompt": [5, 6, 7, 8], "chosen": 11, "rejected": 12}
+    datum = pair_datum(pair)
+    targets = datum.loss_fn_inputs["target_tokens"].to_numpy()
+    assert targets.tolist() == [[6, 6], [7, 7], [8, 8], [11, 12]]
+    assert datum.loss_fn_inputs["weights"].to_numpy().tolist() == [[0, 0], [0, 0], [0, 0], [1, 1]]
+    logprobs = [torch.tensor([[-1.0, -1.0], [-2.0, -2.0], [-0.5, -0.5], [-0.3, -2.0]], requires_grad=True),
+                torch.tensor([[-1.0, -1.0], [-2.0, -2.0], [-0.5, -0.5], [-1.5, -0.7]], requires_grad=True)]
+    refs = [(-0.9, -0.8), (-1.1, -0.6)]
+    beta = 0.5
+    loss, metrics = make_dpo_loss(lambda: refs, beta)([datum, datum], logprobs)
+    margins = [beta * ((-0.3 + 0.9) - (-2.0 + 0.8)), beta * ((-1.5 + 1.1) - (-0.7 + 0.6))]
+    expected = -F.logsigmoid(torch.tensor(margins)).mean()
+    assert float(loss.detach()) == pytest.approx(float(expected), abs=1e-6)
+    assert metrics["reward_accuracy"] == 0.5
+    loss.backward()
+    for lp in logprobs:
+        assert torch.all(lp.grad[:-1] == 0) and torch.all(lp.grad[-1] != 0)
+        assert float(lp.grad[-1, 0]) < 0 < float(lp.grad[-1, 1])  # raise chosen, lower rejected
 
 
 def test_distill_runs_on_the_tiny_model(tiny_model_dir, tmp_path):
