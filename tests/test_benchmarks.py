@@ -1,0 +1,36 @@
+"""The CPU benchmark scripts still run end to end (tiny model, one repetition, tiny memory pass) and
+write every ratio they promise. Their figures are not checked here: timings belong to benchmarks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_script(name: str, *args: str) -> dict:
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / name), *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_multitenant_benchmark_runs_and_reports_every_ratio(tiny_model_dir, tmp_path):
+    result = run_script("multitenant.py", "--model", tiny_model_dir, "--quick", "--reps", "1", "--no-stack",
+                        "--memory-tokens", "16", "--threads", "1", "--out-dir", str(tmp_path))
+    ratios = result["ratios"]
+    assert ratios["scheduler_overhead"] is None  # --no-stack
+    for name in ("cobatch_overhead", "cobatch_gain", "memory_ratio"):
+        assert ratios[name] > 0, name
+    assert result["memory"]["chunked"]["activation_checkpointing"] is True
+    assert (tmp_path / "multitenant.json").exists() and (tmp_path / "multitenant.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_checkpointing_benchmark_runs(tiny_model_dir, tmp_path):
+    result = run_script("checkpointing.py", "--model", tiny_model_dir, "--tokens", "16", "--reps", "1", "--threads", "1",
+                        "--out-dir", str(tmp_path))
+    assert result["time_ratio"] > 0 and result["memory_ratio"] > 0
+    assert len(result["samples_s"]["on"]) == len(result["samples_s"]["off"]) == 1
