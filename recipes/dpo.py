@@ -50,7 +50,7 @@ from temper.client import AdamParams, Datum, ModelInput, SamplingParams
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_common_args(p, "dpo", steps=48, learning_rate=1e-3)
+    add_common_args(p, "dpo", steps=64, learning_rate=2e-3)
     p.add_argument("--batch-pairs", type=int, default=4, help="preference pairs per step")
     p.add_argument("--beta", type=float, default=0.1)
     p.add_argument("--sft-weight", type=float, default=0.0,
@@ -172,14 +172,22 @@ def main(argv=None) -> int:
         log.write(kind="eval", step=0, run="base", heldout_accuracy=accuracy_before)
         pairs = [build_pair(tokenizer, ex) for ex in train]
 
-        order: list[int] = []
+        batches, order = [], []
+        for _ in range(args.steps):
+            if len(order) < args.batch_pairs:
+                order += rng.sample(range(len(pairs)), len(pairs))  # reshuffle each epoch
+            batches.append(order[: args.batch_pairs])
+            order = order[args.batch_pairs :]
+        # Reference logprobs of every pair first: the sampler then has the CPUs to itself, instead of
+        # competing with the trainer for them during training.
+        used = sorted({i for batch in batches for i in batch})
+        for i in used:
+            references.request(i, pairs[i])
+        for i in tqdm(used, desc="reference logprobs", unit="pair", leave=False):
+            references.get(i)
+
         with tqdm(total=args.steps, desc="dpo" + ("" if sft is None else " + sft"), unit="step") as bar:
-            for step in range(args.steps):
-                if len(order) < args.batch_pairs:
-                    order += rng.sample(range(len(pairs)), len(pairs))  # reshuffle each epoch
-                batch, order = order[: args.batch_pairs], order[args.batch_pairs :]
-                for i in batch:
-                    references.request(i, pairs[i])
+            for step, batch in enumerate(batches):
                 # Both runs' work is submitted before waiting, so the scheduler can co-batch it.
                 sft_fb = sft.forward_backward([sft_datum(pairs[i]) for i in batch], "cross_entropy") if sft else None
                 sft_opt = sft.optim_step(adam) if sft else None
