@@ -1,28 +1,29 @@
-"""DPO of a trajectory judge on SmolLM2 through forward_backward_custom, next to SFT on the same data.
+"""DPO of a trajectory judge on SmolLM2 through forward_backward_custom, next to SFT on the same judgments.
 
-Pairs come from examples/trajectory_judge (the SFT demo's prompts, rendered by render.py). The
-judge's decision is its first token, the letter of the better attempt, so a pair is the verdict:
-chosen = the better letter, rejected = the other one, after the same prompt. Both continuations
-share every token before the letter, so one datum carries the pair: ``target_tokens`` is (N, 2)
-(Tinker's top-K form), the last position holding [chosen, rejected]; one forward pass gives both
-policy logprobs. The reference logprobs come from ``compute_logprobs`` of the base model (cached
-per pair: the reference never changes). The client-side torch loss is
+Pairs come from examples/trajectory_judge (the SFT demo's prompts, rendered by render.py); the
+judgment is the demo's completion, ``"<better letter>. <reason>"`` + eos. chosen = that judgment,
+rejected = ``"<other letter>. <reason with A and B swapped>"`` + eos: a fluent, self-consistent
+judgment that contradicts the receipts, so the two differ exactly where a letter names the better
+attempt. Reference logprobs come from ``compute_logprobs`` on the base model, all asked for before
+training (the reference never changes). The policy's come from ``forward_backward_custom``, whose
+client-side torch loss is
 
     -logsigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))      (mean over the pairs of a batch)
 
-plus ``--sft-weight`` times the chosen letter's NLL (DPO+NLL as in RPO; 0 by default).
+with sequence logprobs summed over completion tokens, plus ``--sft-weight`` times the SFT loss of
+the chosen judgment (DPO+NLL as in RPO; 0 by default).
 
-To compare objectives (the seed's step), a second LoRA run trains with plain SFT (cross_entropy on
-the chosen letter) on the same batches, learning rate and steps, in the same stack: each step the
-two runs' requests share scheduler cycles. Held-out accuracy is the greedy first token, as the SFT
-demo measures it, for the base model, the DPO run and the SFT run.
-
-Earlier version (kept as a note): pairs of full answers ("B. <reason>" vs "A. <reason with A and B
-swapped>") spread the preference over ~40 near-identical tokens; after 20 steps the held-out
-accuracy stayed at 0.50 (DPO+NLL) or fell to 0.125 (pure DPO, the first token became "The").
+To compare objectives (the seed's step), a second LoRA run trains with the SFT demo's objective
+(cross_entropy on the chosen judgment, answer letter weighted as in render.py) on the same
+batches, learning rate and steps, in the same stack; each step the two runs' requests share
+scheduler cycles. Held-out, for the base model, the DPO run and the SFT run:
+  * accuracy: the greedy first token is the better letter (exactly as the SFT demo measures it);
+  * preference accuracy: log p(better letter | prompt) > log p(other letter | prompt), from
+    compute_logprobs, i.e. which verdict the model prefers even if neither is its top token.
 
     python -m recipes.dpo                      # SmolLM2-135M-Instruct, defaults
     python -m recipes.dpo --beta 0.2 --steps 60 --no-sft-baseline
+    python -m recipes.dpo --verdict-only       # pairs of the letter alone (one (N, 2) datum per pair)
 
 Writes runs/dpo/{metrics.jsonl, dpo.png, heldout_predictions.jsonl, summary.json} and prints one
 final JSON line.
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import sys
 import time
 from typing import Callable
@@ -44,7 +46,7 @@ from tqdm import tqdm
 
 from examples.trajectory_judge import render
 from examples.trajectory_judge.data import load_heldout, load_train
-from recipes.common import MetricsLog, add_common_args, finish, local_client, mean, plot_panels
+from recipes.common import MetricsLog, add_common_args, finish, local_client, mean, plot_panels, weighted_datum
 from temper.client import AdamParams, Datum, ModelInput, SamplingParams
 
 
@@ -54,78 +56,103 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-pairs", type=int, default=4, help="preference pairs per step")
     p.add_argument("--beta", type=float, default=0.1)
     p.add_argument("--sft-weight", type=float, default=0.0,
-                   help="add this times the chosen letter's NLL (DPO+NLL, as in RPO); 0 = pure DPO")
+                   help="add this times the chosen judgment's mean per-token NLL (DPO+NLL, as in RPO); 0 = pure DPO")
+    p.add_argument("--verdict-only", action="store_true",
+                   help="pairs of the answer letter alone instead of whole judgments (SFT baseline: the letter alone)")
     p.add_argument("--no-sft-baseline", action="store_true", help="skip the SFT run trained side by side")
     p.add_argument("--max-heldout", type=int, default=0, help="evaluate on the first N held-out cases (0: all)")
     p.add_argument("--max-train", type=int, default=0, help="use the first N training examples (0: all)")
     return p.parse_args(argv)
 
 
+def swap_letters(text: str) -> str:
+    return re.sub(r"\b([AB])\b", lambda m: "B" if m.group(1) == "A" else "A", text)
+
+
 def letter_token(tokenizer, letter: str) -> int:
     ids = tokenizer.encode(letter, add_special_tokens=False)
     if len(ids) != 1:
-        raise ValueError(f"the verdict {letter!r} is {len(ids)} tokens in this tokenizer; the pair datum needs one")
+        raise ValueError(f"the verdict {letter!r} is {len(ids)} tokens in this tokenizer; expected one")
     return int(ids[0])
 
 
-def build_pair(tokenizer, example: dict) -> dict:
-    """Prompt tokens and the two verdict tokens (chosen = the better attempt's letter)."""
+def build_pair(tokenizer, example: dict, verdict_only: bool = False) -> dict:
+    """Prompt tokens, chosen / rejected completion tokens and the SFT baseline's datum."""
     worse = "B" if example["better"] == "A" else "A"
-    return {"prompt": render.build_prompt_tokens(tokenizer, example),
-            "chosen": letter_token(tokenizer, example["better"]), "rejected": letter_token(tokenizer, worse)}
+    prompt = render.build_prompt_tokens(tokenizer, example)
+    if verdict_only:
+        chosen, rejected = [letter_token(tokenizer, example["better"])], [letter_token(tokenizer, worse)]
+        weights = [0.0] * len(prompt) + [1.0]
+        sft = to_sft_datum(prompt + chosen, weights)
+    else:
+        eos = render.eos_token_id(tokenizer)
+        chosen = list(tokenizer.encode(render.completion_text(example), add_special_tokens=False)) + [eos]
+        rejected = list(tokenizer.encode(f"{worse}. {swap_letters(example['reason'])}", add_special_tokens=False)) + [eos]
+        sft = to_sft_datum(*render.build_sft_example(tokenizer, example))  # the SFT demo's datum
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected, "sft": sft}
 
 
-def pair_datum(pair: dict) -> Datum:
-    """One datum for both continuations: targets (N, 2), equal to the prompt's next token on prompt
-    positions (weight 0) and [chosen, rejected] at the last position (weight 1)."""
+def to_sft_datum(tokens: list[int], weights: list[float]) -> Datum:
+    return Datum(model_input=ModelInput.from_ints(tokens[:-1]),
+                 loss_fn_inputs={"target_tokens": np.asarray(tokens[1:], np.int64), "weights": np.asarray(weights[1:], np.float32)})
+
+
+def pair_data(pair: dict) -> list[Datum]:
+    """The policy's data for one pair: [chosen, rejected] datums (weight 1 on completion targets);
+    for one-token completions a single datum whose (N, 2) targets end in [chosen, rejected], since
+    the two share every earlier token (one forward pass gives both)."""
+    if len(pair["chosen"]) > 1 or len(pair["rejected"]) > 1:
+        return [weighted_datum(pair["prompt"], pair["chosen"]), weighted_datum(pair["prompt"], pair["rejected"])]
     prompt = pair["prompt"]
-    shifted = np.asarray(prompt[1:] + [pair["chosen"]], np.int64)
+    shifted = np.asarray(prompt[1:] + pair["chosen"], np.int64)
     targets = np.stack([shifted, shifted], axis=1)
-    targets[-1] = [pair["chosen"], pair["rejected"]]
+    targets[-1] = [pair["chosen"][0], pair["rejected"][0]]
     weights = np.zeros(targets.shape, np.float32)
     weights[-1] = 1.0
-    return Datum(model_input=ModelInput.from_ints(prompt), loss_fn_inputs={"target_tokens": targets, "weights": weights})
+    return [Datum(model_input=ModelInput.from_ints(prompt), loss_fn_inputs={"target_tokens": targets, "weights": weights})]
 
 
-def sft_datum(pair: dict) -> Datum:
-    """The SFT baseline's datum: the chosen letter after the prompt, weight 1 on it alone."""
-    prompt = pair["prompt"]
-    weights = np.zeros(len(prompt), np.float32)
-    weights[-1] = 1.0
-    return Datum(model_input=ModelInput.from_ints(prompt),
-                 loss_fn_inputs={"target_tokens": np.asarray(prompt[1:] + [pair["chosen"]], np.int64), "weights": weights})
+def pair_logprobs(data, logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pairs, 2) summed completion logprobs [chosen, rejected] and their token counts."""
+    if logprobs[0].ndim == 2:  # one (N, 2) datum per pair
+        pi = torch.stack([lp[-1] for lp in logprobs])
+        return pi, torch.ones_like(pi)
+    masks = [torch.from_numpy(d.loss_fn_inputs["weights"].to_numpy().astype(np.float32)) for d in data]
+    sums = torch.stack([(lp * m).sum() for lp, m in zip(logprobs, masks)])
+    return sums.view(-1, 2), torch.stack([m.sum() for m in masks]).view(-1, 2)
 
 
 class ReferenceLogprobs:
-    """log p_ref(chosen | prompt) and log p_ref(rejected | prompt) per pair, from compute_logprobs
-    on the base model; asked once per pair and kept (the reference never changes)."""
+    """Summed reference logprobs of each pair's chosen and rejected completion, from
+    compute_logprobs on the base model; asked once per pair and kept (the reference never changes)."""
 
     def __init__(self, reference):
         self.reference = reference
         self.futures: dict[int, tuple] = {}
+        self.lengths: dict[int, tuple[int, int]] = {}
 
     def request(self, index: int, pair: dict) -> None:
         if index not in self.futures:
-            self.futures[index] = tuple(self.reference.compute_logprobs(ModelInput.from_ints(pair["prompt"] + [pair[side]]))
+            self.futures[index] = tuple(self.reference.compute_logprobs(ModelInput.from_ints(pair["prompt"] + pair[side]))
                                         for side in ("chosen", "rejected"))
+            self.lengths[index] = (len(pair["chosen"]), len(pair["rejected"]))
 
     def get(self, index: int) -> tuple[float, float]:
-        chosen, rejected = (f.result()[-1] for f in self.futures[index])
-        return float(chosen), float(rejected)
+        return tuple(float(sum(f.result()[-n:])) for f, n in zip(self.futures[index], self.lengths[index]))
 
 
 def make_dpo_loss(references: Callable[[], list[tuple[float, float]]], beta: float, sft_weight: float = 0.0):
-    """The client-side loss for forward_backward_custom over pair datums (see ``pair_datum``).
+    """The client-side loss for forward_backward_custom over ``pair_data`` of a batch of pairs.
     ``references()`` gives each pair's (ref_chosen, ref_rejected); it is called inside the loss, so
     the reference requests overlap the policy's forward pass."""
 
     def loss_fn(data, logprobs: list[torch.Tensor]):
-        pi = torch.stack([lp[-1] for lp in logprobs])          # (pairs, 2): [chosen, rejected] at the verdict
-        ref = torch.tensor(references(), dtype=pi.dtype)        # (pairs, 2)
+        pi, counts = pair_logprobs(data, logprobs)
+        ref = torch.tensor(references(), dtype=pi.dtype)
         rewards = beta * (pi - ref)
         margin = rewards[:, 0] - rewards[:, 1]
         dpo = -F.logsigmoid(margin).mean()
-        nll = -pi[:, 0].mean()
+        nll = -(pi[:, 0] / counts[:, 0]).mean()  # chosen completions, mean per-token NLL
         loss = dpo + sft_weight * nll if sft_weight else dpo
         metrics = {
             "dpo_loss": float(dpo.detach()), "chosen_nll": float(nll.detach()), "reward_accuracy": float((margin > 0).float().mean()),
@@ -138,17 +165,27 @@ def make_dpo_loss(references: Callable[[], list[tuple[float, float]]], beta: flo
     return loss_fn
 
 
-def evaluate(sampler, tokenizer, examples, desc: str) -> tuple[float, list[dict]]:
-    """Greedy first-token answer, as the SFT demo measures held-out accuracy."""
+def evaluate(sampler, tokenizer, examples, desc: str) -> tuple[dict, list[dict]]:
+    """Greedy first-token accuracy (as the SFT demo measures it) and preference accuracy
+    (log p(better letter) > log p(other letter) after the prompt, from compute_logprobs)."""
     greedy = SamplingParams(max_tokens=1, temperature=0.0)
-    futures = [sampler.sample(ModelInput.from_ints(render.build_prompt_tokens(tokenizer, ex)), 1, greedy) for ex in examples]
-    correct, rows = 0, []
-    for ex, fut in zip(examples, tqdm(futures, desc=desc, unit="case", leave=False)):
-        text = tokenizer.decode(fut.result().sequences[0].tokens)
+    letters = {letter: letter_token(tokenizer, letter) for letter in "AB"}
+    prompts = [render.build_prompt_tokens(tokenizer, ex) for ex in examples]
+    futures = [(sampler.sample(ModelInput.from_ints(p), 1, greedy),
+                {k: sampler.compute_logprobs(ModelInput.from_ints(p + [t])) for k, t in letters.items()}) for p in prompts]
+    correct = preferred = 0
+    rows = []
+    for ex, (sample, letter_futures) in zip(examples, tqdm(futures, desc=desc, unit="case", leave=False)):
+        text = tokenizer.decode(sample.result().sequences[0].tokens)
         answer = render.parse_answer(text)
+        letter_lp = {k: float(f.result()[-1]) for k, f in letter_futures.items()}
+        worse = "B" if ex["better"] == "A" else "A"
         correct += answer == ex["better"]
-        rows.append({"id": ex["id"], "kind": ex["kind"], "better": ex["better"], "answer": answer, "text": text})
-    return correct / len(examples), rows
+        preferred += letter_lp[ex["better"]] > letter_lp[worse]
+        rows.append({"id": ex["id"], "kind": ex["kind"], "better": ex["better"], "answer": answer, "text": text,
+                     "logprob_A": letter_lp["A"], "logprob_B": letter_lp["B"]})
+    n = len(examples)
+    return {"accuracy": correct / n, "preference_accuracy": preferred / n}, rows
 
 
 def main(argv=None) -> int:
@@ -168,9 +205,10 @@ def main(argv=None) -> int:
         tokenizer = policy.get_tokenizer()
         base = client.create_sampling_client(base_model=args.base_model)
         references = ReferenceLogprobs(base)
-        accuracy_before, _ = evaluate(base, tokenizer, heldout, "eval before")
-        log.write(kind="eval", step=0, run="base", heldout_accuracy=accuracy_before)
-        pairs = [build_pair(tokenizer, ex) for ex in train]
+        evals = {}
+        evals["base"], _ = evaluate(base, tokenizer, heldout, "eval before")
+        log.write(kind="eval", step=0, run="base", **evals["base"])
+        pairs = [build_pair(tokenizer, ex, args.verdict_only) for ex in train]
 
         batches, order = [], []
         for _ in range(args.steps):
@@ -189,10 +227,10 @@ def main(argv=None) -> int:
         with tqdm(total=args.steps, desc="dpo" + ("" if sft is None else " + sft"), unit="step") as bar:
             for step, batch in enumerate(batches):
                 # Both runs' work is submitted before waiting, so the scheduler can co-batch it.
-                sft_fb = sft.forward_backward([sft_datum(pairs[i]) for i in batch], "cross_entropy") if sft else None
+                sft_fb = sft.forward_backward([pairs[i]["sft"] for i in batch], "cross_entropy") if sft else None
                 sft_opt = sft.optim_step(adam) if sft else None
                 refs = lambda batch=batch: [references.get(i) for i in batch]  # noqa: E731
-                fb = policy.forward_backward_custom([pair_datum(pairs[i]) for i in batch],
+                fb = policy.forward_backward_custom([d for i in batch for d in pair_data(pairs[i])],
                                                     make_dpo_loss(refs, args.beta, args.sft_weight))
                 opt = policy.optim_step(adam)
                 metrics = fb.result().metrics
@@ -207,22 +245,23 @@ def main(argv=None) -> int:
                 bar.set_postfix(loss=f"{row['dpo_loss']:.3f}", margin=f"{row['margin']:.2f}")
                 bar.update()
 
-        accuracy_after, rows = evaluate(policy.save_weights_and_get_sampling_client("dpo-final"), tokenizer, heldout, "eval dpo")
-        log.write(kind="eval", step=args.steps, run="dpo", heldout_accuracy=accuracy_after)
-        sft_accuracy = None
+        evals["dpo"], rows = evaluate(policy.save_weights_and_get_sampling_client("dpo-final"), tokenizer, heldout, "eval dpo")
+        log.write(kind="eval", step=args.steps, run="dpo", **evals["dpo"])
         if sft is not None:
-            sft_accuracy, _ = evaluate(sft.save_weights_and_get_sampling_client("sft-final"), tokenizer, heldout, "eval sft")
-            log.write(kind="eval", step=args.steps, run="sft", heldout_accuracy=sft_accuracy)
+            evals["sft"], _ = evaluate(sft.save_weights_and_get_sampling_client("sft-final"), tokenizer, heldout, "eval sft")
+            log.write(kind="eval", step=args.steps, run="sft", **evals["sft"])
 
     with open(args.out_dir / "heldout_predictions.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     train_rows = [r for r in log.rows if r["kind"] == "train"]
     steps = [r["step"] for r in train_rows]
-    accuracy_series = [("DPO held-out accuracy (greedy letter)", [0, args.steps], [accuracy_before, accuracy_after])]
-    if sft_accuracy is not None:
-        accuracy_series.append(("SFT held-out accuracy, same data and steps", [0, args.steps], [accuracy_before, sft_accuracy]))
-    title = f"DPO judge: held-out accuracy {accuracy_before:.2f} → {accuracy_after:.2f}" + (
-        "" if sft_accuracy is None else f" (SFT side by side: {sft_accuracy:.2f})")
+    accuracy_series = []
+    for run in ("dpo", "sft"):
+        if run in evals:
+            for metric, label in (("accuracy", "greedy letter"), ("preference_accuracy", "p(better) > p(other)")):
+                accuracy_series.append((f"{run.upper()} held-out, {label}", [0, args.steps], [evals["base"][metric], evals[run][metric]]))
+    title = f"DPO judge: held-out accuracy {evals['base']['accuracy']:.2f} → {evals['dpo']['accuracy']:.2f}" + (
+        f" (SFT side by side: {evals['sft']['accuracy']:.2f})" if "sft" in evals else "")
     plot_panels(args.out_dir / "dpo.png", title, [
         {"ylabel": "DPO loss (mean over pairs)", "series": [("dpo loss", steps, [r["dpo_loss"] for r in train_rows])]},
         {"ylabel": "implicit reward  β·(π − ref)", "series": [
@@ -235,8 +274,10 @@ def main(argv=None) -> int:
     ])
     last = train_rows[-10:]
     summary = {
-        "recipe": "dpo", "accuracy_before": round(accuracy_before, 4), "accuracy_after": round(accuracy_after, 4),
-        "sft_accuracy_after": None if sft_accuracy is None else round(sft_accuracy, 4),
+        "recipe": "dpo", "pairs": "verdict" if args.verdict_only else "judgment",
+        "accuracy_before": round(evals["base"]["accuracy"], 4), "accuracy_after": round(evals["dpo"]["accuracy"], 4),
+        "sft_accuracy_after": round(evals["sft"]["accuracy"], 4) if "sft" in evals else None,
+        "preference_accuracy": {run: round(e["preference_accuracy"], 4) for run, e in evals.items()},
         "steps": args.steps, "batch_pairs": args.batch_pairs, "beta": args.beta, "sft_weight": args.sft_weight,
         "learning_rate": args.learning_rate, "dpo_loss_first": round(train_rows[0]["dpo_loss"], 4),
         "dpo_loss_last10": round(mean(r["dpo_loss"] for r in last), 4),

@@ -91,10 +91,11 @@ def test_rl_datum_layout():
 
 def test_dpo_runs_on_the_tiny_model(tiny_model_dir, tmp_path):
     summary, out = run_recipe("dpo", tiny_model_dir, tmp_path, "--batch-pairs", "2", "--max-heldout", "4", "--max-train", "8")
-    for key in ("accuracy_before", "accuracy_after", "sft_accuracy_after", "beta", "sft_weight", "dpo_loss_first",
-                "dpo_loss_last10", "reward_accuracy_last10", "heldout", "train_pairs", "plot", "metrics"):
+    for key in ("accuracy_before", "accuracy_after", "sft_accuracy_after", "preference_accuracy", "beta", "sft_weight",
+                "dpo_loss_first", "dpo_loss_last10", "reward_accuracy_last10", "heldout", "train_pairs", "plot", "metrics"):
         assert key in summary, key
-    assert summary["heldout"] == 4 and summary["train_pairs"] == 8
+    assert summary["pairs"] == "judgment" and summary["heldout"] == 4 and summary["train_pairs"] == 8
+    assert set(summary["preference_accuracy"]) == {"base", "dpo", "sft"}
     assert 0.0 <= summary["sft_accuracy_after"] <= 1.0
     # Before any update the policy is the reference: the loss is log 2.
     assert summary["dpo_loss_first"] == pytest.approx(np.log(2), abs=1e-3)
@@ -104,24 +105,49 @@ def test_dpo_runs_on_the_tiny_model(tiny_model_dir, tmp_path):
     assert [r["step"] for r in train] == [1, 2]
     assert all(r["chosen_nll"] > 0 and r["sft_loss"] > 0 for r in train)
     assert {r["run"] for r in rows if r["kind"] == "eval"} == {"base", "dpo", "sft"}
-    assert len((out / "heldout_predictions.jsonl").read_text().splitlines()) == 4
+    predictions = read_jsonl(out / "heldout_predictions.jsonl")
+    assert len(predictions) == 4 and all(p["logprob_A"] < 0 and p["logprob_B"] < 0 for p in predictions)
 
 
-def test_dpo_plus_nll_without_the_sft_baseline_runs_on_the_tiny_model(tiny_model_dir, tmp_path):
+def test_verdict_only_dpo_plus_nll_without_the_sft_baseline_runs_on_the_tiny_model(tiny_model_dir, tmp_path):
     summary, out = run_recipe("dpo", tiny_model_dir, tmp_path, "--batch-pairs", "1", "--max-heldout", "2", "--max-train", "4",
-                              "--sft-weight", "0.5", "--no-sft-baseline")
-    assert summary["sft_weight"] == 0.5 and summary["sft_accuracy_after"] is None
+                              "--sft-weight", "0.5", "--no-sft-baseline", "--verdict-only")
+    assert summary["pairs"] == "verdict" and summary["sft_weight"] == 0.5 and summary["sft_accuracy_after"] is None
+    assert summary["dpo_loss_first"] == pytest.approx(np.log(2), abs=1e-3)
     check_png(out / "dpo.png")
 
 
-def test_dpo_loss_matches_a_direct_computation_and_its_gradient_lands_on_the_verdict():
+def test_dpo_loss_on_judgment_pairs_matches_a_direct_computation():
     import torch
     import torch.nn.functional as F
 
-    from recipes.dpo import make_dpo_loss, pair_datum
+    from recipes.dpo import make_dpo_loss, pair_data
 
-    pair = {"prompt": [5, 6, 7, 8], "chosen": 11, "rejected": 12}
-    datum = pair_datum(pair)
+    pair = {"prompt": [5, 6, 7], "chosen": [11, 12, 2], "rejected": [13, 12, 2]}
+    data = pair_data(pair)
+    assert [d.loss_fn_inputs["target_tokens"].to_numpy().tolist() for d in data] == [[6, 7, 11, 12, 2], [6, 7, 13, 12, 2]]
+    assert data[0].loss_fn_inputs["weights"].to_numpy().tolist() == [0, 0, 1, 1, 1]
+    logprobs = [torch.tensor([-1.0, -2.0, -0.3, -0.2, -0.1], requires_grad=True),
+                torch.tensor([-1.0, -2.0, -1.5, -0.4, -0.2], requires_grad=True)]
+    refs = [(-0.9, -1.2)]
+    beta = 0.5
+    loss, metrics = make_dpo_loss(lambda: refs, beta)(data, logprobs)
+    margin = beta * ((-0.6 + 0.9) - (-2.1 + 1.2))
+    assert float(loss.detach()) == pytest.approx(float(-F.logsigmoid(torch.tensor(margin))), abs=1e-6)
+    assert metrics["chosen_nll"] == pytest.approx(0.2, abs=1e-6)  # mean per-token NLL of the chosen completion
+    loss.backward()
+    assert torch.all(logprobs[0].grad[:2] == 0) and torch.all(logprobs[0].grad[2:] < 0)  # raise chosen
+    assert torch.all(logprobs[1].grad[:2] == 0) and torch.all(logprobs[1].grad[2:] > 0)  # lower rejected
+
+
+def test_verdict_dpo_loss_matches_a_direct_computation_and_its_gradient_lands_on_the_verdict():
+    import torch
+    import torch.nn.functional as F
+
+    from recipes.dpo import make_dpo_loss, pair_data
+
+    pair = {"prompt": [5, 6, 7, 8], "chosen": [11], "rejected": [12]}
+    [datum] = pair_data(pair)
     targets = datum.loss_fn_inputs["target_tokens"].to_numpy()
     assert targets.tolist() == [[6, 6], [7, 7], [8, 8], [11, 12]]
     assert datum.loss_fn_inputs["weights"].to_numpy().tolist() == [[0, 0], [0, 0], [0, 0], [1, 1]]
@@ -138,6 +164,14 @@ def test_dpo_loss_matches_a_direct_computation_and_its_gradient_lands_on_the_ver
     for lp in logprobs:
         assert torch.all(lp.grad[:-1] == 0) and torch.all(lp.grad[-1] != 0)
         assert float(lp.grad[-1, 0]) < 0 < float(lp.grad[-1, 1])  # raise chosen, lower rejected
+
+
+def test_dpo_pairs_swap_the_answer():
+    from recipes.dpo import swap_letters
+
+    assert swap_letters("A's receipt shows tests passing; B's shows tests failing.") == \
+        "B's receipt shows tests passing; A's shows tests failing."
+    assert swap_letters("Only B has a receipt. AB stays.") == "Only A has a receipt. AB stays."
 
 
 def test_distill_runs_on_the_tiny_model(tiny_model_dir, tmp_path):
