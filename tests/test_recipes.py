@@ -97,13 +97,13 @@ def test_dpo_runs_on_the_tiny_model(tiny_model_dir, tmp_path):
     assert summary["pairs"] == "judgment" and summary["heldout"] == 4 and summary["train_pairs"] == 8
     assert set(summary["preference_accuracy"]) == {"base", "dpo", "sft"}
     assert 0.0 <= summary["sft_accuracy_after"] <= 1.0
-    # Before any update the policy is the reference: the loss is log 2.
+    # Before any update the policy is the reference: the DPO loss is log 2.
     assert summary["dpo_loss_first"] == pytest.approx(np.log(2), abs=1e-3)
     check_png(out / "dpo.png")
     rows = read_jsonl(out / "metrics.jsonl")
     train = [r for r in rows if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2]
-    assert all(r["chosen_nll"] > 0 and r["sft_loss"] > 0 for r in train)
+    assert all(r["chosen_nll"] > 0 and r["sft_loss"] > 0 and r["policy_sft_loss"] > 0 for r in train)
     assert {r["run"] for r in rows if r["kind"] == "eval"} == {"base", "dpo", "sft"}
     predictions = read_jsonl(out / "heldout_predictions.jsonl")
     assert len(predictions) == 4 and all(p["logprob_A"] < 0 and p["logprob_B"] < 0 for p in predictions)
@@ -138,6 +138,22 @@ def test_dpo_loss_on_judgment_pairs_matches_a_direct_computation():
     loss.backward()
     assert torch.all(logprobs[0].grad[:2] == 0) and torch.all(logprobs[0].grad[2:] < 0)  # raise chosen
     assert torch.all(logprobs[1].grad[:2] == 0) and torch.all(logprobs[1].grad[2:] > 0)  # lower rejected
+
+
+def test_dpo_plus_nll_adds_the_sft_objective_of_the_chosen_judgment():
+    import torch
+    import torch.nn.functional as F
+
+    from recipes.dpo import make_dpo_loss, pair_data, to_sft_datum
+
+    pair = {"prompt": [5, 6, 7], "chosen": [11, 12, 2], "rejected": [13, 12, 2]}
+    sft = to_sft_datum([5, 6, 7, 11, 12, 2], [0, 0, 0, 0.5, 0.3, 0.2])
+    logprobs = [torch.tensor([-1.0, -2.0, -0.3, -0.2, -0.1]), torch.tensor([-1.0, -2.0, -1.5, -0.4, -0.2])]
+    loss, metrics = make_dpo_loss(lambda: [(-0.9, -1.2)], 0.5, sft_weight=2.0, sft_data=[sft])(pair_data(pair), logprobs)
+    dpo = float(-F.logsigmoid(torch.tensor(0.5 * ((-0.6 + 0.9) - (-2.1 + 1.2)))))
+    sft_loss = 0.5 * 0.3 + 0.3 * 0.2 + 0.2 * 0.1
+    assert metrics["policy_sft_loss"] == pytest.approx(sft_loss, abs=1e-6)
+    assert float(loss) == pytest.approx(dpo + 2.0 * sft_loss, abs=1e-6)
 
 
 def test_verdict_dpo_loss_matches_a_direct_computation_and_its_gradient_lands_on_the_verdict():
