@@ -2,7 +2,8 @@
 ``TEMPER_TRAINER_ACTIVATION_CHECKPOINTING``), measured side by side in one run.
 
   time_ratio    median forward_backward time (engine.run_cycle, 8 adapters x 1 row), checkpointing
-                on / off, two engines in this process, repetitions interleaved.
+                on (for every pass: min_tokens 0) / off, two engines in this process, repetitions
+                interleaved.
   memory_ratio  activation memory (peak RSS delta, fresh child per variant, as in multitenant.py's
                 (d)), checkpointing on / off.
 
@@ -50,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
 
     memory = {}
     for on in (True, False):
-        child = argparse.Namespace(**{**vars(args), "memory_tokens": args.tokens, "no_activation_checkpointing": not on})
+        child = argparse.Namespace(**{**vars(args), "memory_tokens": args.tokens, "no_activation_checkpointing": not on,
+                                      "checkpoint_min_tokens": 0})
         progress.set_postfix_str(f"memory, checkpointing {'on' if on else 'off'}")
         memory[on] = mt.run_memory_child(child, "chunked")
         progress.update()
@@ -59,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for on in (True, False):
             progress.set_postfix_str("loading engines")
-            engines[on] = mt.build_engine(argparse.Namespace(**{**vars(args), "no_activation_checkpointing": not on}),
+            engines[on] = mt.build_engine(argparse.Namespace(**{**vars(args), "no_activation_checkpointing": not on,
+                                                             "checkpoint_min_tokens": 0}),
                                           Path(tmp) / str(on), mt.ROWS)
             progress.update()
         sequences = mt.random_sequences(mt.ROWS, args.tokens, engines[True].loaded.vocab_size, seed=0)

@@ -97,6 +97,8 @@ def build_engine(args, checkpoint_dir: Path, adapters: int):
     loaded = load_model(args.model, args.device, args.dtype, args.threads)
     settings = TrainerSettings(base_model=args.model, checkpoint_dir=checkpoint_dir, device=args.device, dtype=args.dtype,
                                num_threads=args.threads, activation_checkpointing=not args.no_activation_checkpointing)
+    if getattr(args, "checkpoint_min_tokens", None) is not None:
+        settings.activation_checkpointing_min_tokens = args.checkpoint_min_tokens
     engine = TrainerEngine(loaded, settings)
     for i in range(adapters):
         engine.host.create(f"tenant-{i}", lora_config(seed=i))
@@ -142,7 +144,7 @@ def full_logits_forward_backward(engine, sequences: list[np.ndarray]) -> float:
     mask = torch.ones_like(ids, dtype=torch.bool)
     weights = torch.ones(ids.shape, dtype=torch.float32, device=device)
     groups = [(f"tenant-{i}", torch.tensor([i], device=device)) for i in range(len(sequences))]
-    with engine.lora.route(groups):
+    with engine.lora.route(groups), engine.lora.checkpointing_enabled(engine._checkpoint(ids)):  # as the engine's passes
         logits = engine.loaded.model(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits.float()
     lp = logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1) * mask
     loss = -(lp * weights).sum()
@@ -159,7 +161,7 @@ def decoder_only_forward_backward(engine, sequences: list[np.ndarray]) -> float:
     ids = torch.from_numpy(np.stack([s[:-1] for s in sequences])).to(device)
     mask = torch.ones_like(ids)
     groups = [(f"tenant-{i}", torch.tensor([i], device=device)) for i in range(len(sequences))]
-    with engine.lora.route(groups):
+    with engine.lora.route(groups), engine.lora.checkpointing_enabled(engine._checkpoint(ids)):  # as the engine's passes
         hidden = engine.loaded.model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
     loss = hidden.float().sum()
     loss.backward()
@@ -205,6 +207,7 @@ def memory_child(args) -> None:
             "peak_rss_kb": peak_kb, "delta_rss_kb": peak_kb - baseline_kb,
             "logprob_chunk_tokens": engine.settings.logprob_chunk_tokens, "vocab": engine.loaded.vocab_size,
             "activation_checkpointing": engine.settings.activation_checkpointing,
+            "activation_checkpointing_min_tokens": engine.settings.activation_checkpointing_min_tokens,
             "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
         }
         if engine.device.type == "cuda":
@@ -240,7 +243,8 @@ def fit_memory_tokens(tokens: int, checkpointing: bool) -> int:
 def run_memory_child(args, variant: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", variant, "--model", args.model, "--device", args.device,
            "--dtype", args.dtype, "--threads", str(args.threads), "--memory-tokens", str(args.memory_tokens)] + (
-        ["--no-activation-checkpointing"] if args.no_activation_checkpointing else [])
+        ["--no-activation-checkpointing"] if args.no_activation_checkpointing else []) + (
+        [] if getattr(args, "checkpoint_min_tokens", None) is None else ["--checkpoint-min-tokens", str(args.checkpoint_min_tokens)])
     # glibc's dynamic mmap threshold keeps freed large blocks in the heap, so RSS would show what the
     # allocator retains rather than the tensors alive at the peak; a fixed threshold returns them.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "65536")}
@@ -325,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip the decoder-only child that splits (d) into decoder and head memory (skipped by --quick)")
     parser.add_argument("--no-activation-checkpointing", action="store_true",
                         help="store decoder activations (trainer setting activation_checkpointing=False) in every variant")
+    parser.add_argument("--checkpoint-min-tokens", type=int, default=None,
+                        help="trainer setting activation_checkpointing_min_tokens (default: the trainer's)")
     parser.add_argument("--memory-child", choices=["chunked", "full", "decoder_only"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.model is None:
@@ -510,7 +516,8 @@ def main(argv: list[str] | None = None) -> int:
         "config": {
             "model": args.model, "device": args.device, "dtype": args.dtype, "threads": args.threads, "reps": reps,
             "quick": args.quick, "rows": ROWS, "tokens_per_row": TOKENS, "memory_tokens_per_row": args.memory_tokens, "memory_tokens_requested": requested_memory_tokens, "rank": RANK,
-            "targets": "attn+mlp", "activation_checkpointing": engine.settings.activation_checkpointing, "max_tokens_per_microbatch": engine.settings.max_tokens_per_microbatch,
+            "targets": "attn+mlp", "activation_checkpointing": engine.settings.activation_checkpointing,
+            "activation_checkpointing_min_tokens": engine.settings.activation_checkpointing_min_tokens, "max_tokens_per_microbatch": engine.settings.max_tokens_per_microbatch,
             "logprob_chunk_tokens": engine.settings.logprob_chunk_tokens, "torch": torch.__version__,
             "python": platform.python_version(), "cpu_count": os.cpu_count(),
             "load_average_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None,

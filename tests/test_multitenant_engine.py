@@ -128,16 +128,45 @@ def test_micro_batching_and_logprob_chunking_do_not_change_results(tiny_model_di
 
 def test_activation_checkpointing_does_not_change_results(tiny_model_dir, tmp_path):
     items = items_for(5)
-    engines = {on: make_engine(tiny_model_dir, tmp_path / str(on), activation_checkpointing=on) for on in (True, False)}
+    engines = {on: make_engine(tiny_model_dir, tmp_path / str(on), activation_checkpointing=on, activation_checkpointing_min_tokens=0)
+               for on in (True, False)}
+    calls = count_layer_calls(engines[True])
     results = {on: engine.run_cycle(items, [])[0] for on, engine in engines.items()}
     for a, b in zip(results[True], results[False]):
         assert a.metrics["loss:sum"] == pytest.approx(b.metrics["loss:sum"], abs=1e-6)
         for x, y in zip(a.logprobs, b.logprobs):
             np.testing.assert_allclose(x, y, atol=1e-6, rtol=0)
+    assert calls["n"] > 0 and calls["n"] % 2 == 0  # every layer ran twice per pass: forward, then recompute
     g_on, g_off = grads(engines[True]), grads(engines[False])
     for key in CONFIGS:
         for name in g_on[key]:
             torch.testing.assert_close(g_on[key][name], g_off[key][name], atol=1e-6, rtol=1e-5)
+
+
+def count_layer_calls(engine) -> dict:
+    """Count the first decoder layer's attention calls (recomputations included)."""
+    attention = engine.loaded.model.get_decoder().layers[0].self_attn
+    calls = {"n": 0}
+    inner = attention.forward
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return inner(*args, **kwargs)
+
+    attention.forward = counted
+    return calls
+
+
+def test_only_passes_past_the_token_threshold_are_checkpointed(tiny_model_dir, tmp_path):
+    engine = make_engine(tiny_model_dir, tmp_path, activation_checkpointing_min_tokens=10_000)
+    calls = count_layer_calls(engine)
+    items = items_for(7)
+    engine.run_cycle(items, [])
+    stored = calls["n"]
+    assert stored == 1  # one micro-batch, below the threshold: one forward, no recompute
+    engine.settings.activation_checkpointing_min_tokens = 1
+    engine.run_cycle(items, [])
+    assert calls["n"] - stored == 2  # forward + recompute in the backward pass
 
 
 def test_checkpointed_dropout_recomputes_the_same_masks(tiny_model_dir, tmp_path):
@@ -147,8 +176,8 @@ def test_checkpointed_dropout_recomputes_the_same_masks(tiny_model_dir, tmp_path
     item = trainer_pb2.ForwardBackwardItem(adapter_id="dropout", data=items_for(6)[0].data, loss_fn="cross_entropy")
     out = {}
     for on in (True, False):
-        engine = TrainerEngine(load_model(tiny_model_dir),
-                               TrainerSettings(checkpoint_dir=tmp_path / f"d{on}", activation_checkpointing=on))
+        engine = TrainerEngine(load_model(tiny_model_dir), TrainerSettings(
+            checkpoint_dir=tmp_path / f"d{on}", activation_checkpointing=on, activation_checkpointing_min_tokens=0))
         engine.host.create("dropout", spec)
         with torch.no_grad():
             for p in engine.host.get("dropout").params.values():

@@ -70,6 +70,7 @@ class LoraModel:
                 setattr(model.get_submodule(parent_path) if parent_path else model, name, wrapper)
                 self.layers[path] = wrapper
         self.device = next(model.parameters()).device
+        self.checkpointing = False  # see checkpoint_decoder_layers
 
     def available_targets(self) -> set[str]:
         return {p.rsplit(".", 1)[-1] for p in self.layers}
@@ -119,15 +120,25 @@ class LoraModel:
         threads), where the router's thread-local routing is not set.
         """
         layers = getattr(self.model.get_decoder(), "layers", None)
+        self.checkpointing = True
         if not isinstance(layers, nn.ModuleList):
             raise ValueError(f"{type(self.model).__name__} has no decoder .layers to checkpoint")
         for layer in layers:
             layer.forward = self._checkpointed(layer.forward)
         return len(layers)
 
+    @contextlib.contextmanager
+    def checkpointing_enabled(self, enabled: bool):
+        """Switch the layers wrapped by ``checkpoint_decoder_layers`` on or off for one pass."""
+        previous, self.checkpointing = self.checkpointing, enabled
+        try:
+            yield
+        finally:
+            self.checkpointing = previous
+
     def _checkpointed(self, forward):
         def run(*args, **kwargs):
-            if not torch.is_grad_enabled():
+            if not (self.checkpointing and torch.is_grad_enabled()):
                 return forward(*args, **kwargs)
             routing = self.router.current
 

@@ -20,6 +20,9 @@ class TrainerSettings(BaseSettings):
     max_tokens_per_microbatch: int = Field(4096, description="Padded tokens per forward/backward micro-batch.")
     logprob_chunk_tokens: int = Field(1024, description="Tokens per chunk of the lm_head + log-softmax.")
     activation_checkpointing: bool = Field(True, description="Recompute decoder layers in the backward pass instead of storing their activations.")
+    activation_checkpointing_min_tokens: int = Field(
+        2048, description="Checkpoint only passes of at least this many padded tokens; smaller passes store their "
+                          "activations (little memory, and no recompute).")
     max_resident_adapters: int = Field(0, description="Adapters kept in the model at once (0: no limit); the rest are offloaded.")
     offload_dir: Path = Field(Path("data/trainer-offload"), description="Where evicted adapters (weights, grads, Adam state) go.")
     default_lora_alpha: float = Field(32.0, description="LoRA alpha when a run does not set one.")
