@@ -29,6 +29,7 @@ with a bar chart of the ratios against their goals in benchmarks/results/multite
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -133,6 +134,16 @@ def _current_rss_kb() -> int:
         return -1
 
 
+@contextlib.contextmanager
+def routed_like_the_engine(engine, ids):
+    """Row i -> tenant-i, and the decoder checkpointed as the engine would for a pass this size."""
+    import torch
+
+    groups = [(f"tenant-{i}", torch.tensor([i], device=ids.device)) for i in range(ids.shape[0])]
+    with engine.lora.route(groups), engine.lora.checkpointing_enabled(engine._checkpoint(ids)):
+        yield
+
+
 def full_logits_forward_backward(engine, sequences: list[np.ndarray]) -> float:
     """The reference the chunked path replaces: full B x T x V logits, log_softmax, gather, backward,
     under the same per-row LoRA routing as the engine (row i -> tenant-i)."""
@@ -143,8 +154,7 @@ def full_logits_forward_backward(engine, sequences: list[np.ndarray]) -> float:
     targets = torch.from_numpy(np.stack([s[1:] for s in sequences])).to(device)
     mask = torch.ones_like(ids, dtype=torch.bool)
     weights = torch.ones(ids.shape, dtype=torch.float32, device=device)
-    groups = [(f"tenant-{i}", torch.tensor([i], device=device)) for i in range(len(sequences))]
-    with engine.lora.route(groups), engine.lora.checkpointing_enabled(engine._checkpoint(ids)):  # as the engine's passes
+    with routed_like_the_engine(engine, ids):
         logits = engine.loaded.model(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits.float()
     lp = logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1) * mask
     loss = -(lp * weights).sum()
@@ -160,8 +170,7 @@ def decoder_only_forward_backward(engine, sequences: list[np.ndarray]) -> float:
     device = engine.device
     ids = torch.from_numpy(np.stack([s[:-1] for s in sequences])).to(device)
     mask = torch.ones_like(ids)
-    groups = [(f"tenant-{i}", torch.tensor([i], device=device)) for i in range(len(sequences))]
-    with engine.lora.route(groups), engine.lora.checkpointing_enabled(engine._checkpoint(ids)):  # as the engine's passes
+    with routed_like_the_engine(engine, ids):
         hidden = engine.loaded.model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
     loss = hidden.float().sum()
     loss.backward()

@@ -120,9 +120,9 @@ class LoraModel:
         threads), where the router's thread-local routing is not set.
         """
         layers = getattr(self.model.get_decoder(), "layers", None)
-        self.checkpointing = True
         if not isinstance(layers, nn.ModuleList):
             raise ValueError(f"{type(self.model).__name__} has no decoder .layers to checkpoint")
+        self.checkpointing = True
         for layer in layers:
             layer.forward = self._checkpointed(layer.forward)
         return len(layers)
