@@ -214,7 +214,7 @@ def memory_child(args) -> None:
             "variant": variant, "rows": ROWS, "tokens": args.memory_tokens, "seconds": seconds, "loss": loss,
             "load_peak_rss_kb": load_peak_kb, "peak_reset": reset, "baseline_rss_kb": baseline_kb, "rss_before_pass_kb": rss_before_kb,
             "peak_rss_kb": peak_kb, "delta_rss_kb": peak_kb - baseline_kb,
-            "logprob_chunk_tokens": engine.settings.logprob_chunk_tokens, "vocab": engine.loaded.vocab_size,
+            "logprob_chunk_tokens": engine.logprob_chunk_tokens, "vocab": engine.loaded.vocab_size,
             "activation_checkpointing": engine.settings.activation_checkpointing,
             "activation_checkpointing_min_tokens": engine.settings.activation_checkpointing_min_tokens,
             "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
@@ -256,7 +256,11 @@ def run_memory_child(args, variant: str) -> dict:
         [] if getattr(args, "checkpoint_min_tokens", None) is None else ["--checkpoint-min-tokens", str(args.checkpoint_min_tokens)])
     # glibc's dynamic mmap threshold keeps freed large blocks in the heap, so RSS would show what the
     # allocator retains rather than the tensors alive at the peak; a fixed threshold returns them.
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "65536")}
+    # (The timed variants' tuned allocator, which keeps freed memory, is not passed on.)
+    from temper.common.host_allocator import TUNED_MALLOC_ENV
+
+    env = {k: v for k, v in os.environ.items() if k not in TUNED_MALLOC_ENV and k != "TEMPER_HOST_ALLOCATOR_TUNED"}
+    env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith(MEM_PREFIX):
@@ -340,8 +344,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="store decoder activations (trainer setting activation_checkpointing=False) in every variant")
     parser.add_argument("--checkpoint-min-tokens", type=int, default=None,
                         help="trainer setting activation_checkpointing_min_tokens (default: the trainer's)")
+    parser.add_argument("--default-allocator", action="store_true",
+                        help="time with glibc's default malloc settings, in-process and in the stack's trainer "
+                             "(default: the trainer's tuned settings, temper.common.host_allocator)")
     parser.add_argument("--memory-child", choices=["chunked", "full", "decoder_only"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    from temper.common.host_allocator import TUNED_MALLOC_ENV, reexec_with_tuned_allocator
+
+    if not args.memory_child:
+        # The timed variants run under the allocator settings of the trainer process (the stack's
+        # trainer applies them itself), so in-process and stack timings compare like with like.
+        reexec_with_tuned_allocator(not args.default_allocator)
     if args.model is None:
         from temper.services.models.prepare import SMOLLM2_NAME, prepare_smollm2
 
@@ -371,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         from temper.scheduler.localstack import LocalStack
 
         extra = {"TEMPER_TRAINER_DEVICE": args.device, "TEMPER_TRAINER_DTYPE": args.dtype,
+                 "TEMPER_TRAINER_TUNE_HOST_ALLOCATOR": str(not args.default_allocator).lower(),
                  "TEMPER_SAMPLER_DEVICE": args.device, "TEMPER_SAMPLER_DTYPE": args.dtype}
         stack = LocalStack(args.model, work / "stack", extra_env=extra, num_threads=args.threads)
 
@@ -527,7 +541,8 @@ def main(argv: list[str] | None = None) -> int:
             "quick": args.quick, "rows": ROWS, "tokens_per_row": TOKENS, "memory_tokens_per_row": args.memory_tokens, "memory_tokens_requested": requested_memory_tokens, "rank": RANK,
             "targets": "attn+mlp", "activation_checkpointing": engine.settings.activation_checkpointing,
             "activation_checkpointing_min_tokens": engine.settings.activation_checkpointing_min_tokens, "max_tokens_per_microbatch": engine.settings.max_tokens_per_microbatch,
-            "logprob_chunk_tokens": engine.settings.logprob_chunk_tokens, "torch": torch.__version__,
+            "logprob_chunk_tokens": engine.logprob_chunk_tokens, "torch": torch.__version__,
+            "malloc_env": {k: os.environ.get(k) for k in TUNED_MALLOC_ENV},
             "python": platform.python_version(), "cpu_count": os.cpu_count(),
             "load_average_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None,
         },

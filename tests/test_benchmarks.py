@@ -26,6 +26,11 @@ def test_multitenant_benchmark_runs_and_reports_every_ratio(tiny_model_dir, tmp_
     for name in ("cobatch_overhead", "cobatch_gain", "memory_ratio"):
         assert ratios[name] > 0, name
     assert result["memory"]["chunked"]["activation_checkpointing"] is True
+    from temper.common.host_allocator import TUNED_MALLOC_ENV, is_glibc_linux
+
+    if is_glibc_linux():  # the timed variants ran under the trainer's allocator settings, (d) did not
+        assert result["config"]["malloc_env"] == TUNED_MALLOC_ENV
+        assert result["memory"]["chunked"]["malloc_mmap_threshold"] == "65536"
     assert (tmp_path / "multitenant.json").exists() and (tmp_path / "multitenant.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -1,6 +1,8 @@
 """The real scheduler, trainer and sampler processes, driven only through the client (tiny model,
 scheduler on Postgres)."""
 
+from pathlib import Path
+
 import grpc
 import numpy as np
 import pytest
@@ -217,3 +219,13 @@ def test_sampled_logprobs_match_the_trainer(service_client, tiny_model_dir):
         trainer_lp = tc.forward([sft_datum(full)]).result().loss_fn_outputs[0]["logprobs"].to_numpy()
         np.testing.assert_allclose(np.asarray(seq.logprobs, np.float32), trainer_lp[-len(seq.tokens):], atol=1e-4)
         assert len(seq.topk_logprobs) == len(seq.tokens) and all(len(p) == 2 for p in seq.topk_logprobs)
+
+
+def test_trainer_runs_under_the_tuned_host_allocator(stack):
+    from temper.common.host_allocator import TUNED_MALLOC_ENV, is_glibc_linux
+
+    if not is_glibc_linux():
+        pytest.fail("this test reads /proc/<pid>/environ of a glibc Linux process")
+    pid = stack.service("trainer").process.pid  # the same pid after the re-exec
+    environ = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in item)
+    assert {k: environ.get(k) for k in TUNED_MALLOC_ENV} == TUNED_MALLOC_ENV

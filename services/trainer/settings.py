@@ -18,7 +18,10 @@ class TrainerSettings(BaseSettings):
     dtype: str = Field("float32", description="Base model dtype (adapters always train in float32).")
     num_threads: int = Field(0, description="torch intra-op threads; 0 keeps torch's default.")
     max_tokens_per_microbatch: int = Field(4096, description="Padded tokens per forward/backward micro-batch.")
-    logprob_chunk_tokens: int = Field(1024, description="Tokens per chunk of the lm_head + log-softmax.")
+    logprob_chunk_tokens: int = Field(
+        0, description="Tokens per chunk of the lm_head + log-softmax; 0 picks one: on CPU as many as keep a chunk's "
+                       "float32 logits under 24 MiB (below glibc's 32 MiB mmap threshold, so chunks reuse heap memory), "
+                       "on accelerators 1024.")
     activation_checkpointing: bool = Field(True, description="Recompute decoder layers in the backward pass instead of storing their activations.")
     activation_checkpointing_min_tokens: int = Field(
         2048, description="Checkpoint only passes of at least this many padded tokens; smaller passes store their "
@@ -26,4 +29,7 @@ class TrainerSettings(BaseSettings):
     max_resident_adapters: int = Field(0, description="Adapters kept in the model at once (0: no limit); the rest are offloaded.")
     offload_dir: Path = Field(Path("data/trainer-offload"), description="Where evicted adapters (weights, grads, Adam state) go.")
     default_lora_alpha: float = Field(32.0, description="LoRA alpha when a run does not set one.")
+    tune_host_allocator: bool = Field(
+        True, description="Start the trainer under glibc malloc settings that keep freed memory for reuse "
+                          "(temper.common.host_allocator); MALLOC_* variables already set are kept.")
     log_level: str = "INFO"
