@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -27,6 +28,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import multitenant as mt  # noqa: E402  (shared helpers: engine, data, memory children)
+from temper.common.host_allocator import TUNED_MALLOC_ENV, reexec_with_tuned_allocator  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -41,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
+    # timings under the trainer process's allocator settings (the memory children reset them)
+    reexec_with_tuned_allocator()
     if args.model is None:
         from temper.services.models.prepare import SMOLLM2_NAME, prepare_smollm2
 
@@ -88,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         "samples_s": {"on": samples[True], "off": samples[False]},
         "memory_delta_mib": {"on": memory[True]["delta_rss_kb"] / 1024, "off": memory[False]["delta_rss_kb"] / 1024},
         "config": {"model": args.model, "device": args.device, "dtype": args.dtype, "threads": args.threads,
-                   "rows": mt.ROWS, "tokens_per_row": args.tokens, "reps": args.reps, "rank": mt.RANK},
+                   "rows": mt.ROWS, "tokens_per_row": args.tokens, "reps": args.reps, "rank": mt.RANK,
+                   "malloc_env": {k: os.environ.get(k) for k in TUNED_MALLOC_ENV}},
         "total_seconds": time.perf_counter() - started,
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)

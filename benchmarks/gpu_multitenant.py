@@ -6,7 +6,7 @@ import shim, so it runs on a machine where temper is not installed and grpc, pro
 pydantic may be missing. The model is randomly initialised from a config (no weights, no hub).
 
 Each pass mirrors the trainer engine's ``_pass``: every row group routed to its own adapter
-through ``LoraModel.route``, the decoder, then the lm_head + log_softmax over chunks of tokens
+through ``LoraModel.route``, the decoder, then the lm_head + target logprobs over chunks of tokens
 recomputed in the backward pass (activation checkpointing), the summed cross-entropy, backward.
 
 Variants, interleaved in a rotating order, medians reported with the raw samples:
@@ -77,9 +77,11 @@ def build_model(args):
 
 def _head_logprobs(lora, head, hidden, targets, groups):
     # as services/trainer/engine.py: routing set inside so the checkpoint recomputation routes the same way
+    from temper.services.trainer.target_logprobs import target_logprobs
+
     with lora.route(groups):
         logits = head(hidden).float()
-    return logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return target_logprobs(logits, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def forward_backward(lora, ids, targets, groups, chunk: int):
@@ -90,7 +92,7 @@ def forward_backward(lora, ids, targets, groups, chunk: int):
     model = lora.model
     mask = torch.ones_like(ids, dtype=torch.bool)
     with lora.route(groups):
-        hidden = model.get_decoder()(input_ids=ids, attention_mask=mask.long()).last_hidden_state
+        hidden = model.get_decoder()(input_ids=ids, attention_mask=mask.long(), use_cache=False).last_hidden_state
     head = model.get_output_embeddings()
     flat_hidden, flat_targets = hidden[mask], targets[mask]
     token_rows = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)[mask]
