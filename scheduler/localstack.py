@@ -91,15 +91,28 @@ class LocalStack:
         try:
             self._wait_ready(trainer, timeout)
             self._wait_ready(sampler, timeout)
-            scheduler = self._start("scheduler", "temper.scheduler", {
-                "TEMPER_BIND": "127.0.0.1:0", "TEMPER_DATABASE_URL": self.database_url,
-                "TEMPER_TRAINER_ADDRESSES": trainer.address, "TEMPER_SAMPLER_ADDRESSES": sampler.address,
-            })
-            self._wait_ready(scheduler, timeout)
+            scheduler = self._start_scheduler(0, timeout)
         except BaseException:
             self.stop()
             raise
         return scheduler.address
+
+    def _start_scheduler(self, port: int, timeout: float) -> Service:
+        scheduler = self._start("scheduler", "temper.scheduler", {
+            "TEMPER_BIND": f"127.0.0.1:{port}", "TEMPER_DATABASE_URL": self.database_url,
+            "TEMPER_TRAINER_ADDRESSES": self.service("trainer").address, "TEMPER_SAMPLER_ADDRESSES": self.service("sampler").address,
+        })
+        self._wait_ready(scheduler, timeout)
+        return scheduler
+
+    def restart_scheduler(self, crash: bool = True, timeout: float = 120.0) -> str:
+        """Stop the scheduler (SIGKILL when ``crash``, else SIGTERM) and start a new one on the same
+        port, database and backends; the trainer and sampler keep running. Returns its address."""
+        old = self.service("scheduler")
+        (old.process.kill if crash else old.process.terminate)()
+        old.process.wait(timeout=30)
+        self.services.remove(old)
+        return self._start_scheduler(old.port, timeout).address
 
     def service(self, role: str) -> Service:
         return next(s for s in self.services if s.role == role)

@@ -101,6 +101,11 @@ class SchedulerLoop:
 
     async def _run_cycle(self, plan: CyclePlan) -> None:
         self.cycles += 1
+        # Recorded before anything reaches a trainer: after a crash, "running" rows are the ones
+        # whose outcome is unknown (see Store.recover_interrupted).
+        marked = asyncio.to_thread(self.store.mark_running, [(w.run_id, w.seq_id) for w in plan.all_work()])
+        if not await self._guarded(plan.all_work(), marked):
+            return
         by_trainer: dict[str, tuple[TrainerHandle, list[Work], list[Work]]] = {}
         for work in plan.passes + plan.optim_steps:
             trainer = self.backends.trainer_for(self.run_models[work.run_id], work.run_id)
@@ -111,17 +116,23 @@ class SchedulerLoop:
         for work in plan.barriers:
             await self._guarded([work], self._run_barrier(work))
 
-    async def _guarded(self, works: list[Work], coro) -> None:
-        """Run ``coro``; on failure fail every work in it with a domain error (never lose a future)."""
+    async def _guarded(self, works: list[Work], coro) -> bool:
+        """Run ``coro``; on failure fail every work in it with a domain error (never lose a future).
+        Returns whether it succeeded."""
         try:
             await coro
+            return True
         except Exception as exc:  # noqa: BLE001 - every failure must reach the waiting callers
             error = exc if isinstance(exc, TemperError) else TemperError(f"{type(exc).__name__}: {exc}")
             if not isinstance(exc, TemperError):
                 log.exception("cycle failed")
-            await self._record(works, error)
+            try:
+                await self._record(works, error)
+            except Exception:  # noqa: BLE001 - the database may be what failed; the callers still hear
+                log.exception("could not record the failure of %d requests", len(works))
             for work in works:
                 work.fail(error)
+            return False
 
     async def _dispatch_cycle(self, trainer: TrainerHandle, passes: list[Work], steps: list[Work]) -> None:
         request = trainer_pb2.CycleRequest()

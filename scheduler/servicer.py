@@ -34,6 +34,7 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
         self.backends = backends
         self.loop = loop
         self._runs: dict[str, m.TrainingRun] = {}
+        self._loading: dict[str, asyncio.Future] = {}   # run id -> its first load in this process
         self._samplers: dict[str, m.SamplingClient] = {}
         self._tenants: dict[str, str] = {}   # session id -> tenant
 
@@ -111,8 +112,18 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
     async def _run(self, run_id: str) -> m.TrainingRun:
         run = self._runs.get(run_id)
         if run is None:
-            run = await asyncio.to_thread(self.store.get_training_run, run_id)
-            self._runs[run_id] = run
+            # The first use of a run in this process closes what an earlier process left on a
+            # trainer; concurrent first uses share that one load (it must precede any dispatch).
+            loading = self._loading.get(run_id)
+            if loading is None:
+                loading = self._loading[run_id] = asyncio.ensure_future(asyncio.to_thread(self.store.recover_interrupted, run_id))
+            try:
+                run = await asyncio.shield(loading)
+            finally:
+                if loading.done():
+                    self._loading.pop(run_id, None)
+            self._runs.setdefault(run_id, run)
+            run = self._runs[run_id]
         self.loop.register_run(run.id, run.base_model, run.next_seq_id, await self._tenant_of(run.session_id))
         return run
 
@@ -178,14 +189,20 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
         if seq < 1:
             raise InvalidArgument(f"seq_id must be >= 1, got {seq}")
         sha = hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest()
-        existing = self.loop.known(run.id, seq)
+        existing, recorded = self.loop.known(run.id, seq), False
         if existing is None:
             record = await asyncio.to_thread(self.store.get_request, run.id, seq)
             existing = self.loop.known(run.id, seq)  # another retry may have arrived meanwhile
             if existing is None and record is not None:
                 if record.payload_sha256 != sha:
                     raise AlreadyExists(f"seq_id {seq} of {run.id} was used by a different request")
-                raise FailedPrecondition(f"seq_id {seq} of {run.id} already ran ({record.status}); its result is no longer held")
+                if record.status != "queued":
+                    detail = f": {record.error}" if record.error else ""
+                    raise FailedPrecondition(f"seq_id {seq} of {run.id} already ran ({record.status}{detail}); "
+                                             f"its result is no longer held")
+                # Accepted by an earlier scheduler process that stopped before sending it to a
+                # trainer: it never ran, so it is queued again (its row already exists).
+                recorded = True
         if existing is not None:
             if existing.payload_sha256 != sha:
                 raise AlreadyExists(f"seq_id {seq} of {run.id} was used by a different request")
@@ -198,7 +215,8 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
         self.loop.claim(work)  # from here a retry of this (run, seq) waits for this answer
         try:
             work.num_tokens = await validate(run)
-            await asyncio.to_thread(self.store.add_request, run.id, seq, kind.value, sha, "queued", work.num_tokens)
+            if not recorded:
+                await asyncio.to_thread(self.store.add_request, run.id, seq, kind.value, sha, "queued", work.num_tokens)
         except Exception as exc:  # noqa: BLE001 - any rejection must still release the seq
             # The seq is spent (the client numbered later requests after it) but nothing else changes;
             # a failed add_request wrote nothing either.

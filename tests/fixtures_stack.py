@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
+from sqlalchemy import create_engine, text
 
 from temper.client import Datum, ModelInput, ServiceClient
 
@@ -40,3 +42,24 @@ def sft_datum(tokens: list[int], weights: list[float] | None = None) -> Datum:
         model_input=ModelInput.from_ints(tokens[:-1]),
         loss_fn_inputs={"target_tokens": np.asarray(tokens[1:], dtype=np.int64), "weights": w},
     )
+
+
+def request_rows(url, run_id):
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text("select seq_id, kind, status from requests where training_run_id = :r order by seq_id"), {"r": run_id}
+        ).all()
+    engine.dispose()
+    return [tuple(r) for r in rows]
+
+
+def adapter_weights(client, path, tmp_path):
+    folder = client.download_checkpoint(path, tmp_path / path.replace("/", "_").replace(":", "_"))
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+def assert_same_weights(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)

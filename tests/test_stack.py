@@ -6,37 +6,14 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
-from sqlalchemy import create_engine, text
 
-from fixtures_stack import sft_datum
+from fixtures_stack import adapter_weights, assert_same_weights, request_rows, sft_datum
 from temper.client import AdamParams, AlreadyExists, InvalidArgument, ModelInput, NotFound, SamplingParams
 from temper.client import convert
 from temper.v1 import service_pb2, service_pb2_grpc
 
 PATTERN = [7, 19, 42, 101, 250, 33, 77, 5, 310, 64, 128, 12]
 ADAM = AdamParams(learning_rate=5e-3, eps=1e-8, grad_clip_norm=1.0)
-
-
-def request_rows(url, run_id):
-    engine = create_engine(url)
-    with engine.connect() as conn:
-        rows = conn.execute(
-            text("select seq_id, kind, status from requests where training_run_id = :r order by seq_id"), {"r": run_id}
-        ).all()
-    engine.dispose()
-    return [tuple(r) for r in rows]
-
-
-def adapter_weights(client, path, tmp_path):
-    folder = client.download_checkpoint(path, tmp_path / path.replace("/", "_").replace(":", "_"))
-    return load_file(str(folder / "adapter_model.safetensors"))
-
-
-def assert_same_weights(a, b):
-    assert a.keys() == b.keys()
-    for key in a:
-        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
 
 
 def test_server_capabilities(service_client, tiny_model_dir):

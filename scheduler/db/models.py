@@ -96,7 +96,7 @@ class RequestRecord(Base):
     seq_id: Mapped[int] = mapped_column(BigInteger)
     kind: Mapped[str] = mapped_column(String(32))  # forward_backward | forward | optim_step | save_weights | load_weights
     payload_sha256: Mapped[str] = mapped_column(String(64))
-    status: Mapped[str] = mapped_column(String(16))  # queued | done | failed | rejected
+    status: Mapped[str] = mapped_column(String(16))  # queued | running | done | failed
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     num_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -151,6 +151,32 @@ class Store:
         except IntegrityError:
             raise AlreadyExists(f"request {run_id} seq {seq_id} was already submitted") from None
 
+    def mark_running(self, keys: Iterable[tuple[str, int]]) -> None:
+        """(run, seq) requests are about to go to a trainer. After a crash, "running" means the
+        outcome is unknown; "queued" means it never left the scheduler."""
+        with self.sessions.begin() as db:
+            for run_id, seq_id in keys:
+                db.execute(update(m.RequestRecord)
+                           .where(m.RequestRecord.training_run_id == run_id, m.RequestRecord.seq_id == seq_id)
+                           .values(status="running"))
+
+    def recover_interrupted(self, run_id: str) -> m.TrainingRun:
+        """Close the requests an earlier scheduler process left on a trainer ("running") as failed,
+        and move the run's next seq past them so its later work can go on. Requests still "queued"
+        never reached a trainer; they stay, and run when their client resends them."""
+        with self.sessions.begin() as db:
+            run = db.get(m.TrainingRun, run_id)
+            if run is None:
+                raise NotFound(f"training run {run_id!r} not found")
+            interrupted = db.scalars(select(m.RequestRecord).where(
+                m.RequestRecord.training_run_id == run_id, m.RequestRecord.status == "running")).all()
+            for record in interrupted:
+                record.status, record.finished_at = "failed", _now()
+                record.error = ("interrupted: the scheduler stopped while this request was on a trainer, so whether "
+                                "it was applied is unknown; reload a checkpoint if that matters")
+                run.next_seq_id = max(run.next_seq_id, record.seq_id + 1)
+            return run
+
     def finish_requests(self, outcomes: Iterable[tuple[str, int, str, str | None]], trained_tokens: dict[str, int],
                         steps: dict[str, int], next_seq: dict[str, int]) -> None:
         """Record (run, seq, status, error) outcomes and the runs' counters in one transaction."""

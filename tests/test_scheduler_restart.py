@@ -1,0 +1,108 @@
+"""A scheduler process that dies (SIGKILL) and is restarted on the same port and Postgres database,
+while the trainer keeps its adapters: accepted work is not lost, and work whose outcome the crash
+made unknown is reported as such instead of being run twice or blocking the run."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+from sqlalchemy import create_engine, text
+
+from fixtures_stack import adapter_weights, request_rows, sft_datum
+from temper.client import AdamParams, ServiceClient, convert
+from temper.scheduler.localstack import LocalStack
+from temper.v1 import service_pb2, service_pb2_grpc
+
+FIRST = [7, 19, 42, 101, 250, 33, 77, 5, 310, 64, 128, 12]
+SECOND = [3, 9, 27, 81, 243, 217, 139, 5, 15, 45, 135, 405]
+ADAM = AdamParams(learning_rate=5e-3, eps=1e-8)
+
+
+@pytest.fixture
+def own_stack(tiny_model_dir, postgres_url, tmp_path):
+    """A stack of its own: the session's shared stack is not killed under the other tests."""
+    with LocalStack(tiny_model_dir, tmp_path / "stack", database_url=postgres_url, num_threads=1) as local:
+        local.address = local.start()
+        yield local
+
+
+def fb_request(run_id: str, seq: int, tokens: list[int]) -> service_pb2.ForwardBackwardRequest:
+    return service_pb2.ForwardBackwardRequest(training_run_id=run_id, seq_id=seq, data=[convert.datum_to_proto(sft_datum(tokens))],
+                                              loss_fn="cross_entropy")
+
+
+def wait_for_rows(url: str, run_id: str, expected: list[tuple], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while request_rows(url, run_id) != expected:
+        assert time.monotonic() < deadline, request_rows(url, run_id)
+        time.sleep(0.05)
+
+
+def sql(url: str, statement: str, **params) -> None:
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text(statement), params)
+    engine.dispose()
+
+
+def test_queued_request_survives_a_scheduler_crash_and_runs_once(own_stack, tiny_model_dir, postgres_url, tmp_path):
+    client = ServiceClient(own_stack.address)
+    crashed = client.create_lora_training_client(tiny_model_dir, rank=4, seed=3)
+    twin = client.create_lora_training_client(tiny_model_dir, rank=4, seed=3)
+
+    held_back = crashed._next_seq()  # seq 1 is not sent yet, so seq 2 is accepted and must wait for it
+    pending = crashed.forward_backward([sft_datum(SECOND)])
+    wait_for_rows(postgres_url, crashed.model_id, [(2, "forward_backward", "queued")])
+
+    own_stack.restart_scheduler(crash=True)
+    # The client resends seq 2 to the new process by itself (UNAVAILABLE is retried); the row says it
+    # never reached a trainer, so it is queued again and runs once seq 1 arrives.
+    stub = service_pb2_grpc.TemperStub(grpc.insecure_channel(own_stack.address))
+    first = stub.ForwardBackward(fb_request(crashed.model_id, held_back, FIRST))
+    second = pending.result(timeout=120)
+    crashed.optim_step(ADAM).result()
+
+    twin_first = twin.forward_backward([sft_datum(FIRST)]).result()
+    twin_second = twin.forward_backward([sft_datum(SECOND)]).result()
+    twin.optim_step(ADAM).result()
+    assert first.metrics["loss:sum"] == pytest.approx(twin_first.metrics["loss:sum"], abs=1e-5)
+    assert second.metrics["loss:sum"] == pytest.approx(twin_second.metrics["loss:sum"], abs=1e-5)
+    np.testing.assert_allclose(second.loss_fn_outputs[0]["logprobs"].to_numpy(), twin_second.loss_fn_outputs[0]["logprobs"].to_numpy(), atol=1e-5)
+    # Had seq 2 run twice, the crashed run's step would have used a doubled gradient.
+    paths = [run.save_weights_for_sampler("after").result().path for run in (crashed, twin)]
+    a, b = (adapter_weights(client, p, tmp_path) for p in paths)
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_allclose(a[key], b[key], atol=1e-6, err_msg=key)
+    assert request_rows(postgres_url, crashed.model_id) == [
+        (1, "forward_backward", "done"), (2, "forward_backward", "done"), (3, "optim_step", "done"), (4, "save_weights", "done")]
+    client.close()
+
+
+def test_request_interrupted_on_a_trainer_is_reported_and_the_run_goes_on(own_stack, tiny_model_dir, postgres_url):
+    client = ServiceClient(own_stack.address)
+    run = client.create_lora_training_client(tiny_model_dir, rank=4, seed=4)
+    run.forward_backward([sft_datum(FIRST)]).result()
+    run.optim_step(ADAM).result()
+    own_stack.service("scheduler").process.kill()
+    # The database as a crash between "sent to the trainer" and "result recorded" leaves it: the
+    # step is marked running (the loop does so before dispatching) and the run's next seq is still 2.
+    sql(postgres_url, "update requests set status = 'running' where training_run_id = :r and seq_id = 2", r=run.model_id)
+    sql(postgres_url, "update training_runs set next_seq_id = 2 where id = :r", r=run.model_id)
+    own_stack.restart_scheduler(crash=True)
+
+    stub = service_pb2_grpc.TemperStub(grpc.insecure_channel(own_stack.address))
+    retry = service_pb2.OptimStepRequest(training_run_id=run.model_id, seq_id=2, adam_params=convert.adam_to_proto(ADAM))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.OptimStep(retry)  # not run a second time: whether the first one was applied is unknown
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "interrupted" in err.value.details()
+    # The run is not blocked behind the interrupted seq: its next request runs.
+    out = run.forward_backward([sft_datum(SECOND)]).result(timeout=60)
+    assert np.isfinite(out.metrics["loss:sum"])
+    assert request_rows(postgres_url, run.model_id) == [
+        (1, "forward_backward", "done"), (2, "optim_step", "failed"), (3, "forward_backward", "done")]
+    client.close()
