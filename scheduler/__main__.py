@@ -25,7 +25,7 @@ async def serve(settings: SchedulerSettings) -> None:
     await asyncio.to_thread(store.set_tenant_weights, settings.tenant_weights)
     share = FairShare(weights=await asyncio.to_thread(store.tenant_weights), quantum=settings.fair_share_quantum_tokens)
     backends = Backends(settings.trainer_addresses, settings.sampler_addresses)
-    loop = SchedulerLoop(backends, store, settings.cycle_token_budget, settings.max_queued_requests, settings.result_cache_size, share)
+    loop = SchedulerLoop(backends, store, settings, share)
     servicer = TemperServicer(store, backends, loop)
     server, port, health = build_server([(service_pb2_grpc.add_TemperServicer_to_server, servicer, SERVICE)], settings.bind)
     await mark_serving(health, [SERVICE], serving=False)  # until the trainers and samplers answer

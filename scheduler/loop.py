@@ -1,7 +1,7 @@
 """The scheduler loop: plan a cycle from the ready queues, run it on the trainers, answer futures.
 
     while True:
-        wait until work arrives
+        wait until work arrives (or skip a run's missing seq that was waited for too long)
         while (plan := plan_cycle(ready work, budget)):
             take the planned work off its queues
             run the cycle's passes and optim steps (one trainer call per trainer)
@@ -20,6 +20,7 @@ from temper.common.errors import ResourceExhausted, TemperError
 from temper.scheduler.backends import Backends, TrainerHandle, downstream
 from temper.scheduler.db.store import Store
 from temper.scheduler.policy import CyclePlan, FairShare, plan_cycle
+from temper.scheduler.settings import SchedulerSettings
 from temper.scheduler.work import RunQueue, Work, WorkKind
 from temper.v1 import service_pb2, trainer_pb2, types_pb2
 
@@ -28,13 +29,13 @@ KIND_NAMES = {types_pb2.CHECKPOINT_KIND_SAMPLER: "sampler", types_pb2.CHECKPOINT
 
 
 class SchedulerLoop:
-    def __init__(self, backends: Backends, store: Store, token_budget: int, max_queued: int, cache_size: int,
-                 share: FairShare | None = None):
+    def __init__(self, backends: Backends, store: Store, settings: SchedulerSettings, share: FairShare | None = None):
         self.backends = backends
         self.store = store
-        self.token_budget = token_budget
-        self.max_queued = max_queued
-        self.cache_size = cache_size
+        self.token_budget = settings.cycle_token_budget
+        self.max_queued = settings.max_queued_requests
+        self.cache_size = settings.result_cache_size
+        self.gap_timeout = settings.seq_gap_timeout_seconds
         self.queues: dict[str, RunQueue] = {}
         self.run_models: dict[str, str] = {}              # run id -> base model
         self.run_tenants: dict[str, str] = {}             # run id -> tenant (for fair share)
@@ -87,12 +88,33 @@ class SchedulerLoop:
 
     async def run_forever(self) -> None:
         while True:
-            await self._wake.wait()
-            self._wake.clear()
+            await self._wait_for_work()
             while plan := plan_cycle(self._ready(), self.token_budget, self.run_tenants, self.share):
                 for work in plan.all_work():
                     self.queues[work.run_id].take(work)
                 await self._run_cycle(plan)
+
+    async def _wait_for_work(self) -> None:
+        """Until work arrives or a run's missing seq has been waited for long enough (then skip it)."""
+        gaps = [since for q in self.queues.values() if (since := q.gap_since()) is not None]
+        timeout = max(0.0, min(gaps) + self.gap_timeout - time.monotonic()) if gaps and self.gap_timeout > 0 else None
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        self._wake.clear()
+        if self.gap_timeout > 0:
+            now = time.monotonic()
+            for queue in self.queues.values():
+                since = queue.gap_since()
+                if since is not None and now - since >= self.gap_timeout:
+                    gap = queue.skip_gap()
+                    log.warning("run %s: skipped seq %d-%d after waiting %.0f s for it", queue.run_id, gap.start, gap.stop - 1,
+                                now - since)
+
+    def skipped(self, run_id: str, seq_id: int) -> bool:
+        queue = self.queues.get(run_id)
+        return queue is not None and queue.was_skipped(seq_id)
 
     def _ready(self) -> dict[str, list[Work]]:
         ready = {run_id: q.ready() for run_id, q in self.queues.items()}

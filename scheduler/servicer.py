@@ -208,6 +208,9 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
                 raise AlreadyExists(f"seq_id {seq} of {run.id} was used by a different request")
             return await asyncio.shield(existing.future)
         next_seq = self.loop.next_seq_id(run.id)
+        if self.loop.skipped(run.id, seq):
+            raise FailedPrecondition(f"seq_id {seq} of {run.id} arrived after the scheduler stopped waiting for it "
+                                     f"(TEMPER_SEQ_GAP_TIMEOUT_SECONDS); the run's later requests went on without it")
         if seq < next_seq:
             raise InvalidArgument(f"seq_id {seq} of {run.id} is behind the next expected seq_id {next_seq}")
         self.loop.check_capacity(run.id, seq)  # full: nothing is claimed, the client retries the same seq later

@@ -23,6 +23,9 @@ class SchedulerSettings(BaseSettings):
     cycle_token_budget: int = Field(65536, description="Most tokens of forward/backward work packed into one trainer cycle.")
     fair_share_quantum_tokens: int = Field(1024, description="Tokens a weight-1 tenant earns per deficit-round-robin round.")
     tenant_weights: dict[str, float] = Field(default_factory=dict, description='Fair-share weights, JSON: {"alice": 2, "bob": 1}.')
+    seq_gap_timeout_seconds: float = Field(
+        300.0, description="How long a run's queued requests wait for a missing earlier seq (a client that took a seq "
+                           "and never sent it, or died) before the scheduler skips it; 0 waits forever.")
     result_cache_size: int = Field(4096, description="Completed results kept in memory to answer retried (run, seq) requests.")
     backend_wait_seconds: float = Field(120.0, description="How long to wait for trainers and samplers at start-up.")
     auto_migrate: bool = Field(True, description="Run `alembic upgrade head` at start-up.")

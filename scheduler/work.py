@@ -54,6 +54,7 @@ class RunQueue:
         self.run_id = run_id
         self.next_seq_id = next_seq_id
         self.pending: dict[int, Work] = {}
+        self.skipped: list[range] = []   # seqs given up on (see skip_gap)
 
     def add(self, work: Work) -> None:
         self.pending[work.seq_id] = work
@@ -74,6 +75,22 @@ class RunQueue:
         assert work.seq_id == self.next_seq_id, (work.seq_id, self.next_seq_id)
         del self.pending[work.seq_id]
         self.next_seq_id += 1
+
+    def gap_since(self) -> float | None:
+        """When the oldest work waiting behind a missing next seq arrived; None without such a gap."""
+        if not self.pending or self.next_seq_id in self.pending:
+            return None
+        return min(work.submitted_at for work in self.pending.values())
+
+    def skip_gap(self) -> range:
+        """Give up on the missing seqs before the first pending one, so the work behind them runs."""
+        gap = range(self.next_seq_id, min(self.pending))
+        self.skipped.append(gap)
+        self.next_seq_id = gap.stop
+        return gap
+
+    def was_skipped(self, seq_id: int) -> bool:
+        return any(seq_id in gap for gap in self.skipped)
 
     def __len__(self) -> int:
         return len(self.pending)

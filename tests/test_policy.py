@@ -46,6 +46,23 @@ def test_ordering_waits_for_gaps():
     assert [w.seq_id for w in q.ready()] == [1, 2, 3]
 
 
+def test_a_gap_is_dated_by_the_oldest_work_behind_it_and_skipping_it_releases_that_work():
+    q = RunQueue("a", 1)
+    assert q.gap_since() is None  # nothing waiting
+    q.add(Work("a", 4, FB, submitted_at=20.0))
+    q.add(Work("a", 3, FB, submitted_at=30.0))
+    q.add(Work("a", 6, OPT, submitted_at=10.0))
+    assert q.gap_since() == 10.0
+    assert q.skip_gap() == range(1, 3)  # seqs 1 and 2 are given up on, not 5
+    assert [w.seq_id for w in q.ready()] == [3, 4]
+    assert q.was_skipped(1) and q.was_skipped(2) and not q.was_skipped(3) and not q.was_skipped(5)
+    for w in q.ready():
+        q.take(w)
+    assert q.gap_since() == 10.0  # seq 5 is missing now, with seq 6 behind it
+    q.add(Work("a", 5, FB, submitted_at=40.0))
+    assert q.gap_since() is None
+
+
 def test_rejected_work_holds_its_place_then_is_skipped():
     q = RunQueue("a", 1)
     q.add(Work("a", 1, FB, rejected=True))

@@ -1,6 +1,8 @@
-"""A scheduler process that dies (SIGKILL) and is restarted on the same port and Postgres database,
-while the trainer keeps its adapters: accepted work is not lost, and work whose outcome the crash
-made unknown is reported as such instead of being run twice or blocking the run."""
+"""What the scheduler does when things go wrong around a run's seq order, on the real stack and
+Postgres: a scheduler process that dies (SIGKILL) and is restarted on the same port and database
+while the trainer keeps its adapters (accepted work is not lost; work whose outcome the crash made
+unknown is reported as such instead of being run twice or blocking the run), and a seq that never
+arrives (the run's later work goes on after TEMPER_SEQ_GAP_TIMEOUT_SECONDS)."""
 
 from __future__ import annotations
 
@@ -21,11 +23,16 @@ SECOND = [3, 9, 27, 81, 243, 217, 139, 5, 15, 45, 135, 405]
 ADAM = AdamParams(learning_rate=5e-3, eps=1e-8)
 
 
+def start_stack(tiny_model_dir, postgres_url, folder, **env):
+    local = LocalStack(tiny_model_dir, folder, database_url=postgres_url, num_threads=1, extra_env=env)
+    local.address = local.start()
+    return local
+
+
 @pytest.fixture
 def own_stack(tiny_model_dir, postgres_url, tmp_path):
     """A stack of its own: the session's shared stack is not killed under the other tests."""
-    with LocalStack(tiny_model_dir, tmp_path / "stack", database_url=postgres_url, num_threads=1) as local:
-        local.address = local.start()
+    with start_stack(tiny_model_dir, postgres_url, tmp_path / "stack") as local:
         yield local
 
 
@@ -106,3 +113,21 @@ def test_request_interrupted_on_a_trainer_is_reported_and_the_run_goes_on(own_st
     assert request_rows(postgres_url, run.model_id) == [
         (1, "forward_backward", "done"), (2, "optim_step", "failed"), (3, "forward_backward", "done")]
     client.close()
+
+
+def test_a_seq_that_never_arrives_is_skipped_after_the_gap_timeout(tiny_model_dir, postgres_url, tmp_path):
+    with start_stack(tiny_model_dir, postgres_url, tmp_path / "stack", TEMPER_SEQ_GAP_TIMEOUT_SECONDS="1") as local:
+        client = ServiceClient(local.address)
+        run = client.create_lora_training_client(tiny_model_dir, rank=4, seed=5)
+        never_sent = run._next_seq()  # a client that took seq 1 and died before sending it
+        started = time.monotonic()
+        out = run.forward_backward([sft_datum(SECOND)]).result(timeout=60)
+        assert time.monotonic() - started >= 1.0  # it waited for seq 1 first
+        assert np.isfinite(out.metrics["loss:sum"])
+        stub = service_pb2_grpc.TemperStub(grpc.insecure_channel(local.address))
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ForwardBackward(fb_request(run.model_id, never_sent, FIRST))  # too late: order already given up
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "stopped waiting" in err.value.details()
+        assert request_rows(postgres_url, run.model_id) == [(2, "forward_backward", "done")]
+        client.close()
