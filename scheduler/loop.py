@@ -36,6 +36,7 @@ class SchedulerLoop:
         self.max_queued = settings.max_queued_requests
         self.cache_size = settings.result_cache_size
         self.gap_timeout = settings.seq_gap_timeout_seconds
+        self.result_window = settings.durable_results_per_run
         self.queues: dict[str, RunQueue] = {}
         self.run_models: dict[str, str] = {}              # run id -> base model
         self.run_tenants: dict[str, str] = {}             # run id -> tenant (for fair share)
@@ -167,11 +168,11 @@ class SchedulerLoop:
             request.optim_step.add(adapter_id=work.run_id, adam_params=work.request.adam_params)
         async with downstream(f"trainer {trainer.address}"):
             response = await trainer.stub.RunCycle(request)
-        await self._record(passes + steps, None)
-        for work, output in zip(passes, response.forward_backward):
-            work.resolve(output)
-        for work, output in zip(steps, response.optim_step):
-            work.resolve(service_pb2.OptimStepResponse(metrics=output.metrics))
+        answers = [*zip(passes, response.forward_backward),
+                   *((work, service_pb2.OptimStepResponse(metrics=out.metrics)) for work, out in zip(steps, response.optim_step))]
+        await self._record([work for work, _ in answers], None, [answer for _, answer in answers])
+        for work, answer in answers:
+            work.resolve(answer)
 
     async def _run_barrier(self, work: Work) -> None:
         trainer = self.backends.trainer_for(self.run_models[work.run_id], work.run_id)
@@ -196,12 +197,14 @@ class SchedulerLoop:
                 await trainer.stub.LoadAdapter(trainer_pb2.LoadAdapterRequest(
                     adapter_id=work.run_id, checkpoint_key=key, with_optimizer=request.with_optimizer))
             result = service_pb2.LoadWeightsResponse(path=path)
-        await self._record([work], None)
+        await self._record([work], None, [result])
         work.resolve(result)
 
-    async def _record(self, works: list[Work], error: TemperError | None) -> None:
+    async def _record(self, works: list[Work], error: TemperError | None, answers: list | None = None) -> None:
+        """Outcomes, counters and (on success) each answer, kept for retries after a restart."""
         status = "failed" if error else "done"
-        outcomes = [(w.run_id, w.seq_id, status, error.message if error else None) for w in works]
+        blobs = [a.SerializeToString() for a in answers] if answers is not None else [None] * len(works)
+        outcomes = [(w.run_id, w.seq_id, status, error.message if error else None, blob) for w, blob in zip(works, blobs)]
         tokens, steps, next_seq = defaultdict(int), defaultdict(int), {}
         for w in works:
             next_seq[w.run_id] = max(next_seq.get(w.run_id, 0), w.seq_id + 1)
@@ -209,7 +212,7 @@ class SchedulerLoop:
                 tokens[w.run_id] += w.num_tokens
             if not error and w.kind is WorkKind.OPTIM_STEP:
                 steps[w.run_id] += 1
-        await asyncio.to_thread(self.store.finish_requests, outcomes, tokens, steps, next_seq)
+        await asyncio.to_thread(self.store.finish_requests, outcomes, tokens, steps, next_seq, self.result_window)
 
 
 def checkpoint_message(row) -> types_pb2.Checkpoint:

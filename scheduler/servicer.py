@@ -18,6 +18,11 @@ from temper.scheduler.work import Work, WorkKind
 from temper.v1 import sampler_pb2, service_pb2, service_pb2_grpc, trainer_pb2, types_pb2
 
 TENANT_METADATA_KEY = "x-temper-tenant"
+ANSWER_TYPES = {  # what each sequenced verb answers (RequestRecord.result holds it serialized)
+    WorkKind.FORWARD_BACKWARD: types_pb2.ForwardBackwardOutput, WorkKind.FORWARD: types_pb2.ForwardBackwardOutput,
+    WorkKind.OPTIM_STEP: service_pb2.OptimStepResponse, WorkKind.SAVE_WEIGHTS: service_pb2.SaveWeightsResponse,
+    WorkKind.LOAD_WEIGHTS: service_pb2.LoadWeightsResponse,
+}
 MAX_LORA_RANK = 1024
 
 
@@ -196,6 +201,8 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
             if existing is None and record is not None:
                 if record.payload_sha256 != sha:
                     raise AlreadyExists(f"seq_id {seq} of {run.id} was used by a different request")
+                if record.status == "done" and record.result is not None:
+                    return ANSWER_TYPES[kind].FromString(record.result)  # answered by an earlier process
                 if record.status != "queued":
                     detail = f": {record.error}" if record.error else ""
                     raise FailedPrecondition(f"seq_id {seq} of {run.id} already ran ({record.status}{detail}); "

@@ -26,6 +26,9 @@ class SchedulerSettings(BaseSettings):
     seq_gap_timeout_seconds: float = Field(
         300.0, description="How long a run's queued requests wait for a missing earlier seq (a client that took a seq "
                            "and never sent it, or died) before the scheduler skips it; 0 waits forever.")
+    durable_results_per_run: int = Field(
+        256, description="Answers of each run's most recent requests kept in the database, so a retry after a "
+                         "scheduler restart still gets its answer.")
     result_cache_size: int = Field(4096, description="Completed results kept in memory to answer retried (run, seq) requests.")
     backend_wait_seconds: float = Field(120.0, description="How long to wait for trainers and samplers at start-up.")
     auto_migrate: bool = Field(True, description="Run `alembic upgrade head` at start-up.")

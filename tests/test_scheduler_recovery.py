@@ -131,3 +131,35 @@ def test_a_seq_that_never_arrives_is_skipped_after_the_gap_timeout(tiny_model_di
         assert "stopped waiting" in err.value.details()
         assert request_rows(postgres_url, run.model_id) == [(2, "forward_backward", "done")]
         client.close()
+
+
+def test_completed_requests_are_answered_again_after_a_restart_within_the_result_window(tiny_model_dir, postgres_url,
+                                                                                         tmp_path):
+    with start_stack(tiny_model_dir, postgres_url, tmp_path / "stack", TEMPER_DURABLE_RESULTS_PER_RUN="2") as local:
+        client = ServiceClient(local.address)
+        run = client.create_lora_training_client(tiny_model_dir, rank=4, seed=6)
+        stub = service_pb2_grpc.TemperStub(grpc.insecure_channel(local.address))
+        requests = {
+            "ForwardBackward": fb_request(run.model_id, 1, FIRST),
+            "OptimStep": service_pb2.OptimStepRequest(training_run_id=run.model_id, seq_id=2, adam_params=convert.adam_to_proto(ADAM)),
+            "SaveWeights": service_pb2.SaveWeightsRequest(training_run_id=run.model_id, seq_id=3, name="kept", kind=1),
+        }
+        answers = {verb: getattr(stub, verb)(request) for verb, request in requests.items()}
+        local.restart_scheduler(crash=True)
+
+        stub = service_pb2_grpc.TemperStub(grpc.insecure_channel(local.address))
+        # seq 1 fell out of the 2-request window: its answer is gone, and it is not run again
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ForwardBackward(requests["ForwardBackward"])
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "no longer held" in err.value.details()
+        for verb in ("OptimStep", "SaveWeights"):
+            assert getattr(stub, verb)(requests[verb]) == answers[verb], verb
+        assert request_rows(postgres_url, run.model_id) == [
+            (1, "forward_backward", "done"), (2, "optim_step", "done"), (3, "save_weights", "done")]
+        engine = create_engine(postgres_url)
+        with engine.connect() as conn:  # counted once: nothing ran a second time
+            steps, tokens = conn.execute(text("select steps, tokens_trained from training_runs where id = :r"),
+                                         {"r": run.model_id}).one()
+        engine.dispose()
+        assert (steps, tokens) == (1, len(FIRST) - 1)
+        client.close()

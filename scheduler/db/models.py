@@ -1,10 +1,12 @@
-"""SQLAlchemy models: what must survive a scheduler restart. Tensors and results never go here."""
+"""SQLAlchemy models: what must survive a scheduler restart. Tensors never go here, except inside
+the serialized answers of each run's most recent requests (``RequestRecord.result``, pruned to a
+window), kept so that a retry after a restart still gets its answer."""
 
 from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, LargeBinary, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -101,3 +103,5 @@ class RequestRecord(Base):
     num_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # the response message, serialized; cleared once the request falls out of its run's result window
+    result: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)

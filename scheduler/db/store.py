@@ -177,16 +177,21 @@ class Store:
                 run.next_seq_id = max(run.next_seq_id, record.seq_id + 1)
             return run
 
-    def finish_requests(self, outcomes: Iterable[tuple[str, int, str, str | None]], trained_tokens: dict[str, int],
-                        steps: dict[str, int], next_seq: dict[str, int]) -> None:
-        """Record (run, seq, status, error) outcomes and the runs' counters in one transaction."""
+    def finish_requests(self, outcomes: Iterable[tuple[str, int, str, str | None, bytes | None]], trained_tokens: dict[str, int],
+                        steps: dict[str, int], next_seq: dict[str, int], result_window: int = 0) -> None:
+        """Record (run, seq, status, error, serialized result) outcomes and the runs' counters in one
+        transaction; results older than each run's last ``result_window`` seqs are cleared."""
         with self.sessions.begin() as db:
-            for run_id, seq_id, status, error in outcomes:
+            for run_id, seq_id, status, error, result in outcomes:
                 db.execute(
                     update(m.RequestRecord)
                     .where(m.RequestRecord.training_run_id == run_id, m.RequestRecord.seq_id == seq_id)
-                    .values(status=status, error=error, finished_at=_now())
+                    .values(status=status, error=error, finished_at=_now(), result=result)
                 )
+            for run_id, seq in next_seq.items():
+                db.execute(update(m.RequestRecord).where(
+                    m.RequestRecord.training_run_id == run_id, m.RequestRecord.seq_id < seq - result_window,
+                    m.RequestRecord.result.is_not(None)).values(result=None))
             for run_id, seq in next_seq.items():
                 db.execute(update(m.TrainingRun).where(m.TrainingRun.id == run_id).values(
                     next_seq_id=seq,
