@@ -125,9 +125,9 @@ class SchedulerLoop:
     async def _run_cycle(self, plan: CyclePlan) -> None:
         self.cycles += 1
         # Recorded before anything reaches a trainer: after a crash, "running" rows are the ones
-        # whose outcome is unknown (see Store.recover_interrupted).
-        marked = asyncio.to_thread(self.store.mark_running, [(w.run_id, w.seq_id) for w in plan.all_work()])
-        if not await self._guarded(plan.all_work(), marked):
+        # whose outcome is unknown (see Store.recover_interrupted). Barriers are marked as they go.
+        in_pass = plan.passes + plan.optim_steps
+        if in_pass and not await self._guarded(in_pass, self._mark_running(in_pass)):
             return
         by_trainer: dict[str, tuple[TrainerHandle, list[Work], list[Work]]] = {}
         for work in plan.passes + plan.optim_steps:
@@ -138,6 +138,9 @@ class SchedulerLoop:
             await self._guarded(passes + steps, self._dispatch_cycle(trainer, passes, steps))
         for work in plan.barriers:
             await self._guarded([work], self._run_barrier(work))
+
+    async def _mark_running(self, works: list[Work]) -> None:
+        await asyncio.to_thread(self.store.mark_running, [(w.run_id, w.seq_id) for w in works])
 
     async def _guarded(self, works: list[Work], coro) -> bool:
         """Run ``coro``; on failure fail every work in it with a domain error (never lose a future).
@@ -175,6 +178,7 @@ class SchedulerLoop:
             work.resolve(answer)
 
     async def _run_barrier(self, work: Work) -> None:
+        await self._mark_running([work])
         trainer = self.backends.trainer_for(self.run_models[work.run_id], work.run_id)
         request = work.request
         if work.kind is WorkKind.SAVE_WEIGHTS:
