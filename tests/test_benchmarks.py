@@ -39,3 +39,11 @@ def test_checkpointing_benchmark_runs(tiny_model_dir, tmp_path):
                         "--out-dir", str(tmp_path))
     assert result["time_ratio"] > 0 and result["memory_ratio"] > 0
     assert len(result["samples_s"]["on"]) == len(result["samples_s"]["off"]) == 1
+
+
+def test_cobatch_sweep_runs(tiny_model_dir, tmp_path):
+    result = run_script("cobatch_sweep.py", "--model", tiny_model_dir, "--tokens", "8", "16", "--reps", "1", "--threads", "1",
+                        "--out-dir", str(tmp_path))
+    assert [p["tokens_per_tenant"] for p in result["points"]] == [8, 16]
+    assert all(p["cobatch_gain"] > 0 and len(p["samples_s"]["cobatched"]) == 1 for p in result["points"])
+    assert (tmp_path / "cobatch_sweep.png").read_bytes()[:4] == b"\x89PNG"
