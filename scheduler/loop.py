@@ -124,8 +124,9 @@ class SchedulerLoop:
 
     async def _run_cycle(self, plan: CyclePlan) -> None:
         self.cycles += 1
-        # Recorded before anything reaches a trainer: after a crash, "running" rows are the ones
-        # whose outcome is unknown (see Store.recover_interrupted). Barriers are marked as they go.
+        # Recorded before anything reaches a trainer: after a crash, "running" rows are the ones that
+        # may have been applied. Passes and steps are re-sent safely (the trainer knows the seqs it
+        # applied); barriers are marked as they go (see Store.recover_interrupted).
         in_pass = plan.passes + plan.optim_steps
         if in_pass and not await self._guarded(in_pass, self._mark_running(in_pass)):
             return
@@ -164,11 +165,10 @@ class SchedulerLoop:
         request = trainer_pb2.CycleRequest()
         for work in passes:
             r = work.request
-            request.forward_backward.add(
-                adapter_id=work.run_id, data=r.data, loss_fn=r.loss_fn, loss_fn_config=r.loss_fn_config, forward_only=r.forward_only
-            )
+            request.forward_backward.add(adapter_id=work.run_id, data=r.data, loss_fn=r.loss_fn, loss_fn_config=r.loss_fn_config,
+                                         forward_only=r.forward_only, seq_id=work.seq_id)
         for work in steps:
-            request.optim_step.add(adapter_id=work.run_id, adam_params=work.request.adam_params)
+            request.optim_step.add(adapter_id=work.run_id, adam_params=work.request.adam_params, seq_id=work.seq_id)
         async with downstream(f"trainer {trainer.address}"):
             response = await trainer.stub.RunCycle(request)
         answers = [*zip(passes, response.forward_backward),

@@ -121,7 +121,9 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
             # trainer; concurrent first uses share that one load (it must precede any dispatch).
             loading = self._loading.get(run_id)
             if loading is None:
-                loading = self._loading[run_id] = asyncio.ensure_future(asyncio.to_thread(self.store.recover_interrupted, run_id))
+                barriers = [kind.value for kind in WorkKind if kind.is_barrier]
+                loading = self._loading[run_id] = asyncio.ensure_future(
+                    asyncio.to_thread(self.store.recover_interrupted, run_id, barriers))
             try:
                 run = await asyncio.shield(loading)
             finally:
@@ -203,12 +205,13 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
                     raise AlreadyExists(f"seq_id {seq} of {run.id} was used by a different request")
                 if record.status == "done" and record.result is not None:
                     return ANSWER_TYPES[kind].FromString(record.result)  # answered by an earlier process
-                if record.status != "queued":
+                if record.status not in ("queued", "running"):
                     detail = f": {record.error}" if record.error else ""
                     raise FailedPrecondition(f"seq_id {seq} of {run.id} already ran ({record.status}{detail}); "
                                              f"its result is no longer held")
-                # Accepted by an earlier scheduler process that stopped before sending it to a
-                # trainer: it never ran, so it is queued again (its row already exists).
+                # Accepted by an earlier scheduler process that stopped before it had an answer: it is
+                # queued again (its row already exists). If it had reached the trainer, the trainer
+                # answers it from memory by its seq instead of applying it twice.
                 recorded = True
         if existing is not None:
             if existing.payload_sha256 != sha:

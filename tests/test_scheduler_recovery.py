@@ -89,29 +89,59 @@ def test_queued_request_survives_a_scheduler_crash_and_runs_once(own_stack, tiny
     client.close()
 
 
-def test_request_interrupted_on_a_trainer_is_reported_and_the_run_goes_on(own_stack, tiny_model_dir, postgres_url):
+def test_work_that_reached_the_trainer_before_a_crash_is_answered_once(own_stack, tiny_model_dir, postgres_url, tmp_path):
     client = ServiceClient(own_stack.address)
     run = client.create_lora_training_client(tiny_model_dir, rank=4, seed=4)
-    run.forward_backward([sft_datum(FIRST)]).result()
-    run.optim_step(ADAM).result()
+    twin = client.create_lora_training_client(tiny_model_dir, rank=4, seed=4)
+    stub = service_pb2_grpc.TemperStub(grpc.insecure_channel(own_stack.address))
+    step = service_pb2.OptimStepRequest(training_run_id=run.model_id, seq_id=2, adam_params=convert.adam_to_proto(ADAM))
+    stub.ForwardBackward(fb_request(run.model_id, 1, FIRST))
+    first_answer = stub.OptimStep(step)
+    twin.forward_backward([sft_datum(FIRST)]).result()
+    twin.optim_step(ADAM).result()
     own_stack.service("scheduler").process.kill()
-    # The database as a crash between "sent to the trainer" and "result recorded" leaves it: the
-    # step is marked running (the loop does so before dispatching) and the run's next seq is still 2.
-    sql(postgres_url, "update requests set status = 'running' where training_run_id = :r and seq_id = 2", r=run.model_id)
+    # The database as a crash between "sent to the trainer" and "answer recorded" leaves it: the step
+    # is marked running (the loop does so before dispatching), no answer, the run's next seq still 2.
+    sql(postgres_url, "update requests set status = 'running', result = null where training_run_id = :r and seq_id = 2",
+        r=run.model_id)
+    sql(postgres_url, "update training_runs set next_seq_id = 2, steps = 0 where id = :r", r=run.model_id)
+    own_stack.restart_scheduler(crash=True)
+
+    stub = service_pb2_grpc.TemperStub(grpc.insecure_channel(own_stack.address))
+    assert stub.OptimStep(step) == first_answer  # re-sent; the trainer answers from memory, no second step
+    saved = stub.SaveWeights(service_pb2.SaveWeightsRequest(training_run_id=run.model_id, seq_id=3, name="after", kind=1))
+    a = adapter_weights(client, saved.checkpoint.path, tmp_path)
+    b = adapter_weights(client, twin.save_weights_for_sampler("after").result().path, tmp_path)
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)  # one step each: bit-identical
+    assert request_rows(postgres_url, run.model_id) == [
+        (1, "forward_backward", "done"), (2, "optim_step", "done"), (3, "save_weights", "done")]
+    client.close()
+
+
+def test_an_interrupted_save_is_reported_and_the_run_goes_on(own_stack, tiny_model_dir, postgres_url):
+    client = ServiceClient(own_stack.address)
+    run = client.create_lora_training_client(tiny_model_dir, rank=4, seed=7)
+    run.forward_backward([sft_datum(FIRST)]).result()
+    run.save_weights_for_sampler("maybe").result()
+    own_stack.service("scheduler").process.kill()
+    # A save is a barrier the trainer cannot recognise when re-sent: left running, it is closed as failed.
+    sql(postgres_url, "update requests set status = 'running', result = null where training_run_id = :r and seq_id = 2",
+        r=run.model_id)
     sql(postgres_url, "update training_runs set next_seq_id = 2 where id = :r", r=run.model_id)
     own_stack.restart_scheduler(crash=True)
 
     stub = service_pb2_grpc.TemperStub(grpc.insecure_channel(own_stack.address))
-    retry = service_pb2.OptimStepRequest(training_run_id=run.model_id, seq_id=2, adam_params=convert.adam_to_proto(ADAM))
+    retry = service_pb2.SaveWeightsRequest(training_run_id=run.model_id, seq_id=2, name="maybe", kind=1)
     with pytest.raises(grpc.RpcError) as err:
-        stub.OptimStep(retry)  # not run a second time: whether the first one was applied is unknown
+        stub.SaveWeights(retry)  # not run a second time: whether the first one completed is unknown
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "interrupted" in err.value.details()
     # The run is not blocked behind the interrupted seq: its next request runs.
     out = run.forward_backward([sft_datum(SECOND)]).result(timeout=60)
     assert np.isfinite(out.metrics["loss:sum"])
     assert request_rows(postgres_url, run.model_id) == [
-        (1, "forward_backward", "done"), (2, "optim_step", "failed"), (3, "forward_backward", "done")]
+        (1, "forward_backward", "done"), (2, "save_weights", "failed"), (3, "forward_backward", "done")]
     client.close()
 
 

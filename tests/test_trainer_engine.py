@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from temper.common.codec import encode_array, encode_tokens
-from temper.common.errors import InvalidArgument, NotFound
+from temper.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from temper.services.models.loading import load_model
 from temper.services.trainer.engine import TrainerEngine
 from temper.services.trainer.settings import TrainerSettings
@@ -161,3 +161,53 @@ def test_save_and_load_round_trip_with_optimizer(engine, tiny_model_dir):
     for n in a.params:
         torch.testing.assert_close(a.params[n].detach(), b.params[n].detach(), atol=1e-6, rtol=1e-5)
     assert a.steps == b.steps == 2
+
+
+def adapter_state(engine, adapter_id):
+    adapter = engine.host.get(adapter_id)
+    params = {n: p.detach().clone() for n, p in adapter.params.items()}
+    grads = {n: None if p.grad is None else p.grad.clone() for n, p in adapter.params.items()}
+    adam = {n: {k: v.clone() for k, v in adapter.optimizer.state[p].items()} for n, p in adapter.params.items()
+            if p in adapter.optimizer.state}
+    return params, grads, adam, adapter.steps
+
+
+def assert_same_state(a, b):
+    for part_a, part_b in zip(a[:3], b[:3]):
+        assert part_a.keys() == part_b.keys()
+        for name in part_a:
+            x, y = part_a[name], part_b[name]
+            if isinstance(x, dict):
+                for k in x:
+                    assert torch.equal(x[k], y[k]), (name, k)
+            else:
+                assert (x is None and y is None) or torch.equal(x, y), name
+    assert a[3] == b[3]
+
+
+def test_a_re_sent_cycle_is_answered_from_memory_and_applied_once(engine):
+    engine.host.create("run-b", types_pb2.LoraConfig(rank=2, train_attn=True, seed=4))
+    adam = types_pb2.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8)
+    fb = [trainer_pb2.ForwardBackwardItem(adapter_id="run-a", data=[datum(t, w) for t, w in random_data(2, seed=1)],
+                                          loss_fn="cross_entropy", seq_id=1)]
+    step = [trainer_pb2.OptimStepItem(adapter_id="run-a", adam_params=adam, seq_id=2)]
+    results, metrics = engine.run_cycle(fb, step)
+    after = adapter_state(engine, "run-a")
+
+    # the same cycle again, as a restarted scheduler would send it, plus new work of another run
+    other = trainer_pb2.ForwardBackwardItem(adapter_id="run-b", data=[datum(t, w) for t, w in random_data(1, seed=2)],
+                                            loss_fn="cross_entropy", seq_id=1)
+    again, metrics_again = engine.run_cycle(fb + [other], step)
+    assert again[0] is results[0] and metrics_again == metrics  # the first answers, not a recomputation
+    assert_same_state(adapter_state(engine, "run-a"), after)  # no second gradient, no second step
+    assert engine.host.get("run-b").applied_seq == 1 and again[1].metrics["loss:sum"] != 0.0
+
+    # a newer seq runs as usual; one applied so long ago that its answer is gone is refused
+    newer = trainer_pb2.ForwardBackwardItem(adapter_id="run-a", data=fb[0].data, loss_fn="cross_entropy", seq_id=3)
+    (fresh,), _ = engine.run_cycle([newer], [])
+    assert engine.host.get("run-a").applied_seq == 3 and engine.host.get("run-a").pending_tokens > 0
+    engine.host.get("run-a").answers.pop(1)
+    before = adapter_state(engine, "run-a")
+    with pytest.raises(FailedPrecondition, match="no longer held"):
+        engine.run_cycle(fb, [])
+    assert_same_state(adapter_state(engine, "run-a"), before)

@@ -160,16 +160,18 @@ class Store:
                            .where(m.RequestRecord.training_run_id == run_id, m.RequestRecord.seq_id == seq_id)
                            .values(status="running"))
 
-    def recover_interrupted(self, run_id: str) -> m.TrainingRun:
-        """Close the requests an earlier scheduler process left on a trainer ("running") as failed,
-        and move the run's next seq past them so its later work can go on. Requests still "queued"
-        never reached a trainer; they stay, and run when their client resends them."""
+    def recover_interrupted(self, run_id: str, kinds: Iterable[str]) -> m.TrainingRun:
+        """Close the requests of ``kinds`` (those a trainer cannot recognise when re-sent) that an
+        earlier scheduler process left on a trainer ("running") as failed, and move the run's next seq
+        past them so its later work can go on. Other requests, "queued" or "running", stay and are
+        sent again when their client resends them."""
         with self.sessions.begin() as db:
             run = db.get(m.TrainingRun, run_id)
             if run is None:
                 raise NotFound(f"training run {run_id!r} not found")
             interrupted = db.scalars(select(m.RequestRecord).where(
-                m.RequestRecord.training_run_id == run_id, m.RequestRecord.status == "running")).all()
+                m.RequestRecord.training_run_id == run_id, m.RequestRecord.status == "running",
+                m.RequestRecord.kind.in_(list(kinds)))).all()
             for record in interrupted:
                 record.status, record.finished_at = "failed", _now()
                 record.error = ("interrupted: the scheduler stopped while this request was on a trainer, so whether "

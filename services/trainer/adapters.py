@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import json
 import re
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +44,16 @@ class TrainedAdapter:
     pending_tokens: int = 0                 # tokens accumulated into gradients since the last step
     offloaded: Path | None = None           # set while evicted: weights, grads and Adam state live there
     last_used: int = field(default=0, compare=False)
+    # The highest run seq applied to this adapter, and the answers of the latest ones: a cycle re-sent
+    # after a scheduler restart is answered from here instead of being applied twice.
+    applied_seq: int = 0
+    answers: OrderedDict = field(default_factory=OrderedDict, compare=False, repr=False)
+
+    def remember(self, seq_id: int, answer, keep: int) -> None:
+        self.applied_seq = max(self.applied_seq, seq_id)
+        self.answers[seq_id] = answer
+        while len(self.answers) > keep:
+            self.answers.popitem(last=False)
 
     def grads_snapshot(self) -> dict[str, torch.Tensor | None]:
         return {n: (p.grad.clone() if p.grad is not None else None) for n, p in self.params.items()}

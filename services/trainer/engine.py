@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from temper.common.errors import FailedPrecondition
 from temper.common.validation import DecodedDatum, validate_adam, validate_forward_backward
 from temper.services.lora.model import LoraModel
 from temper.services.models.loading import LoadedModel
@@ -51,6 +52,9 @@ class Row:
     datum: DecodedDatum
 
 
+ANSWERS_KEPT = 16  # per adapter: a re-sent cycle is one cycle's worth of a run's items
+
+
 class TrainerEngine:
     def __init__(self, loaded: LoadedModel, settings: TrainerSettings):
         self.loaded = loaded
@@ -77,14 +81,36 @@ class TrainerEngine:
     def run_cycle(
         self, forward_backward: list[types_pb2.ForwardBackwardItem], optim_step: list[types_pb2.OptimStepItem]
     ) -> tuple[list[ForwardBackwardResult], list[dict[str, float]]]:
+        """Every item's answer, in order. Items whose seq the adapter has already applied are answered
+        from memory; the rest run (all passes, then the optim steps)."""
         with self.host.pinned([i.adapter_id for i in forward_backward] + [i.adapter_id for i in optim_step]):
-            prepared = [self.prepare_forward_backward(item) for item in forward_backward]
+            fresh_fb = [i for i, item in enumerate(forward_backward) if not self._applied(item)]
+            fresh_steps = [i for i, item in enumerate(optim_step) if not self._applied(item)]
+            prepared = [self.prepare_forward_backward(forward_backward[i]) for i in fresh_fb]
             steps = []
-            for item in optim_step:
-                validate_adam(item.adam_params)
-                steps.append((self.host.get(item.adapter_id), item.adam_params))
-            results = self.forward_backward(prepared)
-            return results, [self.optim_step(adapter, params) for adapter, params in steps]
+            for i in fresh_steps:
+                validate_adam(optim_step[i].adam_params)
+                steps.append((self.host.get(optim_step[i].adapter_id), optim_step[i].adam_params))
+            results: list = [self._earlier_answer(item) if i not in fresh_fb else None for i, item in enumerate(forward_backward)]
+            metrics: list = [self._earlier_answer(item) if i not in fresh_steps else None for i, item in enumerate(optim_step)]
+            for i, result in zip(fresh_fb, self.forward_backward(prepared)):
+                results[i] = result
+            for i, (adapter, params) in zip(fresh_steps, steps):
+                metrics[i] = self.optim_step(adapter, params)
+            for item, answer in [*zip(forward_backward, results), *zip(optim_step, metrics)]:
+                if item.seq_id:
+                    self.host.get(item.adapter_id).remember(item.seq_id, answer, ANSWERS_KEPT)
+            return results, metrics
+
+    def _applied(self, item) -> bool:
+        return bool(item.seq_id) and item.seq_id <= self.host.get(item.adapter_id).applied_seq
+
+    def _earlier_answer(self, item):
+        answer = self.host.get(item.adapter_id).answers.get(item.seq_id)
+        if answer is None:
+            raise FailedPrecondition(f"seq {item.seq_id} of {item.adapter_id} was already applied and its answer is no "
+                                     f"longer held")
+        return answer
 
     def forward_backward(self, items: list[PreparedForwardBackward]) -> list[ForwardBackwardResult]:
         """All items in shared passes; gradients accumulate into each item's own adapter."""

@@ -50,7 +50,7 @@ class DropAdapterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ForwardBackwardItem(_message.Message):
-    __slots__ = ("adapter_id", "data", "loss_fn", "loss_fn_config", "forward_only")
+    __slots__ = ("adapter_id", "data", "loss_fn", "loss_fn_config", "forward_only", "seq_id")
     class LossFnConfigEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -63,20 +63,24 @@ class ForwardBackwardItem(_message.Message):
     LOSS_FN_FIELD_NUMBER: _ClassVar[int]
     LOSS_FN_CONFIG_FIELD_NUMBER: _ClassVar[int]
     FORWARD_ONLY_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     adapter_id: str
     data: _containers.RepeatedCompositeFieldContainer[_types_pb2.Datum]
     loss_fn: str
     loss_fn_config: _containers.MessageMap[str, _types_pb2.LossConfigValue]
     forward_only: bool
-    def __init__(self, adapter_id: _Optional[str] = ..., data: _Optional[_Iterable[_Union[_types_pb2.Datum, _Mapping]]] = ..., loss_fn: _Optional[str] = ..., loss_fn_config: _Optional[_Mapping[str, _types_pb2.LossConfigValue]] = ..., forward_only: _Optional[bool] = ...) -> None: ...
+    seq_id: int
+    def __init__(self, adapter_id: _Optional[str] = ..., data: _Optional[_Iterable[_Union[_types_pb2.Datum, _Mapping]]] = ..., loss_fn: _Optional[str] = ..., loss_fn_config: _Optional[_Mapping[str, _types_pb2.LossConfigValue]] = ..., forward_only: _Optional[bool] = ..., seq_id: _Optional[int] = ...) -> None: ...
 
 class OptimStepItem(_message.Message):
-    __slots__ = ("adapter_id", "adam_params")
+    __slots__ = ("adapter_id", "adam_params", "seq_id")
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     ADAM_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     adapter_id: str
     adam_params: _types_pb2.AdamParams
-    def __init__(self, adapter_id: _Optional[str] = ..., adam_params: _Optional[_Union[_types_pb2.AdamParams, _Mapping]] = ...) -> None: ...
+    seq_id: int
+    def __init__(self, adapter_id: _Optional[str] = ..., adam_params: _Optional[_Union[_types_pb2.AdamParams, _Mapping]] = ..., seq_id: _Optional[int] = ...) -> None: ...
 
 class CycleRequest(_message.Message):
     __slots__ = ("forward_backward", "optim_step")
