@@ -35,21 +35,14 @@ HERE = Path(__file__).resolve().parent
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="base model name or folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--threads", type=int, default=2)
+    mt.add_model_arguments(parser)
     parser.add_argument("--tokens", type=int, default=256, help="tokens per row (8 rows, one per adapter)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
     # timings under the trainer process's allocator settings (the memory children reset them)
     reexec_with_tuned_allocator()
-    if args.model is None:
-        from temper.services.models.prepare import SMOLLM2_NAME, prepare_smollm2
-
-        prepare_smollm2()
-        args.model = SMOLLM2_NAME
+    mt.resolve_model(args)
     started = time.perf_counter()
     progress = tqdm(total=2 + 2 + 2 * (args.reps + 1), desc="checkpointing", unit="step", file=sys.stderr)
 

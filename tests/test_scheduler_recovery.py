@@ -55,6 +55,16 @@ def sql(url: str, statement: str, **params) -> None:
     engine.dispose()
 
 
+def crash_while_running(stack: LocalStack, url: str, run_id: str, seq: int) -> None:
+    """Kill the scheduler and leave the database as a crash between "sent to the trainer" and "answer
+    recorded" would: request ``seq`` marked running (the loop does so before dispatching), no answer,
+    the run's next seq and counters not yet past it; then start a new scheduler."""
+    stack.service("scheduler").process.kill()
+    sql(url, "update requests set status = 'running', result = null where training_run_id = :r and seq_id = :s", r=run_id, s=seq)
+    sql(url, "update training_runs set next_seq_id = :s, steps = 0 where id = :r", r=run_id, s=seq)
+    stack.restart_scheduler(crash=True)
+
+
 def test_queued_request_survives_a_scheduler_crash_and_runs_once(own_stack, tiny_model_dir, postgres_url, tmp_path):
     client = ServiceClient(own_stack.address)
     crashed = client.create_lora_training_client(tiny_model_dir, rank=4, seed=3)
@@ -99,13 +109,7 @@ def test_work_that_reached_the_trainer_before_a_crash_is_answered_once(own_stack
     first_answer = stub.OptimStep(step)
     twin.forward_backward([sft_datum(FIRST)]).result()
     twin.optim_step(ADAM).result()
-    own_stack.service("scheduler").process.kill()
-    # The database as a crash between "sent to the trainer" and "answer recorded" leaves it: the step
-    # is marked running (the loop does so before dispatching), no answer, the run's next seq still 2.
-    sql(postgres_url, "update requests set status = 'running', result = null where training_run_id = :r and seq_id = 2",
-        r=run.model_id)
-    sql(postgres_url, "update training_runs set next_seq_id = 2, steps = 0 where id = :r", r=run.model_id)
-    own_stack.restart_scheduler(crash=True)
+    crash_while_running(own_stack, postgres_url, run.model_id, 2)
 
     stub = service_pb2_grpc.TemperStub(grpc.insecure_channel(own_stack.address))
     assert stub.OptimStep(step) == first_answer  # re-sent; the trainer answers from memory, no second step
@@ -124,12 +128,8 @@ def test_an_interrupted_save_is_reported_and_the_run_goes_on(own_stack, tiny_mod
     run = client.create_lora_training_client(tiny_model_dir, rank=4, seed=7)
     run.forward_backward([sft_datum(FIRST)]).result()
     run.save_weights_for_sampler("maybe").result()
-    own_stack.service("scheduler").process.kill()
     # A save is a barrier the trainer cannot recognise when re-sent: left running, it is closed as failed.
-    sql(postgres_url, "update requests set status = 'running', result = null where training_run_id = :r and seq_id = 2",
-        r=run.model_id)
-    sql(postgres_url, "update training_runs set next_seq_id = 2 where id = :r", r=run.model_id)
-    own_stack.restart_scheduler(crash=True)
+    crash_while_running(own_stack, postgres_url, run.model_id, 2)
 
     stub = service_pb2_grpc.TemperStub(grpc.insecure_channel(own_stack.address))
     retry = service_pb2.SaveWeightsRequest(training_run_id=run.model_id, seq_id=2, name="maybe", kind=1)
