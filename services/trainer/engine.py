@@ -84,15 +84,16 @@ class TrainerEngine:
         """Every item's answer, in order. Items whose seq the adapter has already applied are answered
         from memory; the rest run (all passes, then the optim steps)."""
         with self.host.pinned([i.adapter_id for i in forward_backward] + [i.adapter_id for i in optim_step]):
-            fresh_fb = [i for i, item in enumerate(forward_backward) if not self._applied(item)]
-            fresh_steps = [i for i, item in enumerate(optim_step) if not self._applied(item)]
+            # earlier answers first: a seq applied so long ago that its answer is gone fails the cycle untouched
+            results: list = [self._earlier_answer(item) if self._applied(item) else None for item in forward_backward]
+            metrics: list = [self._earlier_answer(item) if self._applied(item) else None for item in optim_step]
+            fresh_fb = [i for i, answer in enumerate(results) if answer is None]
+            fresh_steps = [i for i, answer in enumerate(metrics) if answer is None]
             prepared = [self.prepare_forward_backward(forward_backward[i]) for i in fresh_fb]
             steps = []
             for i in fresh_steps:
                 validate_adam(optim_step[i].adam_params)
                 steps.append((self.host.get(optim_step[i].adapter_id), optim_step[i].adam_params))
-            results: list = [self._earlier_answer(item) if i not in fresh_fb else None for i, item in enumerate(forward_backward)]
-            metrics: list = [self._earlier_answer(item) if i not in fresh_steps else None for i, item in enumerate(optim_step)]
             for i, result in zip(fresh_fb, self.forward_backward(prepared)):
                 results[i] = result
             for i, (adapter, params) in zip(fresh_steps, steps):
