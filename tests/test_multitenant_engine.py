@@ -7,6 +7,7 @@ import torch
 
 from test_trainer_engine import datum
 from temper.services.models.loading import load_model
+from temper.services.trainer.adapters import OffloadedState
 from temper.services.trainer.engine import TrainerEngine
 from temper.services.trainer.settings import TrainerSettings
 from temper.v1 import trainer_pb2, types_pb2
@@ -201,8 +202,10 @@ def test_lora_dropout_is_applied_when_asked(tiny_model_dir, tmp_path):
     assert not np.allclose(first.logprobs[0], second.logprobs[0])  # dropout masks differ between passes
 
 
-def test_evicted_adapters_come_back_with_weights_grads_and_adam_state(tiny_model_dir, tmp_path):
-    limited = make_engine(tiny_model_dir, tmp_path / "limited", max_resident_adapters=2, offload_dir=tmp_path / "offload")
+@pytest.mark.parametrize("offload_to", ["disk", "host"])
+def test_evicted_adapters_come_back_with_weights_grads_and_adam_state(tiny_model_dir, tmp_path, offload_to):
+    limited = make_engine(tiny_model_dir, tmp_path / "limited", max_resident_adapters=2, offload_dir=tmp_path / "offload",
+                          offload_to=offload_to)
     unlimited = make_engine(tiny_model_dir, tmp_path / "unlimited")
     assert len(limited.host.resident()) == 2
     items = items_for(5)
@@ -212,7 +215,12 @@ def test_evicted_adapters_come_back_with_weights_grads_and_adam_state(tiny_model
                 engine.run_cycle([a, b], [trainer_pb2.OptimStepItem(adapter_id=a.adapter_id, adam_params=ADAM)])
             engine.run_cycle([items[-1]], [])  # leaves gradients pending on an adapter that gets evicted
     assert len(limited.host.resident()) == 2
-    assert sorted(p.name for p in (tmp_path / "offload").iterdir()) != []
+    evicted = [a.offloaded for a in limited.host.adapters.values() if a.offloaded is not None]
+    assert len(evicted) == len(CONFIGS) - 2
+    if offload_to == "disk":
+        assert sorted(p.name for p in (tmp_path / "offload").iterdir()) == sorted(path.name for path in evicted)
+    else:  # kept in host memory: no files
+        assert all(isinstance(state, OffloadedState) for state in evicted) and not (tmp_path / "offload").exists()
     for key in CONFIGS:
         a, b = limited.host.get(key), unlimited.host.get(key)   # brought back on access
         assert a.steps == b.steps

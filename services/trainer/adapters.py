@@ -35,6 +35,13 @@ def adapter_spec(cfg: types_pb2.LoraConfig, default_alpha: float) -> AdapterSpec
 
 
 @dataclass
+class OffloadedState:
+    """An evicted adapter kept in host memory: flat tensors as in the offload file, and Adam steps."""
+    tensors: dict[str, torch.Tensor]
+    param_steps: dict[str, float]
+
+
+@dataclass
 class TrainedAdapter:
     adapter_id: str
     spec: AdapterSpec
@@ -42,7 +49,7 @@ class TrainedAdapter:
     optimizer: torch.optim.AdamW
     steps: int = 0
     pending_tokens: int = 0                 # tokens accumulated into gradients since the last step
-    offloaded: Path | None = None           # set while evicted: weights, grads and Adam state live there
+    offloaded: Path | OffloadedState | None = None  # set while evicted: weights, grads and Adam state (file or host memory)
     last_used: int = field(default=0, compare=False)
     # The highest run seq applied to this adapter, and the answers of the latest ones: a cycle re-sent
     # after a scheduler restart is answered from here instead of being applied twice.
@@ -65,14 +72,19 @@ class TrainedAdapter:
 
 class AdapterHost:
     """Every adapter of the trainer. At most ``max_resident`` live in the model; past that the least
-    recently used adapter outside the current cycle is offloaded to ``offload_dir`` with its
-    gradients and optimizer state, and brought back exactly when next used."""
+    recently used adapter outside the current cycle is offloaded, with its gradients and optimizer
+    state, to host memory (``offload_to="host"``; pinned when the model is on a GPU) or to a file in
+    ``offload_dir`` (``"disk"``), and brought back exactly when next used."""
 
-    def __init__(self, lora: LoraModel, default_alpha: float, max_resident: int = 0, offload_dir: Path | None = None):
+    def __init__(self, lora: LoraModel, default_alpha: float, max_resident: int = 0, offload_dir: Path | None = None,
+                 offload_to: str = "disk"):
+        if offload_to not in ("disk", "host"):
+            raise ValueError(f"offload_to must be 'disk' or 'host', got {offload_to!r}")
         self.lora = lora
         self.default_alpha = default_alpha
         self.max_resident = max_resident            # 0: no limit
         self.offload_dir = Path(offload_dir) if offload_dir else None
+        self.offload_to = offload_to
         self.adapters: dict[str, TrainedAdapter] = {}
         self._clock = itertools.count(1)
         self._pinned: set[str] = set()
@@ -102,7 +114,7 @@ class AdapterHost:
         return [k for k, a in self.adapters.items() if a.offloaded is None]
 
     def _evict_over_capacity(self, keep: str) -> None:
-        if not self.max_resident or self.offload_dir is None:
+        if not self.max_resident or (self.offload_to == "disk" and self.offload_dir is None):
             return
         resident = [a for a in self.adapters.values() if a.offloaded is None]
         candidates = sorted((a for a in resident if a.adapter_id != keep and a.adapter_id not in self._pinned), key=lambda a: a.last_used)
@@ -110,28 +122,41 @@ class AdapterHost:
             self._offload(adapter)
 
     def _offload(self, adapter: TrainedAdapter) -> None:
-        self.offload_dir.mkdir(parents=True, exist_ok=True)
-        path = self.offload_dir / (re.sub(r"[^A-Za-z0-9._-]", "_", adapter.adapter_id) + ".safetensors")
+        on_gpu = any(p.is_cuda for p in adapter.params.values())
+
+        def to_host(t: torch.Tensor) -> torch.Tensor:
+            # a copy, never a view of the live tensor (on CPU .cpu() would return the tensor itself)
+            host = t.detach().to("cpu", copy=True).contiguous()
+            return host.pin_memory() if on_gpu and self.offload_to == "host" else host
+
         tensors, param_steps = {}, {}
         for name, param in adapter.params.items():
-            tensors[f"weight/{name}"] = param.detach().cpu().contiguous()
+            tensors[f"weight/{name}"] = to_host(param)
             if param.grad is not None:
-                tensors[f"grad/{name}"] = param.grad.detach().cpu().contiguous()
+                tensors[f"grad/{name}"] = to_host(param.grad)
             state = adapter.optimizer.state.get(param)
             if state:
-                tensors[f"exp_avg/{name}"] = state["exp_avg"].detach().cpu().contiguous()
-                tensors[f"exp_avg_sq/{name}"] = state["exp_avg_sq"].detach().cpu().contiguous()
+                tensors[f"exp_avg/{name}"] = to_host(state["exp_avg"])
+                tensors[f"exp_avg_sq/{name}"] = to_host(state["exp_avg_sq"])
                 param_steps[name] = float(state["step"])
-        save_file(tensors, str(path), metadata={"param_steps": json.dumps(param_steps)})
+        if self.offload_to == "host":
+            offloaded = OffloadedState(tensors, param_steps)
+        else:
+            self.offload_dir.mkdir(parents=True, exist_ok=True)
+            offloaded = self.offload_dir / (re.sub(r"[^A-Za-z0-9._-]", "_", adapter.adapter_id) + ".safetensors")
+            save_file(tensors, str(offloaded), metadata={"param_steps": json.dumps(param_steps)})
         self.lora.remove(adapter.adapter_id)
-        adapter.params, adapter.optimizer, adapter.offloaded = {}, None, path
+        adapter.params, adapter.optimizer, adapter.offloaded = {}, None, offloaded
 
     def _restore(self, adapter: TrainedAdapter) -> None:
         from safetensors import safe_open
 
-        with safe_open(str(adapter.offloaded), "pt") as f:
-            param_steps = json.loads(f.metadata()["param_steps"])
-        tensors = load_file(str(adapter.offloaded))
+        if isinstance(adapter.offloaded, OffloadedState):
+            tensors, param_steps = adapter.offloaded.tensors, adapter.offloaded.param_steps
+        else:
+            with safe_open(str(adapter.offloaded), "pt") as f:
+                param_steps = json.loads(f.metadata()["param_steps"])
+            tensors = load_file(str(adapter.offloaded))
         params = self.lora.add(adapter.adapter_id, adapter.spec, seed=0).params
         self.lora.load_weights(adapter.adapter_id, {n: tensors[f"weight/{n}"] for n in params})
         optimizer = torch.optim.AdamW(list(params.values()), lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
@@ -144,7 +169,8 @@ class AdapterHost:
                     "exp_avg": tensors[f"exp_avg/{name}"].to(param.device),
                     "exp_avg_sq": tensors[f"exp_avg_sq/{name}"].to(param.device),
                 }
-        adapter.offloaded.unlink()
+        if isinstance(adapter.offloaded, Path):
+            adapter.offloaded.unlink()
         adapter.params, adapter.optimizer, adapter.offloaded = params, optimizer, None
 
     def create(self, adapter_id: str, cfg: types_pb2.LoraConfig) -> TrainedAdapter:

@@ -61,7 +61,9 @@ class TrainerEngine:
         self.settings = settings
         self.device = torch.device(settings.device)
         self.lora = LoraModel(loaded.model, loaded.name)
-        self.host = AdapterHost(self.lora, settings.default_lora_alpha, settings.max_resident_adapters, settings.offload_dir)
+        offload_to = settings.offload_to if settings.offload_to != "auto" else ("disk" if self.device.type == "cpu" else "host")
+        self.host = AdapterHost(self.lora, settings.default_lora_alpha, settings.max_resident_adapters, settings.offload_dir,
+                                offload_to)
         self.store = CheckpointStore(settings.checkpoint_dir)
         if settings.activation_checkpointing:
             self.lora.checkpoint_decoder_layers()

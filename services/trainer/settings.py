@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -27,7 +28,9 @@ class TrainerSettings(BaseSettings):
         2048, description="Checkpoint only passes of at least this many padded tokens; smaller passes store their "
                           "activations (little memory, and no recompute).")
     max_resident_adapters: int = Field(0, description="Adapters kept in the model at once (0: no limit); the rest are offloaded.")
-    offload_dir: Path = Field(Path("data/trainer-offload"), description="Where evicted adapters (weights, grads, Adam state) go.")
+    offload_to: Literal["auto", "host", "disk"] = Field("auto", description="Where evicted adapters (weights, grads, Adam state) go: host (memory; "
+                                                "pinned on a GPU), disk (offload_dir), or auto: host on accelerators, disk on CPU.")
+    offload_dir: Path = Field(Path("data/trainer-offload"), description="Where evicted adapters go with offload_to=disk.")
     default_lora_alpha: float = Field(32.0, description="LoRA alpha when a run does not set one.")
     tune_host_allocator: bool = Field(
         True, description="Start the trainer under glibc malloc settings that keep freed memory for reuse "
