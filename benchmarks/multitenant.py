@@ -81,7 +81,7 @@ def datum_proto(tokens: np.ndarray):
 def fb_item(adapter_id: str, data: list):
     from temper.v1 import trainer_pb2
 
-    return trainer_pb2.ForwardBackwardItem(adapter_id=adapter_id, data=data, loss_fn="cross_entropy")
+    return trainer_pb2.ForwardBackwardItem(training_run_id=adapter_id, data=data, loss_fn="cross_entropy")
 
 
 def lora_config(seed: int):

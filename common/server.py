@@ -44,5 +44,7 @@ async def mark_serving(health_servicer, service_names: list[str], serving: bool 
         await health_servicer.set(name, status)
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def configure_logging(level: str, fmt: str = "text") -> None:
+    from temper.common.logs import configure_logging as configure
+
+    configure(level, fmt)

@@ -100,7 +100,7 @@ class Backends:
                 return
 
             async def chunks():
-                yield sampler_pb2.PushAdapterChunk(adapter_id=key)
+                yield sampler_pb2.PushAdapterChunk(checkpoint_key=key)
                 async for chunk in trainer.stub.ReadCheckpoint(trainer_pb2.ReadCheckpointRequest(checkpoint_key=key, weights_only=True)):
                     yield sampler_pb2.PushAdapterChunk(file=chunk)
 

@@ -165,10 +165,10 @@ class SchedulerLoop:
         request = trainer_pb2.CycleRequest()
         for work in passes:
             r = work.request
-            request.forward_backward.add(adapter_id=work.run_id, data=r.data, loss_fn=r.loss_fn, loss_fn_config=r.loss_fn_config,
+            request.forward_backward.add(training_run_id=work.run_id, data=r.data, loss_fn=r.loss_fn, loss_fn_config=r.loss_fn_config,
                                          forward_only=r.forward_only, seq_id=work.seq_id)
         for work in steps:
-            request.optim_step.add(adapter_id=work.run_id, adam_params=work.request.adam_params, seq_id=work.seq_id)
+            request.optim_step.add(training_run_id=work.run_id, adam_params=work.request.adam_params, seq_id=work.seq_id)
         async with downstream(f"trainer {trainer.address}"):
             response = await trainer.stub.RunCycle(request)
         answers = [*zip(passes, response.forward_backward),
@@ -185,7 +185,7 @@ class SchedulerLoop:
             path = CheckpointPath(work.run_id, request.kind, request.name)
             async with downstream(f"trainer {trainer.address}"):
                 saved = await trainer.stub.SaveAdapter(trainer_pb2.SaveAdapterRequest(
-                    adapter_id=work.run_id, checkpoint_key=path.key,
+                    training_run_id=work.run_id, checkpoint_key=path.key,
                     include_optimizer=request.kind == types_pb2.CHECKPOINT_KIND_TRAINING,
                 ))
             row = await asyncio.to_thread(self.store.add_checkpoint, work.run_id, KIND_NAMES[request.kind], request.name, str(path), saved.size_bytes)
@@ -199,7 +199,7 @@ class SchedulerLoop:
             key = parse_path(path).key
             async with downstream(f"trainer {trainer.address}"):
                 await trainer.stub.LoadAdapter(trainer_pb2.LoadAdapterRequest(
-                    adapter_id=work.run_id, checkpoint_key=key, with_optimizer=request.with_optimizer))
+                    training_run_id=work.run_id, checkpoint_key=key, with_optimizer=request.with_optimizer))
             result = service_pb2.LoadWeightsResponse(path=path)
         await self._record([work], None, [result])
         work.resolve(result)

@@ -85,7 +85,7 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
         run_id = await asyncio.to_thread(self.store.next_run_id, request.session_id)
         trainer = self.backends.trainer_for(request.base_model, run_id)
         async with downstream(f"trainer {trainer.address}"):
-            await trainer.stub.CreateAdapter(trainer_pb2.CreateAdapterRequest(adapter_id=run_id, lora_config=cfg))
+            await trainer.stub.CreateAdapter(trainer_pb2.CreateAdapterRequest(training_run_id=run_id, lora_config=cfg))
         row = m.TrainingRun(
             id=run_id, session_id=request.session_id, base_model=request.base_model, lora_rank=cfg.rank,
             lora_alpha=cfg.alpha or 32.0, lora_dropout=cfg.dropout, seed=cfg.seed if cfg.HasField("seed") else None,
@@ -292,7 +292,7 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
         check_token_range(stop_ids, sampler.info.vocab_size, "stop token ids")
         async with downstream(f"sampler {sampler.address}"):
             response = await sampler.stub.Sample(sampler_pb2.SamplerSampleRequest(
-                adapter_id=adapter_id, prompt_tokens=tokens.astype("<i4").tobytes(), num_samples=request.num_samples,
+                checkpoint_key=adapter_id, prompt_tokens=tokens.astype("<i4").tobytes(), num_samples=request.num_samples,
                 sampling_params=request.sampling_params, include_prompt_logprobs=request.include_prompt_logprobs,
                 topk_logprobs=request.topk_logprobs,
             ))
@@ -304,7 +304,7 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
         sampler, adapter_id, tokens = await self._sampling_target(request.sampler_id, request.prompt)
         async with downstream(f"sampler {sampler.address}"):
             response = await sampler.stub.ComputeLogprobs(
-                sampler_pb2.SamplerLogprobsRequest(adapter_id=adapter_id, prompt_tokens=tokens.astype("<i4").tobytes())
+                sampler_pb2.SamplerLogprobsRequest(checkpoint_key=adapter_id, prompt_tokens=tokens.astype("<i4").tobytes())
             )
         return service_pb2.ComputeLogprobsResponse(logprobs=response.logprobs)
 

@@ -66,7 +66,7 @@ def check(engine, raw, loss_fn, config, objective):
     config_pb = {k: types_pb2.LossConfigValue(number=v) for k, v in config.items()}
     data = [make_datum(d["tokens"], **{k: v for k, v in d.items() if k != "tokens"}) for d in raw]
     want_loss, want_lp, want_grads = direct(engine, raw, objective)
-    (result,), _ = engine.run_cycle([trainer_pb2.ForwardBackwardItem(adapter_id="run", data=data, loss_fn=loss_fn, loss_fn_config=config_pb)], [])
+    (result,), _ = engine.run_cycle([trainer_pb2.ForwardBackwardItem(training_run_id="run", data=data, loss_fn=loss_fn, loss_fn_config=config_pb)], [])
     assert result.metrics["loss:sum"] == pytest.approx(want_loss, rel=1e-5, abs=1e-4)
     for got, want in zip(result.logprobs, want_lp):
         assert got.shape == want.shape
@@ -128,7 +128,7 @@ def test_top_k_cross_entropy(engine):
 def test_bad_rl_inputs_are_rejected_before_anything_runs(engine, loss_fn, inputs, config, match):
     datum = make_datum([3, 4], target_tokens=[4, 5], **inputs)
     config_pb = {k: types_pb2.LossConfigValue(number=v) for k, v in config.items()}
-    item = trainer_pb2.ForwardBackwardItem(adapter_id="run", data=[datum], loss_fn=loss_fn, loss_fn_config=config_pb)
+    item = trainer_pb2.ForwardBackwardItem(training_run_id="run", data=[datum], loss_fn=loss_fn, loss_fn_config=config_pb)
     with pytest.raises(InvalidArgument, match=match):
         engine.run_cycle([item], [])
     assert all(p.grad is None for p in engine.host.get("run").params.values())

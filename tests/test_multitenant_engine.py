@@ -40,7 +40,7 @@ def items_for(seed):
         for _ in range(int(rng.integers(1, 4))):
             tokens = rng.integers(0, 512, int(rng.integers(5, 20))).tolist()
             data.append(datum(tokens, rng.standard_normal(len(tokens) - 1).astype(np.float32)))
-        items.append(trainer_pb2.ForwardBackwardItem(adapter_id=key, data=data, loss_fn="cross_entropy"))
+        items.append(trainer_pb2.ForwardBackwardItem(training_run_id=key, data=data, loss_fn="cross_entropy"))
     return items
 
 
@@ -88,7 +88,7 @@ def test_optim_step_on_one_adapter_leaves_the_others_bit_identical(tiny_model_di
     engine.run_cycle(items_for(1), [])
     before = {key: {n: (p.detach().clone(), p.grad.clone()) for n, p in engine.host.get(key).params.items()} for key in CONFIGS}
     states = {key: {n: dict(engine.host.get(key).optimizer.state.get(p, {})) for n, p in engine.host.get(key).params.items()} for key in CONFIGS}
-    engine.run_cycle([], [trainer_pb2.OptimStepItem(adapter_id="r8-all", adam_params=ADAM)])
+    engine.run_cycle([], [trainer_pb2.OptimStepItem(training_run_id="r8-all", adam_params=ADAM)])
     for key in CONFIGS:
         if key == "r8-all":
             continue
@@ -105,9 +105,9 @@ def test_many_optim_steps_in_one_call_each_with_its_own_hyperparameters(tiny_mod
     items = items_for(2)
     params = {key: types_pb2.AdamParams(learning_rate=1e-3 * (i + 1), beta1=0.9, beta2=0.99 - 0.01 * i, eps=1e-8, weight_decay=0.01 * i)
               for i, key in enumerate(CONFIGS)}
-    together.run_cycle(items, [trainer_pb2.OptimStepItem(adapter_id=k, adam_params=p) for k, p in params.items()])
+    together.run_cycle(items, [trainer_pb2.OptimStepItem(training_run_id=k, adam_params=p) for k, p in params.items()])
     for item in items:
-        separate.run_cycle([item], [trainer_pb2.OptimStepItem(adapter_id=item.adapter_id, adam_params=params[item.adapter_id])])
+        separate.run_cycle([item], [trainer_pb2.OptimStepItem(training_run_id=item.training_run_id, adam_params=params[item.training_run_id])])
     for key in CONFIGS:
         for name, p in together.host.get(key).params.items():
             torch.testing.assert_close(p.detach(), separate.host.get(key).params[name].detach(), atol=1e-6, rtol=1e-5)
@@ -174,7 +174,7 @@ def test_checkpointed_dropout_recomputes_the_same_masks(tiny_model_dir, tmp_path
     # the backward pass recomputes each layer; its dropout masks must be the forward's, or the
     # gradient belongs to no forward at all. Same torch seed, with and without checkpointing.
     spec = types_pb2.LoraConfig(rank=4, train_attn=True, train_mlp=True, dropout=0.3, seed=9)
-    item = trainer_pb2.ForwardBackwardItem(adapter_id="dropout", data=items_for(6)[0].data, loss_fn="cross_entropy")
+    item = trainer_pb2.ForwardBackwardItem(training_run_id="dropout", data=items_for(6)[0].data, loss_fn="cross_entropy")
     out = {}
     for on in (True, False):
         engine = TrainerEngine(load_model(tiny_model_dir), TrainerSettings(
@@ -197,7 +197,7 @@ def test_lora_dropout_is_applied_when_asked(tiny_model_dir, tmp_path):
     with torch.no_grad():
         for p in engine.host.get("dropout").params.values():
             p.add_(0.1)
-    item = trainer_pb2.ForwardBackwardItem(adapter_id="dropout", data=items_for(4)[0].data, loss_fn="cross_entropy", forward_only=True)
+    item = trainer_pb2.ForwardBackwardItem(training_run_id="dropout", data=items_for(4)[0].data, loss_fn="cross_entropy", forward_only=True)
     first, second = (engine.run_cycle([item], [])[0][0] for _ in range(2))
     assert not np.allclose(first.logprobs[0], second.logprobs[0])  # dropout masks differ between passes
 
@@ -212,7 +212,7 @@ def test_evicted_adapters_come_back_with_weights_grads_and_adam_state(tiny_model
     for engine in (limited, unlimited):
         for round_ in range(3):  # every cycle touches two adapters; the others wait offloaded
             for a, b in zip(items[::2], items[1::2]):
-                engine.run_cycle([a, b], [trainer_pb2.OptimStepItem(adapter_id=a.adapter_id, adam_params=ADAM)])
+                engine.run_cycle([a, b], [trainer_pb2.OptimStepItem(training_run_id=a.training_run_id, adam_params=ADAM)])
             engine.run_cycle([items[-1]], [])  # leaves gradients pending on an adapter that gets evicted
     assert len(limited.host.resident()) == 2
     evicted = [a.offloaded for a in limited.host.adapters.values() if a.offloaded is not None]

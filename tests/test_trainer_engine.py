@@ -61,7 +61,7 @@ def direct(engine, raw):
 
 def test_cross_entropy_matches_direct_torch(engine):
     raw = random_data(n=4)
-    item = trainer_pb2.ForwardBackwardItem(adapter_id="run-a", data=[datum(t, w) for t, w in raw], loss_fn="cross_entropy")
+    item = trainer_pb2.ForwardBackwardItem(training_run_id="run-a", data=[datum(t, w) for t, w in raw], loss_fn="cross_entropy")
     want_loss, want_lp, want_grads = direct(engine, raw)
     (result,), _ = engine.run_cycle([item], [])
     assert result.metrics["loss:sum"] == pytest.approx(want_loss, rel=1e-5, abs=1e-4)
@@ -76,11 +76,11 @@ def test_cross_entropy_matches_direct_torch(engine):
 
 def test_gradients_accumulate_until_optim_step_and_forward_only_touches_nothing(engine):
     raw = random_data(n=2, seed=1)
-    item = trainer_pb2.ForwardBackwardItem(adapter_id="run-a", data=[datum(t, w) for t, w in raw], loss_fn="cross_entropy")
+    item = trainer_pb2.ForwardBackwardItem(training_run_id="run-a", data=[datum(t, w) for t, w in raw], loss_fn="cross_entropy")
     engine.run_cycle([item], [])
     adapter = engine.host.get("run-a")
     once = {n: p.grad.clone() for n, p in adapter.params.items()}
-    forward = trainer_pb2.ForwardBackwardItem(adapter_id="run-a", data=item.data, loss_fn="cross_entropy", forward_only=True)
+    forward = trainer_pb2.ForwardBackwardItem(training_run_id="run-a", data=item.data, loss_fn="cross_entropy", forward_only=True)
     engine.run_cycle([forward], [])
     for n, p in adapter.params.items():
         assert torch.equal(p.grad, once[n])
@@ -88,7 +88,7 @@ def test_gradients_accumulate_until_optim_step_and_forward_only_touches_nothing(
     for n, p in adapter.params.items():
         torch.testing.assert_close(p.grad, 2 * once[n])
     before = {n: p.detach().clone() for n, p in adapter.params.items()}
-    _, (metrics,) = engine.run_cycle([], [trainer_pb2.OptimStepItem(adapter_id="run-a", adam_params=types_pb2.AdamParams(learning_rate=1e-3, beta1=0.9, beta2=0.95, eps=1e-8))])
+    _, (metrics,) = engine.run_cycle([], [trainer_pb2.OptimStepItem(training_run_id="run-a", adam_params=types_pb2.AdamParams(learning_rate=1e-3, beta1=0.9, beta2=0.95, eps=1e-8))])
     assert metrics["step:max"] == 1
     assert all(p.grad is None for p in adapter.params.values())
     assert any(not torch.equal(p, before[n]) for n, p in adapter.params.items())
@@ -97,7 +97,7 @@ def test_gradients_accumulate_until_optim_step_and_forward_only_touches_nothing(
 def test_optim_step_matches_torch_adamw(engine):
     adapter = engine.host.get("run-a")
     raw = random_data(n=2, seed=2)
-    item = trainer_pb2.ForwardBackwardItem(adapter_id="run-a", data=[datum(t, w) for t, w in raw], loss_fn="cross_entropy")
+    item = trainer_pb2.ForwardBackwardItem(training_run_id="run-a", data=[datum(t, w) for t, w in raw], loss_fn="cross_entropy")
     engine.run_cycle([item], [])
     params = {n: p.detach().clone().requires_grad_(True) for n, p in adapter.params.items()}
     for n, p in params.items():
@@ -106,7 +106,7 @@ def test_optim_step_matches_torch_adamw(engine):
     torch.nn.utils.clip_grad_norm_(list(params.values()), 0.5)
     reference.step()
     adam = types_pb2.AdamParams(learning_rate=1e-2, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.1, grad_clip_norm=0.5)
-    engine.run_cycle([], [trainer_pb2.OptimStepItem(adapter_id="run-a", adam_params=adam)])
+    engine.run_cycle([], [trainer_pb2.OptimStepItem(training_run_id="run-a", adam_params=adam)])
     for n, p in adapter.params.items():
         torch.testing.assert_close(p.detach(), params[n].detach(), atol=1e-7, rtol=1e-6)
 
@@ -114,21 +114,21 @@ def test_optim_step_matches_torch_adamw(engine):
 @pytest.mark.parametrize(
     "make_item, error, match",
     [
-        (lambda: trainer_pb2.ForwardBackwardItem(adapter_id="run-a", data=[datum([1, 2, 3], [1, 1], dtype_t="int32")], loss_fn="cross_entropy"), InvalidArgument, "must be int64"),
-        (lambda: trainer_pb2.ForwardBackwardItem(adapter_id="run-a", data=[datum([1, 2, 3], [1, 1, 1])], loss_fn="cross_entropy"), InvalidArgument, "shape"),
-        (lambda: trainer_pb2.ForwardBackwardItem(adapter_id="run-a", data=[datum([1, 2, 9999], [1, 1])], loss_fn="cross_entropy"), InvalidArgument, "outside the vocabulary"),
-        (lambda: trainer_pb2.ForwardBackwardItem(adapter_id="run-a", data=[datum([1, 2, 3], [1, 1])], loss_fn="nope"), InvalidArgument, "unknown loss_fn"),
-        (lambda: trainer_pb2.ForwardBackwardItem(adapter_id="run-a", data=[datum([1, 2, 3], [1, float("nan")])], loss_fn="cross_entropy"), InvalidArgument, "NaN"),
-        (lambda: trainer_pb2.ForwardBackwardItem(adapter_id="missing", data=[datum([1, 2, 3], [1, 1])], loss_fn="cross_entropy"), NotFound, "not loaded"),
+        (lambda: trainer_pb2.ForwardBackwardItem(training_run_id="run-a", data=[datum([1, 2, 3], [1, 1], dtype_t="int32")], loss_fn="cross_entropy"), InvalidArgument, "must be int64"),
+        (lambda: trainer_pb2.ForwardBackwardItem(training_run_id="run-a", data=[datum([1, 2, 3], [1, 1, 1])], loss_fn="cross_entropy"), InvalidArgument, "shape"),
+        (lambda: trainer_pb2.ForwardBackwardItem(training_run_id="run-a", data=[datum([1, 2, 9999], [1, 1])], loss_fn="cross_entropy"), InvalidArgument, "outside the vocabulary"),
+        (lambda: trainer_pb2.ForwardBackwardItem(training_run_id="run-a", data=[datum([1, 2, 3], [1, 1])], loss_fn="nope"), InvalidArgument, "unknown loss_fn"),
+        (lambda: trainer_pb2.ForwardBackwardItem(training_run_id="run-a", data=[datum([1, 2, 3], [1, float("nan")])], loss_fn="cross_entropy"), InvalidArgument, "NaN"),
+        (lambda: trainer_pb2.ForwardBackwardItem(training_run_id="missing", data=[datum([1, 2, 3], [1, 1])], loss_fn="cross_entropy"), NotFound, "not loaded"),
     ],
 )
 def test_rejected_cycle_changes_nothing(engine, make_item, error, match):
-    good = trainer_pb2.ForwardBackwardItem(adapter_id="run-a", data=[datum([5, 6, 7, 8], [1, 1, 1])], loss_fn="cross_entropy")
+    good = trainer_pb2.ForwardBackwardItem(training_run_id="run-a", data=[datum([5, 6, 7, 8], [1, 1, 1])], loss_fn="cross_entropy")
     engine.run_cycle([good], [])
     adapter = engine.host.get("run-a")
     grads = {n: p.grad.clone() for n, p in adapter.params.items()}
     weights = {n: p.detach().clone() for n, p in adapter.params.items()}
-    step = trainer_pb2.OptimStepItem(adapter_id="run-a", adam_params=types_pb2.AdamParams(learning_rate=1.0, eps=1e-8))
+    step = trainer_pb2.OptimStepItem(training_run_id="run-a", adam_params=types_pb2.AdamParams(learning_rate=1.0, eps=1e-8))
     with pytest.raises(error, match=match):
         engine.run_cycle([good, make_item()], [step])  # the good item and the step must not run either
     for n, p in adapter.params.items():
@@ -141,8 +141,8 @@ def test_save_and_load_round_trip_with_optimizer(engine, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     raw = random_data(n=2, seed=4)
-    item = trainer_pb2.ForwardBackwardItem(adapter_id="run-a", data=[datum(t, w) for t, w in raw], loss_fn="cross_entropy")
-    step = trainer_pb2.OptimStepItem(adapter_id="run-a", adam_params=types_pb2.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8))
+    item = trainer_pb2.ForwardBackwardItem(training_run_id="run-a", data=[datum(t, w) for t, w in raw], loss_fn="cross_entropy")
+    step = trainer_pb2.OptimStepItem(training_run_id="run-a", adam_params=types_pb2.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8))
     engine.run_cycle([item], [step])
     engine.save("run-a", "run-a/weights/s1", include_optimizer=True)
     # peft loads the folder unchanged and gives the same outputs
@@ -153,8 +153,8 @@ def test_save_and_load_round_trip_with_optimizer(engine, tiny_model_dir):
     # a second run loads the state and then steps exactly like the first
     engine.host.create("run-b", LORA)
     engine.load("run-b", "run-a/weights/s1", with_optimizer=True)
-    for_b = trainer_pb2.ForwardBackwardItem(adapter_id="run-b", data=item.data, loss_fn="cross_entropy")
-    step_b = trainer_pb2.OptimStepItem(adapter_id="run-b", adam_params=step.adam_params)
+    for_b = trainer_pb2.ForwardBackwardItem(training_run_id="run-b", data=item.data, loss_fn="cross_entropy")
+    step_b = trainer_pb2.OptimStepItem(training_run_id="run-b", adam_params=step.adam_params)
     engine.run_cycle([item], [step])
     engine.run_cycle([for_b], [step_b])
     a, b = engine.host.get("run-a"), engine.host.get("run-b")
@@ -188,14 +188,14 @@ def assert_same_state(a, b):
 def test_a_re_sent_cycle_is_answered_from_memory_and_applied_once(engine):
     engine.host.create("run-b", types_pb2.LoraConfig(rank=2, train_attn=True, seed=4))
     adam = types_pb2.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8)
-    fb = [trainer_pb2.ForwardBackwardItem(adapter_id="run-a", data=[datum(t, w) for t, w in random_data(2, seed=1)],
+    fb = [trainer_pb2.ForwardBackwardItem(training_run_id="run-a", data=[datum(t, w) for t, w in random_data(2, seed=1)],
                                           loss_fn="cross_entropy", seq_id=1)]
-    step = [trainer_pb2.OptimStepItem(adapter_id="run-a", adam_params=adam, seq_id=2)]
+    step = [trainer_pb2.OptimStepItem(training_run_id="run-a", adam_params=adam, seq_id=2)]
     results, metrics = engine.run_cycle(fb, step)
     after = adapter_state(engine, "run-a")
 
     # the same cycle again, as a restarted scheduler would send it, plus new work of another run
-    other = trainer_pb2.ForwardBackwardItem(adapter_id="run-b", data=[datum(t, w) for t, w in random_data(1, seed=2)],
+    other = trainer_pb2.ForwardBackwardItem(training_run_id="run-b", data=[datum(t, w) for t, w in random_data(1, seed=2)],
                                             loss_fn="cross_entropy", seq_id=1)
     again, metrics_again = engine.run_cycle(fb + [other], step)
     assert again[0] is results[0] and metrics_again == metrics  # the first answers, not a recomputation
@@ -203,7 +203,7 @@ def test_a_re_sent_cycle_is_answered_from_memory_and_applied_once(engine):
     assert engine.host.get("run-b").applied_seq == 1 and again[1].metrics["loss:sum"] != 0.0
 
     # a newer seq runs as usual; one applied so long ago that its answer is gone is refused
-    newer = trainer_pb2.ForwardBackwardItem(adapter_id="run-a", data=fb[0].data, loss_fn="cross_entropy", seq_id=3)
+    newer = trainer_pb2.ForwardBackwardItem(training_run_id="run-a", data=fb[0].data, loss_fn="cross_entropy", seq_id=3)
     (fresh,), _ = engine.run_cycle([newer], [])
     assert engine.host.get("run-a").applied_seq == 3 and engine.host.get("run-a").pending_tokens > 0
     engine.host.get("run-a").answers.pop(1)

@@ -44,8 +44,8 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         adapter_id, received, handles = None, 0, {}
         try:
             async for message in request_iterator:
-                if message.WhichOneof("payload") == "adapter_id":
-                    adapter_id = message.adapter_id
+                if message.WhichOneof("payload") == "checkpoint_key":
+                    adapter_id = message.checkpoint_key
                     continue
                 chunk = message.file
                 if chunk.relative_path not in WEIGHT_FILES:
@@ -71,7 +71,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         return sampler_pb2.PushAdapterResponse(bytes_received=received)
 
     async def DropAdapter(self, request, context):
-        await self._run(self.backend.drop_adapter, request.adapter_id)
+        await self._run(self.backend.drop_adapter, request.checkpoint_key)
         return sampler_pb2.SamplerDropAdapterResponse()
 
     async def Sample(self, request, context):
@@ -82,7 +82,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         vocab = self.backend.describe().vocab_size
         if not 0 <= request.topk_logprobs <= min(vocab, 100):
             raise InvalidArgument(f"topk_logprobs must be in [0, {min(vocab, 100)}], got {request.topk_logprobs}")
-        sample = SampleRequest(request.adapter_id or None, prompt, request.num_samples, options, request.include_prompt_logprobs,
+        sample = SampleRequest(request.checkpoint_key or None, prompt, request.num_samples, options, request.include_prompt_logprobs,
                                request.topk_logprobs)
         result = await self._submit(sample)
         response = types_pb2.SampleResponse()
@@ -129,5 +129,5 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
                     future.set_exception(exc)
 
     async def ComputeLogprobs(self, request, context):
-        logprobs = await self._run(self.backend.compute_logprobs, request.adapter_id or None, decode_tokens(request.prompt_tokens))
+        logprobs = await self._run(self.backend.compute_logprobs, request.checkpoint_key or None, decode_tokens(request.prompt_tokens))
         return sampler_pb2.ComputeLogprobsResponseInternal(logprobs=encode_array(logprobs, "float32"))

@@ -74,7 +74,7 @@ class TrainerEngine:
     # ---- one scheduler cycle ------------------------------------------------------------------
 
     def prepare_forward_backward(self, item: types_pb2.ForwardBackwardItem) -> PreparedForwardBackward:
-        adapter = self.host.get(item.adapter_id)
+        adapter = self.host.get(item.training_run_id)
         data, config = validate_forward_backward(
             item.data, item.loss_fn, item.loss_fn_config, self.loaded.vocab_size, self.loaded.max_context_length
         )
@@ -85,7 +85,7 @@ class TrainerEngine:
     ) -> tuple[list[ForwardBackwardResult], list[dict[str, float]]]:
         """Every item's answer, in order. Items whose seq the adapter has already applied are answered
         from memory; the rest run (all passes, then the optim steps)."""
-        with self.host.pinned([i.adapter_id for i in forward_backward] + [i.adapter_id for i in optim_step]):
+        with self.host.pinned([i.training_run_id for i in forward_backward] + [i.training_run_id for i in optim_step]):
             # earlier answers first: a seq applied so long ago that its answer is gone fails the cycle untouched
             results: list = [self._earlier_answer(item) if self._applied(item) else None for item in forward_backward]
             metrics: list = [self._earlier_answer(item) if self._applied(item) else None for item in optim_step]
@@ -95,23 +95,23 @@ class TrainerEngine:
             steps = []
             for i in fresh_steps:
                 validate_adam(optim_step[i].adam_params)
-                steps.append((self.host.get(optim_step[i].adapter_id), optim_step[i].adam_params))
+                steps.append((self.host.get(optim_step[i].training_run_id), optim_step[i].adam_params))
             for i, result in zip(fresh_fb, self.forward_backward(prepared)):
                 results[i] = result
             for i, (adapter, params) in zip(fresh_steps, steps):
                 metrics[i] = self.optim_step(adapter, params)
             for item, answer in [*zip(forward_backward, results), *zip(optim_step, metrics)]:
                 if item.seq_id:
-                    self.host.get(item.adapter_id).remember(item.seq_id, answer, ANSWERS_KEPT)
+                    self.host.get(item.training_run_id).remember(item.seq_id, answer, ANSWERS_KEPT)
             return results, metrics
 
     def _applied(self, item) -> bool:
-        return bool(item.seq_id) and item.seq_id <= self.host.get(item.adapter_id).applied_seq
+        return bool(item.seq_id) and item.seq_id <= self.host.get(item.training_run_id).applied_seq
 
     def _earlier_answer(self, item):
-        answer = self.host.get(item.adapter_id).answers.get(item.seq_id)
+        answer = self.host.get(item.training_run_id).answers.get(item.seq_id)
         if answer is None:
-            raise FailedPrecondition(f"seq {item.seq_id} of {item.adapter_id} was already applied and its answer is no "
+            raise FailedPrecondition(f"seq {item.seq_id} of {item.training_run_id} was already applied and its answer is no "
                                      f"longer held")
         return answer
 

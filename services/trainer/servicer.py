@@ -28,11 +28,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         )
 
     async def CreateAdapter(self, request, context):
-        await self._run(self.engine.host.create, request.adapter_id, request.lora_config)
+        await self._run(self.engine.host.create, request.training_run_id, request.lora_config)
         return trainer_pb2.CreateAdapterResponse()
 
     async def DropAdapter(self, request, context):
-        await self._run(self.engine.host.drop, request.adapter_id)
+        await self._run(self.engine.host.drop, request.training_run_id)
         return trainer_pb2.DropAdapterResponse()
 
     async def RunCycle(self, request, context):
@@ -49,11 +49,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return response
 
     async def SaveAdapter(self, request, context):
-        size = await self._run(self.engine.save, request.adapter_id, request.checkpoint_key, request.include_optimizer)
+        size = await self._run(self.engine.save, request.training_run_id, request.checkpoint_key, request.include_optimizer)
         return trainer_pb2.SaveAdapterResponse(size_bytes=size)
 
     async def LoadAdapter(self, request, context):
-        await self._run(self.engine.load, request.adapter_id, request.checkpoint_key, request.with_optimizer)
+        await self._run(self.engine.load, request.training_run_id, request.checkpoint_key, request.with_optimizer)
         return trainer_pb2.LoadAdapterResponse()
 
     async def ReadCheckpoint(self, request, context):

@@ -28,12 +28,12 @@ class SamplerModelInfo(_message.Message):
     def __init__(self, base_model: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., backend: _Optional[str] = ..., loaded_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PushAdapterChunk(_message.Message):
-    __slots__ = ("adapter_id", "file")
-    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("checkpoint_key", "file")
+    CHECKPOINT_KEY_FIELD_NUMBER: _ClassVar[int]
     FILE_FIELD_NUMBER: _ClassVar[int]
-    adapter_id: str
+    checkpoint_key: str
     file: _types_pb2.FileChunk
-    def __init__(self, adapter_id: _Optional[str] = ..., file: _Optional[_Union[_types_pb2.FileChunk, _Mapping]] = ...) -> None: ...
+    def __init__(self, checkpoint_key: _Optional[str] = ..., file: _Optional[_Union[_types_pb2.FileChunk, _Mapping]] = ...) -> None: ...
 
 class PushAdapterResponse(_message.Message):
     __slots__ = ("bytes_received",)
@@ -42,38 +42,38 @@ class PushAdapterResponse(_message.Message):
     def __init__(self, bytes_received: _Optional[int] = ...) -> None: ...
 
 class SamplerDropAdapterRequest(_message.Message):
-    __slots__ = ("adapter_id",)
-    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
-    adapter_id: str
-    def __init__(self, adapter_id: _Optional[str] = ...) -> None: ...
+    __slots__ = ("checkpoint_key",)
+    CHECKPOINT_KEY_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_key: str
+    def __init__(self, checkpoint_key: _Optional[str] = ...) -> None: ...
 
 class SamplerDropAdapterResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class SamplerSampleRequest(_message.Message):
-    __slots__ = ("adapter_id", "prompt_tokens", "num_samples", "sampling_params", "include_prompt_logprobs", "topk_logprobs")
-    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("checkpoint_key", "prompt_tokens", "num_samples", "sampling_params", "include_prompt_logprobs", "topk_logprobs")
+    CHECKPOINT_KEY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOPK_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    adapter_id: str
+    checkpoint_key: str
     prompt_tokens: bytes
     num_samples: int
     sampling_params: _types_pb2.SamplingParams
     include_prompt_logprobs: bool
     topk_logprobs: int
-    def __init__(self, adapter_id: _Optional[str] = ..., prompt_tokens: _Optional[bytes] = ..., num_samples: _Optional[int] = ..., sampling_params: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., include_prompt_logprobs: _Optional[bool] = ..., topk_logprobs: _Optional[int] = ...) -> None: ...
+    def __init__(self, checkpoint_key: _Optional[str] = ..., prompt_tokens: _Optional[bytes] = ..., num_samples: _Optional[int] = ..., sampling_params: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., include_prompt_logprobs: _Optional[bool] = ..., topk_logprobs: _Optional[int] = ...) -> None: ...
 
 class SamplerLogprobsRequest(_message.Message):
-    __slots__ = ("adapter_id", "prompt_tokens")
-    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("checkpoint_key", "prompt_tokens")
+    CHECKPOINT_KEY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    adapter_id: str
+    checkpoint_key: str
     prompt_tokens: bytes
-    def __init__(self, adapter_id: _Optional[str] = ..., prompt_tokens: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, checkpoint_key: _Optional[str] = ..., prompt_tokens: _Optional[bytes] = ...) -> None: ...
 
 class ComputeLogprobsResponseInternal(_message.Message):
     __slots__ = ("logprobs",)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from temper.v1 import types_pb2 as temper_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17temper/v1/trainer.proto\x12\ttemper.v1\x1a\x15temper/v1/types.proto\"\x15\n\x13GetModelInfoRequest\"\x84\x01\n\tModelInfo\x12\x12\n\nbase_model\x18\x01 \x01(\t\x12\x14\n\x0ctokenizer_id\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x1a\n\x12max_context_length\x18\x04 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\"V\n\x14\x43reateAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12*\n\x0blora_config\x18\x02 \x01(\x0b\x32\x15.temper.v1.LoraConfig\"\x17\n\x15\x43reateAdapterResponse\"(\n\x12\x44ropAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\"\x15\n\x13\x44ropAdapterResponse\"\x9b\x02\n\x13\x46orwardBackwardItem\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\x1e\n\x04\x64\x61ta\x18\x02 \x03(\x0b\x32\x10.temper.v1.Datum\x12\x0f\n\x07loss_fn\x18\x03 \x01(\t\x12H\n\x0eloss_fn_config\x18\x04 \x03(\x0b\x32\x30.temper.v1.ForwardBackwardItem.LossFnConfigEntry\x12\x14\n\x0c\x66orward_only\x18\x05 \x01(\x08\x12\x0e\n\x06seq_id\x18\x06 \x01(\x04\x1aO\n\x11LossFnConfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12)\n\x05value\x18\x02 \x01(\x0b\x32\x1a.temper.v1.LossConfigValue:\x02\x38\x01\"_\n\rOptimStepItem\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12*\n\x0b\x61\x64\x61m_params\x18\x02 \x01(\x0b\x32\x15.temper.v1.AdamParams\x12\x0e\n\x06seq_id\x18\x03 \x01(\x04\"v\n\x0c\x43ycleRequest\x12\x38\n\x10\x66orward_backward\x18\x01 \x03(\x0b\x32\x1e.temper.v1.ForwardBackwardItem\x12,\n\noptim_step\x18\x02 \x03(\x0b\x32\x18.temper.v1.OptimStepItem\"\x85\x01\n\rCycleResponse\x12:\n\x10\x66orward_backward\x18\x01 \x03(\x0b\x32 .temper.v1.ForwardBackwardOutput\x12\x38\n\noptim_step\x18\x02 \x03(\x0b\x32$.temper.v1.OptimStepResponseInternal\"\x8f\x01\n\x19OptimStepResponseInternal\x12\x42\n\x07metrics\x18\x01 \x03(\x0b\x32\x31.temper.v1.OptimStepResponseInternal.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"[\n\x12SaveAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63heckpoint_key\x18\x02 \x01(\t\x12\x19\n\x11include_optimizer\x18\x03 \x01(\x08\")\n\x13SaveAdapterResponse\x12\x12\n\nsize_bytes\x18\x01 \x01(\x03\"X\n\x12LoadAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63heckpoint_key\x18\x02 \x01(\t\x12\x16\n\x0ewith_optimizer\x18\x03 \x01(\x08\"\x15\n\x13LoadAdapterResponse\"E\n\x15ReadCheckpointRequest\x12\x16\n\x0e\x63heckpoint_key\x18\x01 \x01(\t\x12\x14\n\x0cweights_only\x18\x02 \x01(\x08\x32\x98\x04\n\x07Trainer\x12\x44\n\x0cGetModelInfo\x12\x1e.temper.v1.GetModelInfoRequest\x1a\x14.temper.v1.ModelInfo\x12R\n\rCreateAdapter\x12\x1f.temper.v1.CreateAdapterRequest\x1a .temper.v1.CreateAdapterResponse\x12L\n\x0b\x44ropAdapter\x12\x1d.temper.v1.DropAdapterRequest\x1a\x1e.temper.v1.DropAdapterResponse\x12=\n\x08RunCycle\x12\x17.temper.v1.CycleRequest\x1a\x18.temper.v1.CycleResponse\x12L\n\x0bSaveAdapter\x12\x1d.temper.v1.SaveAdapterRequest\x1a\x1e.temper.v1.SaveAdapterResponse\x12L\n\x0bLoadAdapter\x12\x1d.temper.v1.LoadAdapterRequest\x1a\x1e.temper.v1.LoadAdapterResponse\x12J\n\x0eReadCheckpoint\x12 .temper.v1.ReadCheckpointRequest\x1a\x14.temper.v1.FileChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17temper/v1/trainer.proto\x12\ttemper.v1\x1a\x15temper/v1/types.proto\"\x15\n\x13GetModelInfoRequest\"\x84\x01\n\tModelInfo\x12\x12\n\nbase_model\x18\x01 \x01(\t\x12\x14\n\x0ctokenizer_id\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x1a\n\x12max_context_length\x18\x04 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\"[\n\x14\x43reateAdapterRequest\x12\x17\n\x0ftraining_run_id\x18\x01 \x01(\t\x12*\n\x0blora_config\x18\x02 \x01(\x0b\x32\x15.temper.v1.LoraConfig\"\x17\n\x15\x43reateAdapterResponse\"-\n\x12\x44ropAdapterRequest\x12\x17\n\x0ftraining_run_id\x18\x01 \x01(\t\"\x15\n\x13\x44ropAdapterResponse\"\xa0\x02\n\x13\x46orwardBackwardItem\x12\x17\n\x0ftraining_run_id\x18\x01 \x01(\t\x12\x1e\n\x04\x64\x61ta\x18\x02 \x03(\x0b\x32\x10.temper.v1.Datum\x12\x0f\n\x07loss_fn\x18\x03 \x01(\t\x12H\n\x0eloss_fn_config\x18\x04 \x03(\x0b\x32\x30.temper.v1.ForwardBackwardItem.LossFnConfigEntry\x12\x14\n\x0c\x66orward_only\x18\x05 \x01(\x08\x12\x0e\n\x06seq_id\x18\x06 \x01(\x04\x1aO\n\x11LossFnConfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12)\n\x05value\x18\x02 \x01(\x0b\x32\x1a.temper.v1.LossConfigValue:\x02\x38\x01\"d\n\rOptimStepItem\x12\x17\n\x0ftraining_run_id\x18\x01 \x01(\t\x12*\n\x0b\x61\x64\x61m_params\x18\x02 \x01(\x0b\x32\x15.temper.v1.AdamParams\x12\x0e\n\x06seq_id\x18\x03 \x01(\x04\"v\n\x0c\x43ycleRequest\x12\x38\n\x10\x66orward_backward\x18\x01 \x03(\x0b\x32\x1e.temper.v1.ForwardBackwardItem\x12,\n\noptim_step\x18\x02 \x03(\x0b\x32\x18.temper.v1.OptimStepItem\"\x85\x01\n\rCycleResponse\x12:\n\x10\x66orward_backward\x18\x01 \x03(\x0b\x32 .temper.v1.ForwardBackwardOutput\x12\x38\n\noptim_step\x18\x02 \x03(\x0b\x32$.temper.v1.OptimStepResponseInternal\"\x8f\x01\n\x19OptimStepResponseInternal\x12\x42\n\x07metrics\x18\x01 \x03(\x0b\x32\x31.temper.v1.OptimStepResponseInternal.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"`\n\x12SaveAdapterRequest\x12\x17\n\x0ftraining_run_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63heckpoint_key\x18\x02 \x01(\t\x12\x19\n\x11include_optimizer\x18\x03 \x01(\x08\")\n\x13SaveAdapterResponse\x12\x12\n\nsize_bytes\x18\x01 \x01(\x03\"]\n\x12LoadAdapterRequest\x12\x17\n\x0ftraining_run_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63heckpoint_key\x18\x02 \x01(\t\x12\x16\n\x0ewith_optimizer\x18\x03 \x01(\x08\"\x15\n\x13LoadAdapterResponse\"E\n\x15ReadCheckpointRequest\x12\x16\n\x0e\x63heckpoint_key\x18\x01 \x01(\t\x12\x14\n\x0cweights_only\x18\x02 \x01(\x08\x32\x98\x04\n\x07Trainer\x12\x44\n\x0cGetModelInfo\x12\x1e.temper.v1.GetModelInfoRequest\x1a\x14.temper.v1.ModelInfo\x12R\n\rCreateAdapter\x12\x1f.temper.v1.CreateAdapterRequest\x1a .temper.v1.CreateAdapterResponse\x12L\n\x0b\x44ropAdapter\x12\x1d.temper.v1.DropAdapterRequest\x1a\x1e.temper.v1.DropAdapterResponse\x12=\n\x08RunCycle\x12\x17.temper.v1.CycleRequest\x1a\x18.temper.v1.CycleResponse\x12L\n\x0bSaveAdapter\x12\x1d.temper.v1.SaveAdapterRequest\x1a\x1e.temper.v1.SaveAdapterResponse\x12L\n\x0bLoadAdapter\x12\x1d.temper.v1.LoadAdapterRequest\x1a\x1e.temper.v1.LoadAdapterResponse\x12J\n\x0eReadCheckpoint\x12 .temper.v1.ReadCheckpointRequest\x1a\x14.temper.v1.FileChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,37 +41,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELINFO']._serialized_start=85
   _globals['_MODELINFO']._serialized_end=217
   _globals['_CREATEADAPTERREQUEST']._serialized_start=219
-  _globals['_CREATEADAPTERREQUEST']._serialized_end=305
-  _globals['_CREATEADAPTERRESPONSE']._serialized_start=307
-  _globals['_CREATEADAPTERRESPONSE']._serialized_end=330
-  _globals['_DROPADAPTERREQUEST']._serialized_start=332
-  _globals['_DROPADAPTERREQUEST']._serialized_end=372
-  _globals['_DROPADAPTERRESPONSE']._serialized_start=374
-  _globals['_DROPADAPTERRESPONSE']._serialized_end=395
-  _globals['_FORWARDBACKWARDITEM']._serialized_start=398
-  _globals['_FORWARDBACKWARDITEM']._serialized_end=681
-  _globals['_FORWARDBACKWARDITEM_LOSSFNCONFIGENTRY']._serialized_start=602
-  _globals['_FORWARDBACKWARDITEM_LOSSFNCONFIGENTRY']._serialized_end=681
-  _globals['_OPTIMSTEPITEM']._serialized_start=683
-  _globals['_OPTIMSTEPITEM']._serialized_end=778
-  _globals['_CYCLEREQUEST']._serialized_start=780
-  _globals['_CYCLEREQUEST']._serialized_end=898
-  _globals['_CYCLERESPONSE']._serialized_start=901
-  _globals['_CYCLERESPONSE']._serialized_end=1034
-  _globals['_OPTIMSTEPRESPONSEINTERNAL']._serialized_start=1037
-  _globals['_OPTIMSTEPRESPONSEINTERNAL']._serialized_end=1180
-  _globals['_OPTIMSTEPRESPONSEINTERNAL_METRICSENTRY']._serialized_start=1134
-  _globals['_OPTIMSTEPRESPONSEINTERNAL_METRICSENTRY']._serialized_end=1180
-  _globals['_SAVEADAPTERREQUEST']._serialized_start=1182
-  _globals['_SAVEADAPTERREQUEST']._serialized_end=1273
-  _globals['_SAVEADAPTERRESPONSE']._serialized_start=1275
-  _globals['_SAVEADAPTERRESPONSE']._serialized_end=1316
-  _globals['_LOADADAPTERREQUEST']._serialized_start=1318
-  _globals['_LOADADAPTERREQUEST']._serialized_end=1406
-  _globals['_LOADADAPTERRESPONSE']._serialized_start=1408
-  _globals['_LOADADAPTERRESPONSE']._serialized_end=1429
-  _globals['_READCHECKPOINTREQUEST']._serialized_start=1431
-  _globals['_READCHECKPOINTREQUEST']._serialized_end=1500
-  _globals['_TRAINER']._serialized_start=1503
-  _globals['_TRAINER']._serialized_end=2039
+  _globals['_CREATEADAPTERREQUEST']._serialized_end=310
+  _globals['_CREATEADAPTERRESPONSE']._serialized_start=312
+  _globals['_CREATEADAPTERRESPONSE']._serialized_end=335
+  _globals['_DROPADAPTERREQUEST']._serialized_start=337
+  _globals['_DROPADAPTERREQUEST']._serialized_end=382
+  _globals['_DROPADAPTERRESPONSE']._serialized_start=384
+  _globals['_DROPADAPTERRESPONSE']._serialized_end=405
+  _globals['_FORWARDBACKWARDITEM']._serialized_start=408
+  _globals['_FORWARDBACKWARDITEM']._serialized_end=696
+  _globals['_FORWARDBACKWARDITEM_LOSSFNCONFIGENTRY']._serialized_start=617
+  _globals['_FORWARDBACKWARDITEM_LOSSFNCONFIGENTRY']._serialized_end=696
+  _globals['_OPTIMSTEPITEM']._serialized_start=698
+  _globals['_OPTIMSTEPITEM']._serialized_end=798
+  _globals['_CYCLEREQUEST']._serialized_start=800
+  _globals['_CYCLEREQUEST']._serialized_end=918
+  _globals['_CYCLERESPONSE']._serialized_start=921
+  _globals['_CYCLERESPONSE']._serialized_end=1054
+  _globals['_OPTIMSTEPRESPONSEINTERNAL']._serialized_start=1057
+  _globals['_OPTIMSTEPRESPONSEINTERNAL']._serialized_end=1200
+  _globals['_OPTIMSTEPRESPONSEINTERNAL_METRICSENTRY']._serialized_start=1154
+  _globals['_OPTIMSTEPRESPONSEINTERNAL_METRICSENTRY']._serialized_end=1200
+  _globals['_SAVEADAPTERREQUEST']._serialized_start=1202
+  _globals['_SAVEADAPTERREQUEST']._serialized_end=1298
+  _globals['_SAVEADAPTERRESPONSE']._serialized_start=1300
+  _globals['_SAVEADAPTERRESPONSE']._serialized_end=1341
+  _globals['_LOADADAPTERREQUEST']._serialized_start=1343
+  _globals['_LOADADAPTERREQUEST']._serialized_end=1436
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=1438
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=1459
+  _globals['_READCHECKPOINTREQUEST']._serialized_start=1461
+  _globals['_READCHECKPOINTREQUEST']._serialized_end=1530
+  _globals['_TRAINER']._serialized_start=1533
+  _globals['_TRAINER']._serialized_end=2069
 # @@protoc_insertion_point(module_scope)

@@ -28,29 +28,29 @@ class ModelInfo(_message.Message):
     def __init__(self, base_model: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class CreateAdapterRequest(_message.Message):
-    __slots__ = ("adapter_id", "lora_config")
-    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("training_run_id", "lora_config")
+    TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     LORA_CONFIG_FIELD_NUMBER: _ClassVar[int]
-    adapter_id: str
+    training_run_id: str
     lora_config: _types_pb2.LoraConfig
-    def __init__(self, adapter_id: _Optional[str] = ..., lora_config: _Optional[_Union[_types_pb2.LoraConfig, _Mapping]] = ...) -> None: ...
+    def __init__(self, training_run_id: _Optional[str] = ..., lora_config: _Optional[_Union[_types_pb2.LoraConfig, _Mapping]] = ...) -> None: ...
 
 class CreateAdapterResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class DropAdapterRequest(_message.Message):
-    __slots__ = ("adapter_id",)
-    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
-    adapter_id: str
-    def __init__(self, adapter_id: _Optional[str] = ...) -> None: ...
+    __slots__ = ("training_run_id",)
+    TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    training_run_id: str
+    def __init__(self, training_run_id: _Optional[str] = ...) -> None: ...
 
 class DropAdapterResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ForwardBackwardItem(_message.Message):
-    __slots__ = ("adapter_id", "data", "loss_fn", "loss_fn_config", "forward_only", "seq_id")
+    __slots__ = ("training_run_id", "data", "loss_fn", "loss_fn_config", "forward_only", "seq_id")
     class LossFnConfigEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -58,29 +58,29 @@ class ForwardBackwardItem(_message.Message):
         key: str
         value: _types_pb2.LossConfigValue
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_types_pb2.LossConfigValue, _Mapping]] = ...) -> None: ...
-    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     LOSS_FN_FIELD_NUMBER: _ClassVar[int]
     LOSS_FN_CONFIG_FIELD_NUMBER: _ClassVar[int]
     FORWARD_ONLY_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    adapter_id: str
+    training_run_id: str
     data: _containers.RepeatedCompositeFieldContainer[_types_pb2.Datum]
     loss_fn: str
     loss_fn_config: _containers.MessageMap[str, _types_pb2.LossConfigValue]
     forward_only: bool
     seq_id: int
-    def __init__(self, adapter_id: _Optional[str] = ..., data: _Optional[_Iterable[_Union[_types_pb2.Datum, _Mapping]]] = ..., loss_fn: _Optional[str] = ..., loss_fn_config: _Optional[_Mapping[str, _types_pb2.LossConfigValue]] = ..., forward_only: _Optional[bool] = ..., seq_id: _Optional[int] = ...) -> None: ...
+    def __init__(self, training_run_id: _Optional[str] = ..., data: _Optional[_Iterable[_Union[_types_pb2.Datum, _Mapping]]] = ..., loss_fn: _Optional[str] = ..., loss_fn_config: _Optional[_Mapping[str, _types_pb2.LossConfigValue]] = ..., forward_only: _Optional[bool] = ..., seq_id: _Optional[int] = ...) -> None: ...
 
 class OptimStepItem(_message.Message):
-    __slots__ = ("adapter_id", "adam_params", "seq_id")
-    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("training_run_id", "adam_params", "seq_id")
+    TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ADAM_PARAMS_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    adapter_id: str
+    training_run_id: str
     adam_params: _types_pb2.AdamParams
     seq_id: int
-    def __init__(self, adapter_id: _Optional[str] = ..., adam_params: _Optional[_Union[_types_pb2.AdamParams, _Mapping]] = ..., seq_id: _Optional[int] = ...) -> None: ...
+    def __init__(self, training_run_id: _Optional[str] = ..., adam_params: _Optional[_Union[_types_pb2.AdamParams, _Mapping]] = ..., seq_id: _Optional[int] = ...) -> None: ...
 
 class CycleRequest(_message.Message):
     __slots__ = ("forward_backward", "optim_step")
@@ -112,14 +112,14 @@ class OptimStepResponseInternal(_message.Message):
     def __init__(self, metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class SaveAdapterRequest(_message.Message):
-    __slots__ = ("adapter_id", "checkpoint_key", "include_optimizer")
-    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("training_run_id", "checkpoint_key", "include_optimizer")
+    TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_KEY_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
-    adapter_id: str
+    training_run_id: str
     checkpoint_key: str
     include_optimizer: bool
-    def __init__(self, adapter_id: _Optional[str] = ..., checkpoint_key: _Optional[str] = ..., include_optimizer: _Optional[bool] = ...) -> None: ...
+    def __init__(self, training_run_id: _Optional[str] = ..., checkpoint_key: _Optional[str] = ..., include_optimizer: _Optional[bool] = ...) -> None: ...
 
 class SaveAdapterResponse(_message.Message):
     __slots__ = ("size_bytes",)
@@ -128,14 +128,14 @@ class SaveAdapterResponse(_message.Message):
     def __init__(self, size_bytes: _Optional[int] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
-    __slots__ = ("adapter_id", "checkpoint_key", "with_optimizer")
-    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("training_run_id", "checkpoint_key", "with_optimizer")
+    TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_KEY_FIELD_NUMBER: _ClassVar[int]
     WITH_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
-    adapter_id: str
+    training_run_id: str
     checkpoint_key: str
     with_optimizer: bool
-    def __init__(self, adapter_id: _Optional[str] = ..., checkpoint_key: _Optional[str] = ..., with_optimizer: _Optional[bool] = ...) -> None: ...
+    def __init__(self, training_run_id: _Optional[str] = ..., checkpoint_key: _Optional[str] = ..., with_optimizer: _Optional[bool] = ...) -> None: ...
 
 class LoadAdapterResponse(_message.Message):
     __slots__ = ()
