@@ -31,5 +31,6 @@ RUN pip install --no-deps -e '.[server]' \
  && mkdir -p /data /models
 
 # Each compose service overrides this; by default the image runs the public scheduler API.
-EXPOSE 50051 50061 50071
+# gRPC: scheduler 50051, trainer 50061, sampler 50071; their /metrics (compose): 9451, 9461, 9471.
+EXPOSE 50051 50061 50071 9451 9461 9471
 CMD ["python", "-m", "temper.scheduler"]

@@ -21,7 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from temper.client import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
-from temper.scheduler.localstack import LocalStack
+from temper.localstack import LocalStack
 from temper.services.models.prepare import SMOLLM2_NAME, prepare_smollm2
 
 PROMPTS = [

@@ -7,6 +7,7 @@ servicer builds error payloads. Clients turn a failed RPC back into ``TemperErro
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import grpc
@@ -73,14 +74,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method
-        if handler.unary_unary:
-            return handler._replace(unary_unary=_wrap_unary(handler.unary_unary, method))
-        if handler.unary_stream:
-            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream, method))
-        if handler.stream_unary:
-            return handler._replace(stream_unary=_wrap_unary(handler.stream_unary, method))
-        if handler.stream_stream:
-            return handler._replace(stream_stream=_wrap_stream(handler.stream_stream, method))
+        for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
+            behavior = getattr(handler, kind)
+            if behavior:
+                return handler._replace(**{kind: _wrap(behavior, method)})
         return handler
 
 
@@ -92,23 +89,25 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: 
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
 
-def _wrap_unary(behavior, method):
+def _wrap(behavior, method):
+    """Wrap a handler in one of the same kind: grpc.aio sends an async generator's items itself,
+    while a coroutine handler returns its reply or streams with ``context.write`` (grpc_health's
+    Watch does), so wrapping a coroutine in a generator breaks it."""
+    if inspect.isasyncgenfunction(behavior):
+        async def stream_wrapper(request, context):
+            try:
+                async for item in behavior(request, context):
+                    yield item
+            except (grpc.aio.AbortError, grpc.aio.UsageError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - this is the one place exceptions become statuses
+                await _abort(context, exc, method)
+
+        return stream_wrapper
+
     async def wrapper(request, context):
         try:
             return await behavior(request, context)
-        except (grpc.aio.AbortError, grpc.aio.UsageError):
-            raise
-        except Exception as exc:  # noqa: BLE001 - this is the one place exceptions become statuses
-            await _abort(context, exc, method)
-
-    return wrapper
-
-
-def _wrap_stream(behavior, method):
-    async def wrapper(request, context):
-        try:
-            async for item in behavior(request, context):
-                yield item
         except (grpc.aio.AbortError, grpc.aio.UsageError):
             raise
         except Exception as exc:  # noqa: BLE001

@@ -1,4 +1,4 @@
-"""Alembic environment: the URL comes from TEMPER_DATABASE_URL (or -x url=..., or alembic.ini)."""
+"""Alembic environment: the URL comes from -x url=..., TEMPER_SCHEDULER_DATABASE_URL (TEMPER_DATABASE_URL, deprecated), or alembic.ini."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ config = context.config
 if config.config_file_name is not None and config.attributes.get("configure_logger", True):
     fileConfig(config.config_file_name, disable_existing_loggers=False)
 
-url = context.get_x_argument(as_dictionary=True).get("url") or os.environ.get("TEMPER_DATABASE_URL")
+url = (context.get_x_argument(as_dictionary=True).get("url") or os.environ.get("TEMPER_SCHEDULER_DATABASE_URL")
+       or os.environ.get("TEMPER_DATABASE_URL"))
 if url:
     config.set_main_option("sqlalchemy.url", url)
 target_metadata = Base.metadata

@@ -1,5 +1,6 @@
-"""Shared helpers for the recipes: stack start-up, chat rendering, RL datums, metrics JSONL,
-plots and the final JSON line. Everything model-facing goes through ``temper.client``."""
+"""Shared helpers for the recipes and examples/trajectory_judge: stack start-up, chat-template
+token ids, datums, greedy evaluation, metrics JSONL, plots and the final JSON line. Everything
+model-facing goes through ``temper.client``; nothing here imports torch."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
-from temper.client import Datum, ModelInput, ServiceClient
+from temper.client import Datum, ModelInput, SamplingParams, ServiceClient
 from temper.services.models.prepare import SMOLLM2_NAME
 
 
@@ -38,7 +40,7 @@ def add_common_args(p: argparse.ArgumentParser, name: str, steps: int, learning_
 def local_client(args: argparse.Namespace) -> Iterator[ServiceClient]:
     """Start scheduler, trainer and sampler on loopback (as the demo does) and yield a client;
     with ``--address``, connect to that scheduler instead."""
-    from temper.scheduler.localstack import LocalStack
+    from temper.localstack import LocalStack
 
     if args.address:
         with ServiceClient(args.address) as client:
@@ -59,7 +61,7 @@ def local_client(args: argparse.Namespace) -> Iterator[ServiceClient]:
             yield client
 
 
-# ---- rendering ------------------------------------------------------------------------------------
+# ---- token ids ------------------------------------------------------------------------------------
 
 
 def _as_ids(out) -> list[int]:
@@ -78,8 +80,26 @@ def chat_prompt(tokenizer, messages: list[dict], prefill: str = "") -> list[int]
 
 
 def end_token_id(tokenizer) -> int:
+    """The token that ends an assistant turn: ChatML's <|im_end|> when the vocabulary has it, else eos."""
     eid = tokenizer.convert_tokens_to_ids("<|im_end|>")
     return eid if isinstance(eid, int) and eid >= 0 and eid != tokenizer.unk_token_id else tokenizer.eos_token_id
+
+
+# ---- greedy evaluation ----------------------------------------------------------------------------
+
+
+def greedy_futures(sampler, prompts: Sequence[Sequence[int]], max_tokens: int = 1) -> list:
+    """Greedy (temperature 0) samples of ``prompts``, all submitted before any wait so the sampler
+    batches them (and, submitted early, they share batches with other work)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return [sampler.sample(ModelInput.from_ints(list(p)), 1, params) for p in prompts]
+
+
+def decode_replies(futures, tokenizer, desc: str | None = None, skip_special_tokens: bool = False) -> list[str]:
+    """Decoded first sequence of each sample future, waited for in order (progress bar with ``desc``)."""
+    if desc:
+        futures = tqdm(futures, desc=desc, unit="case", leave=False)
+    return [tokenizer.decode(f.result().sequences[0].tokens, skip_special_tokens=skip_special_tokens) for f in futures]
 
 
 # ---- datums ---------------------------------------------------------------------------------------
@@ -107,15 +127,19 @@ def rl_datum(prompt: Sequence[int], completion: Sequence[int], sampler_logprobs:
     )
 
 
-def weighted_datum(prompt: Sequence[int], completion: Sequence[int]) -> Datum:
-    """Next-token datum with weight 1 on completion targets and 0 on prompt targets."""
-    tokens = list(prompt) + list(completion)
-    weights = np.zeros(len(tokens) - 1, np.float32)
-    weights[len(prompt) - 1:] = 1.0
+def shifted_datum(tokens: Sequence[int], weights: Sequence[float]) -> Datum:
+    """Next-token datum from per-token weights: input tokens[:-1] predicts tokens[1:], each target
+    weighted like its token (``weights`` is aligned with ``tokens``; weights[0] is unused)."""
+    tokens = list(tokens)
     return Datum(
         model_input=ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": np.asarray(tokens[1:], np.int64), "weights": weights},
+        loss_fn_inputs={"target_tokens": np.asarray(tokens[1:], np.int64), "weights": np.asarray(weights[1:], np.float32)},
     )
+
+
+def weighted_datum(prompt: Sequence[int], completion: Sequence[int]) -> Datum:
+    """Next-token datum with weight 1 on completion targets and 0 on prompt targets."""
+    return shifted_datum(list(prompt) + list(completion), [0.0] * len(prompt) + [1.0] * len(completion))
 
 
 def completion_ratio_stats(data: Sequence[Datum], output, prompt_lengths: Sequence[int]) -> dict[str, float]:

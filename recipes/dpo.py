@@ -46,8 +46,9 @@ from tqdm import tqdm
 
 from examples.trajectory_judge import render
 from examples.trajectory_judge.data import load_heldout, load_train
-from recipes.common import MetricsLog, add_common_args, finish, local_client, mean, plot_panels, weighted_datum
-from temper.client import AdamParams, Datum, ModelInput, SamplingParams
+from recipes.common import (MetricsLog, add_common_args, decode_replies, end_token_id, finish, greedy_futures, local_client, mean,
+                            plot_panels, shifted_datum, weighted_datum)
+from temper.client import AdamParams, Datum, ModelInput
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -84,18 +85,13 @@ def build_pair(tokenizer, example: dict, verdict_only: bool = False) -> dict:
     if verdict_only:
         chosen, rejected = [letter_token(tokenizer, example["better"])], [letter_token(tokenizer, worse)]
         weights = [0.0] * len(prompt) + [1.0]
-        sft = to_sft_datum(prompt + chosen, weights)
+        sft = shifted_datum(prompt + chosen, weights)
     else:
-        eos = render.eos_token_id(tokenizer)
+        eos = end_token_id(tokenizer)
         chosen = list(tokenizer.encode(render.completion_text(example), add_special_tokens=False)) + [eos]
         rejected = list(tokenizer.encode(f"{worse}. {swap_letters(example['reason'])}", add_special_tokens=False)) + [eos]
-        sft = to_sft_datum(*render.build_sft_example(tokenizer, example))  # the SFT demo's datum
+        sft = shifted_datum(*render.build_sft_example(tokenizer, example))  # the SFT demo's datum
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected, "sft": sft}
-
-
-def to_sft_datum(tokens: list[int], weights: list[float]) -> Datum:
-    return Datum(model_input=ModelInput.from_ints(tokens[:-1]),
-                 loss_fn_inputs={"target_tokens": np.asarray(tokens[1:], np.int64), "weights": np.asarray(weights[1:], np.float32)})
 
 
 def pair_data(pair: dict) -> list[Datum]:
@@ -188,24 +184,18 @@ def sft_objective(data, logprobs: list[torch.Tensor], pi: torch.Tensor, sft_data
 def evaluate(sampler, tokenizer, examples, desc: str) -> tuple[dict, list[dict]]:
     """Greedy first-token accuracy (as the SFT demo measures it) and preference accuracy
     (log p(better letter) > log p(other letter) after the prompt, from compute_logprobs)."""
-    greedy = SamplingParams(max_tokens=1, temperature=0.0)
     letters = {letter: letter_token(tokenizer, letter) for letter in "AB"}
     prompts = [render.build_prompt_tokens(tokenizer, ex) for ex in examples]
-    futures = [(sampler.sample(ModelInput.from_ints(p), 1, greedy),
-                {k: sampler.compute_logprobs(ModelInput.from_ints(p + [t])) for k, t in letters.items()}) for p in prompts]
-    correct = preferred = 0
-    rows = []
-    for ex, (sample, letter_futures) in zip(examples, tqdm(futures, desc=desc, unit="case", leave=False)):
-        text = tokenizer.decode(sample.result().sequences[0].tokens)
-        answer = render.parse_answer(text)
-        letter_lp = {k: float(f.result()[-1]) for k, f in letter_futures.items()}
+    samples = greedy_futures(sampler, prompts)
+    letter_futures = [{k: sampler.compute_logprobs(ModelInput.from_ints(p + [t])) for k, t in letters.items()} for p in prompts]
+    accuracy, rows = render.score(examples, decode_replies(samples, tokenizer, desc))
+    preferred = 0
+    for ex, row, futures in zip(examples, rows, letter_futures):
+        letter_lp = {k: float(f.result()[-1]) for k, f in futures.items()}
         worse = "B" if ex["better"] == "A" else "A"
-        correct += answer == ex["better"]
         preferred += letter_lp[ex["better"]] > letter_lp[worse]
-        rows.append({"id": ex["id"], "kind": ex["kind"], "better": ex["better"], "answer": answer, "text": text,
-                     "logprob_A": letter_lp["A"], "logprob_B": letter_lp["B"]})
-    n = len(examples)
-    return {"accuracy": correct / n, "preference_accuracy": preferred / n}, rows
+        row.update(logprob_A=letter_lp["A"], logprob_B=letter_lp["B"])
+    return {"accuracy": accuracy, "preference_accuracy": preferred / len(examples)}, rows
 
 
 def main(argv=None) -> int:

@@ -31,7 +31,8 @@ import time
 
 from tqdm import tqdm
 
-from recipes.common import MetricsLog, add_common_args, chat_prompt, completion_ratio_stats, finish, local_client, mean, plot_panels, rl_datum
+from recipes.common import (MetricsLog, add_common_args, chat_prompt, completion_ratio_stats, decode_replies, finish, greedy_futures,
+                            local_client, mean, plot_panels, rl_datum)
 from temper.client import AdamParams, ModelInput, SamplingParams
 
 SYSTEM = "You are a helpful assistant."
@@ -91,8 +92,7 @@ def main(argv=None) -> int:
             # Submit the held-out evaluation first so it shares the sampler's batches with the rollouts.
             eval_future = None
             if do_eval:
-                eval_future = [sampler.sample(ModelInput.from_ints(prompt_tokens(tokenizer, a, b)), 1,
-                                              SamplingParams(max_tokens=args.max_tokens, temperature=0.0)) for a, b in heldout_pairs]
+                eval_future = greedy_futures(sampler, [prompt_tokens(tokenizer, a, b) for a, b in heldout_pairs], args.max_tokens)
             if step == args.steps:  # the last iteration only evaluates the final weights
                 acc, rows = evaluate_from(eval_future, tokenizer, heldout_pairs)
                 evals.append((step, acc))
@@ -173,10 +173,8 @@ def main(argv=None) -> int:
 
 def evaluate_from(futures, tokenizer, pairs) -> tuple[float, list[dict]]:
     """Greedy held-out answers (futures submitted earlier) → mean exact reward and per-case rows."""
-    rows = []
-    for (a, b), fut in zip(pairs, futures):
-        text = tokenizer.decode(fut.result().sequences[0].tokens, skip_special_tokens=True)
-        rows.append({"a": a, "b": b, "answer": a + b, "text": text, "reward": reward(text, a, b)})
+    texts = decode_replies(futures, tokenizer, skip_special_tokens=True)
+    rows = [{"a": a, "b": b, "answer": a + b, "text": text, "reward": reward(text, a, b)} for (a, b), text in zip(pairs, texts)]
     return mean(r["reward"] for r in rows), rows
 
 

@@ -1,11 +1,16 @@
-"""The scheduler loop: plan a cycle from the ready queues, run it on the trainers, answer futures.
+"""The scheduler loop: plan a cycle from the ready queues, run it on the trainers, record, answer.
 
     while True:
-        wait until work arrives (or skip a run's missing seq that was waited for too long)
+        wait until work arrives (or a run's missing seq was waited for too long: skip it)
         while (plan := plan_cycle(ready work, budget)):
             take the planned work off its queues
-            run the cycle's passes and optim steps (one trainer call per trainer)
-            run each barrier (save / load) on its own
+            mark it running, run the passes and optim steps (one call per trainer), then each
+            barrier (save / load) on its own; record the outcomes; answer the callers
+
+Outcomes are told honestly: work a trainer refused is answered failed (the trainer validates a
+whole cycle before it touches anything); work whose trainer did not answer is resent for a while
+(the trainer answers a seq it applied from memory) and then answered UNAVAILABLE, so the client's
+resend learns the true outcome; a database outage delays recording and answers, never loses them.
 """
 
 from __future__ import annotations
@@ -13,15 +18,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 
-from temper.common.checkpoints import KIND_DIRS, CheckpointPath, parse_path
-from temper.common.errors import ResourceExhausted, TemperError
-from temper.scheduler.backends import Backends, TrainerHandle, downstream
-from temper.scheduler.db.store import Store
+from temper.common.checkpoints import CheckpointPath, KIND_DIRS, parse_path
+from temper.common.errors import AlreadyExists, TemperError, Unavailable
+from temper.scheduler import metrics
+from temper.scheduler.admission import Admission
+from temper.scheduler.backends import Backends, TrainerHandle
 from temper.scheduler.policy import CyclePlan, FairShare, plan_cycle
+from temper.scheduler.runs import RunRegistry
 from temper.scheduler.settings import SchedulerSettings
-from temper.scheduler.work import RunQueue, Work, WorkKind
+from temper.scheduler.work import Work, WorkKind
 from temper.v1 import service_pb2, trainer_pb2, types_pb2
 
 log = logging.getLogger(__name__)
@@ -29,139 +36,58 @@ KIND_NAMES = {types_pb2.CHECKPOINT_KIND_SAMPLER: "sampler", types_pb2.CHECKPOINT
 
 
 class SchedulerLoop:
-    def __init__(self, backends: Backends, store: Store, settings: SchedulerSettings, share: FairShare | None = None):
+    def __init__(self, admission: Admission, backends: Backends, store, runs: RunRegistry, settings: SchedulerSettings,
+                 share: FairShare | None = None):
+        self.admission = admission
         self.backends = backends
         self.store = store
-        self.token_budget = settings.cycle_token_budget
-        self.max_queued = settings.max_queued_requests
-        self.cache_size = settings.result_cache_size
-        self.gap_timeout = settings.seq_gap_timeout_seconds
-        self.result_window = settings.durable_results_per_run
-        self.queues: dict[str, RunQueue] = {}
-        self.run_models: dict[str, str] = {}              # run id -> base model
-        self.run_tenants: dict[str, str] = {}             # run id -> tenant (for fair share)
+        self.runs = runs
+        self.settings = settings
         self.share = share or FairShare()
-        self.recent: OrderedDict[tuple[str, int], Work] = OrderedDict()  # answers retried (run, seq)
-        self._wake = asyncio.Event()
         self.cycles = 0
-
-    # ---- intake -------------------------------------------------------------------------------
-
-    def register_run(self, run_id: str, base_model: str, next_seq_id: int, tenant: str = "default") -> None:
-        self.run_models.setdefault(run_id, base_model)
-        self.run_tenants.setdefault(run_id, tenant)
-        self.queues.setdefault(run_id, RunQueue(run_id, next_seq_id))
-
-    def known(self, run_id: str, seq_id: int) -> Work | None:
-        queue = self.queues.get(run_id)
-        if queue is not None and seq_id in queue.pending:
-            return queue.pending[seq_id]
-        return self.recent.get((run_id, seq_id))
-
-    def next_seq_id(self, run_id: str) -> int | None:
-        queue = self.queues.get(run_id)
-        return queue.next_seq_id if queue is not None else None
-
-    def check_capacity(self, run_id: str, seq_id: int) -> None:
-        queue = self.queues[run_id]
-        if seq_id == queue.next_seq_id and len(queue):
-            return  # the request this run's queued work waits for is always admitted, or it would deadlock
-        if sum(len(q) for q in self.queues.values()) >= self.max_queued:
-            raise ResourceExhausted(f"the scheduler has {self.max_queued} queued requests; retry with backoff")
-
-    def claim(self, work: Work) -> None:
-        """Make ``work`` the answer for its (run, seq): a retry arriving from now on waits for it."""
-        work.future = asyncio.get_running_loop().create_future()
-        work.submitted_at = time.monotonic()
-        self._remember(work)
-
-    def enqueue(self, work: Work) -> None:
-        """Queue claimed work; its turn comes by seq_id (rejected work only holds its place)."""
-        self.queues[work.run_id].add(work)
-        self._wake.set()
-
-    def _remember(self, work: Work) -> None:
-        self.recent[(work.run_id, work.seq_id)] = work
-        while len(self.recent) > self.cache_size:
-            self.recent.popitem(last=False)
-
-    # ---- the loop -----------------------------------------------------------------------------
 
     async def run_forever(self) -> None:
         while True:
-            await self._wait_for_work()
-            while plan := plan_cycle(self._ready(), self.token_budget, self.run_tenants, self.share):
-                for work in plan.all_work():
-                    self.queues[work.run_id].take(work)
+            await self.admission.wait_for_work()
+            while plan := plan_cycle(self.admission.ready(), self.settings.cycle_token_budget, self.runs.tenant_by_run(), self.share):
+                self.admission.take(plan.all_work())
                 await self._run_cycle(plan)
-
-    async def _wait_for_work(self) -> None:
-        """Until work arrives or a run's missing seq has been waited for long enough (then skip it)."""
-        gaps = [since for q in self.queues.values() if (since := q.gap_since()) is not None]
-        timeout = max(0.0, min(gaps) + self.gap_timeout - time.monotonic()) if gaps and self.gap_timeout > 0 else None
-        try:
-            await asyncio.wait_for(self._wake.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
-        self._wake.clear()
-        if self.gap_timeout > 0:
-            now = time.monotonic()
-            for queue in self.queues.values():
-                since = queue.gap_since()
-                if since is not None and now - since >= self.gap_timeout:
-                    gap = queue.skip_gap()
-                    log.warning("run %s: skipped seq %d-%d after waiting %.0f s for it", queue.run_id, gap.start, gap.stop - 1,
-                                now - since)
-
-    def skipped(self, run_id: str, seq_id: int) -> bool:
-        queue = self.queues.get(run_id)
-        return queue is not None and queue.was_skipped(seq_id)
-
-    def _ready(self) -> dict[str, list[Work]]:
-        ready = {run_id: q.ready() for run_id, q in self.queues.items()}
-        # Oldest head first, so a run that has waited longest is served first.
-        return dict(sorted(((r, w) for r, w in ready.items() if w), key=lambda item: item[1][0].submitted_at))
+                self.admission.skip_expired_gaps()
 
     async def _run_cycle(self, plan: CyclePlan) -> None:
         self.cycles += 1
-        # Recorded before anything reaches a trainer: after a crash, "running" rows are the ones that
-        # may have been applied. Passes and steps are re-sent safely (the trainer knows the seqs it
-        # applied); barriers are marked as they go (see Store.recover_interrupted).
+        started, outcome = time.monotonic(), "ok"
         in_pass = plan.passes + plan.optim_steps
-        if in_pass and not await self._guarded(in_pass, self._mark_running(in_pass)):
-            return
-        by_trainer: dict[str, tuple[TrainerHandle, list[Work], list[Work]]] = {}
-        for work in plan.passes + plan.optim_steps:
-            trainer = self.backends.trainer_for(self.run_models[work.run_id], work.run_id)
-            entry = by_trainer.setdefault(trainer.address, (trainer, [], []))
-            entry[1 if work.kind.is_pass else 2].append(work)
-        for trainer, passes, steps in by_trainer.values():
-            await self._guarded(passes + steps, self._dispatch_cycle(trainer, passes, steps))
-        for work in plan.barriers:
-            await self._guarded([work], self._run_barrier(work))
-
-    async def _mark_running(self, works: list[Work]) -> None:
-        await asyncio.to_thread(self.store.mark_running, [(w.run_id, w.seq_id) for w in works])
-
-    async def _guarded(self, works: list[Work], coro) -> bool:
-        """Run ``coro``; on failure fail every work in it with a domain error (never lose a future).
-        Returns whether it succeeded."""
         try:
-            await coro
-            return True
-        except Exception as exc:  # noqa: BLE001 - every failure must reach the waiting callers
-            error = exc if isinstance(exc, TemperError) else TemperError(f"{type(exc).__name__}: {exc}")
-            if not isinstance(exc, TemperError):
-                log.exception("cycle failed")
-            try:
-                await self._record(works, error)
-            except Exception:  # noqa: BLE001 - the database may be what failed; the callers still hear
-                log.exception("could not record the failure of %d requests", len(works))
-            for work in works:
-                work.fail(error)
-            return False
+            if in_pass:
+                # Recorded before anything reaches a trainer: after a crash, "running" rows are the ones
+                # that may have been applied (see Store.recover_interrupted).
+                await self._persist(self.store.mark_running, [(w.run_id, w.seq_id) for w in in_pass])
+            by_trainer: dict[str, tuple[TrainerHandle, list[Work], list[Work]]] = {}
+            for work in in_pass:
+                trainer = self._trainer_of(work)
+                by_trainer.setdefault(trainer.address, (trainer, [], []))[1 if work.kind.is_pass else 2].append(work)
+            for trainer, passes, steps in by_trainer.values():
+                outcome = _worse(outcome, await self._cycle_on(trainer, passes, steps, plan))
+            for work in plan.barriers:
+                outcome = _worse(outcome, await self._barrier(work, plan))
+        except BaseException:
+            log.error("cycle %d stopped the loop; plan: %s", self.cycles, describe(plan))
+            raise
+        finally:
+            elapsed = time.monotonic() - started
+            tokens = sum(w.num_tokens for w in plan.passes)
+            metrics.CYCLES.labels(outcome).inc()
+            metrics.CYCLE_SECONDS.observe(elapsed)
+            metrics.CYCLE_TOKENS.observe(tokens)
+        log.info("cycle %d %s: %d runs, %d tenants, %d tokens, %d passes, %d steps, %d barriers, %.0f ms", self.cycles, outcome,
+                 len({w.run_id for w in plan.all_work()}), len({w.tenant for w in plan.all_work()}), tokens, len(plan.passes),
+                 len(plan.optim_steps), len(plan.barriers), elapsed * 1000)
 
-    async def _dispatch_cycle(self, trainer: TrainerHandle, passes: list[Work], steps: list[Work]) -> None:
+    def _trainer_of(self, work: Work) -> TrainerHandle:
+        return self.backends.trainer_for(self.runs.known(work.run_id).base_model, work.run_id)
+
+    async def _cycle_on(self, trainer: TrainerHandle, passes: list[Work], steps: list[Work], plan: CyclePlan) -> str:
         request = trainer_pb2.CycleRequest()
         for work in passes:
             r = work.request
@@ -169,43 +95,77 @@ class SchedulerLoop:
                                          forward_only=r.forward_only, seq_id=work.seq_id)
         for work in steps:
             request.optim_step.add(training_run_id=work.run_id, adam_params=work.request.adam_params, seq_id=work.seq_id)
-        async with downstream(f"trainer {trainer.address}"):
-            response = await trainer.stub.RunCycle(request)
-        answers = [*zip(passes, response.forward_backward),
-                   *((work, service_pb2.OptimStepResponse(metrics=out.metrics)) for work, out in zip(steps, response.optim_step))]
-        await self._record([work for work, _ in answers], None, [answer for _, answer in answers])
-        for work, answer in answers:
-            work.resolve(answer)
+        outcome = await self._call_trainer(lambda resent: trainer.run_cycle(request), passes + steps, plan)
+        if isinstance(outcome, str):
+            return outcome
+        answers = [*outcome.forward_backward, *(service_pb2.OptimStepResponse(metrics=out.metrics) for out in outcome.optim_step)]
+        await self._finish(passes + steps, answers=answers)
+        return "ok"
 
-    async def _run_barrier(self, work: Work) -> None:
-        await self._mark_running([work])
-        trainer = self.backends.trainer_for(self.run_models[work.run_id], work.run_id)
+    async def _barrier(self, work: Work, plan: CyclePlan) -> str:
+        await self._persist(self.store.mark_running, [(work.run_id, work.seq_id)])
+        trainer = self._trainer_of(work)
+        apply = self._save if work.kind is WorkKind.SAVE_WEIGHTS else self._load
+        outcome = await self._call_trainer(lambda resent: apply(trainer, work, resent), [work], plan)
+        if isinstance(outcome, str):
+            return outcome
+        await self._finish([work], answers=[outcome])
+        return "ok"
+
+    async def _call_trainer(self, call, works: list[Work], plan: CyclePlan):
+        """The trainer's answer; or, having answered the callers, "failed" (the trainer refused: nothing
+        was applied) or "unknown" (no answer within dispatch_retry_seconds: UNAVAILABLE, resend)."""
+        deadline, delay, resent = time.monotonic() + self.settings.dispatch_retry_seconds, 0.2, False
+        while True:
+            try:
+                return await call(resent)
+            except Unavailable as exc:
+                if time.monotonic() + delay > deadline:
+                    log.warning("no answer from the trainer for %d requests (%s); answered UNAVAILABLE; plan: %s",
+                                len(works), exc.message, describe(plan))
+                    self.admission.release(works, Unavailable(f"{exc.message}; whether it was applied is not known yet: resend it"))
+                    return "unknown"
+                log.warning("%s; resending in %.1f s", exc.message, delay)
+                await asyncio.sleep(delay)
+                delay, resent = min(delay * 2, 5.0), True
+            except TemperError as exc:
+                log.warning("trainer refused %d requests: %s: %s; plan: %s", len(works), exc.code.name, exc.message, describe(plan))
+                await self._finish(works, error=exc)
+                return "failed"
+
+    async def _save(self, trainer: TrainerHandle, work: Work, resent: bool) -> service_pb2.SaveWeightsResponse:
         request = work.request
-        if work.kind is WorkKind.SAVE_WEIGHTS:
-            path = CheckpointPath(work.run_id, request.kind, request.name)
-            async with downstream(f"trainer {trainer.address}"):
-                saved = await trainer.stub.SaveAdapter(trainer_pb2.SaveAdapterRequest(
-                    training_run_id=work.run_id, checkpoint_key=path.key,
-                    include_optimizer=request.kind == types_pb2.CHECKPOINT_KIND_TRAINING,
-                ))
-            row = await asyncio.to_thread(self.store.add_checkpoint, work.run_id, KIND_NAMES[request.kind], request.name, str(path), saved.size_bytes)
-            if request.kind == types_pb2.CHECKPOINT_KIND_SAMPLER:
-                # Push now so a sampling client on this checkpoint starts without waiting for weights.
-                sampler = self.backends.sampler_for(self.run_models[work.run_id])
+        path = CheckpointPath(work.run_id, request.kind, request.name)
+        try:
+            saved = await trainer.call("SaveAdapter", trainer_pb2.SaveAdapterRequest(
+                training_run_id=work.run_id, checkpoint_key=path.key,
+                include_optimizer=request.kind == types_pb2.CHECKPOINT_KIND_TRAINING))
+            size = saved.size_bytes
+        except AlreadyExists:
+            if not resent:
+                raise
+            # The first attempt wrote it (its answer was lost); nothing of the run has run since.
+            size = sum([len(chunk.data) async for chunk in trainer.read_checkpoint(path.key)])
+        row = await self._persist(self.store.add_or_get_checkpoint, work.run_id, KIND_NAMES[request.kind], request.name, str(path), size)
+        if request.kind == types_pb2.CHECKPOINT_KIND_SAMPLER:
+            # Pushed now so a sampling client starts without waiting; if the sampler is down, the first
+            # sampling client on this checkpoint pushes it instead.
+            try:
+                sampler = self.backends.sampler_for(self.runs.known(work.run_id).base_model)
                 await self.backends.push_checkpoint(trainer, sampler, path.key)
-            result = service_pb2.SaveWeightsResponse(checkpoint=checkpoint_message(row))
-        else:
-            path = request.path
-            key = parse_path(path).key
-            async with downstream(f"trainer {trainer.address}"):
-                await trainer.stub.LoadAdapter(trainer_pb2.LoadAdapterRequest(
-                    training_run_id=work.run_id, checkpoint_key=key, with_optimizer=request.with_optimizer))
-            result = service_pb2.LoadWeightsResponse(path=path)
-        await self._record([work], None, [result])
-        work.resolve(result)
+            except TemperError as exc:
+                log.warning("could not push %s to a sampler now: %s", path.key, exc.message)
+        return service_pb2.SaveWeightsResponse(checkpoint=checkpoint_message(row))
 
-    async def _record(self, works: list[Work], error: TemperError | None, answers: list | None = None) -> None:
-        """Outcomes, counters and (on success) each answer, kept for retries after a restart."""
+    async def _load(self, trainer: TrainerHandle, work: Work, resent: bool) -> service_pb2.LoadWeightsResponse:
+        request = work.request
+        await trainer.call("LoadAdapter", trainer_pb2.LoadAdapterRequest(
+            training_run_id=work.run_id, checkpoint_key=parse_path(request.path).key, with_optimizer=request.with_optimizer))
+        return service_pb2.LoadWeightsResponse(path=request.path)
+
+    async def _finish(self, works: list[Work], answers: list | None = None, error: TemperError | None = None) -> None:
+        """Record outcomes, counters and (on success) each answer, kept for retries after a restart;
+        then answer the callers. A database outage delays this; it never turns into a wrong answer."""
         status = "failed" if error else "done"
         blobs = [a.SerializeToString() for a in answers] if answers is not None else [None] * len(works)
         outcomes = [(w.run_id, w.seq_id, status, error.message if error else None, blob) for w, blob in zip(works, blobs)]
@@ -216,7 +176,36 @@ class SchedulerLoop:
                 tokens[w.run_id] += w.num_tokens
             if not error and w.kind is WorkKind.OPTIM_STEP:
                 steps[w.run_id] += 1
-        await asyncio.to_thread(self.store.finish_requests, outcomes, tokens, steps, next_seq, self.result_window)
+        await self._persist(self.store.finish_requests, outcomes, tokens, steps, next_seq, self.settings.durable_results_per_run)
+        for w, answer in zip(works, answers or [None] * len(works)):
+            if error:
+                w.fail(error)
+            else:
+                if w.kind is WorkKind.FORWARD_BACKWARD:
+                    metrics.TOKENS_TRAINED.labels(w.tenant).inc(w.num_tokens)
+                w.resolve(answer)
+
+    async def _persist(self, fn, *args):
+        """A store call, retried for as long as the database is unavailable (the loop can do nothing
+        else meanwhile: every cycle starts and ends with a write)."""
+        delay = 0.1
+        while True:
+            try:
+                return await asyncio.to_thread(fn, *args)
+            except Unavailable as exc:
+                log.warning("%s; retrying %s in %.1f s", exc.message, getattr(fn, "__name__", "the write"), delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+
+def _worse(a: str, b: str) -> str:
+    order = ("ok", "failed", "unknown")
+    return max(a, b, key=order.index)
+
+
+def describe(plan: CyclePlan) -> str:
+    """The plan, one entry per work item, for logs of a failed cycle."""
+    return ", ".join(f"{w.kind.value}({w.run_id}#{w.seq_id}, {w.num_tokens} tok, tenant {w.tenant})" for w in plan.all_work())
 
 
 def checkpoint_message(row) -> types_pb2.Checkpoint:

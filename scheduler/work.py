@@ -26,6 +26,12 @@ class WorkKind(str, enum.Enum):
         return self in (WorkKind.SAVE_WEIGHTS, WorkKind.LOAD_WEIGHTS)
 
 
+class WorkState(str, enum.Enum):
+    CLAIMED = "claimed"      # holds its (run, seq) while admission checks and records it; not ready yet
+    QUEUED = "queued"        # admitted: runs when its seq comes
+    REJECTED = "rejected"    # failed admission: answered at once, its seq is spent (skipped when it comes)
+
+
 @dataclass(eq=False)
 class Work:
     run_id: str
@@ -34,9 +40,14 @@ class Work:
     request: Any = None
     payload_sha256: str = ""
     num_tokens: int = 0
-    rejected: bool = False           # failed validation: answered at once, skipped when its turn comes
+    tenant: str = ""
+    state: WorkState = WorkState.QUEUED
     submitted_at: float = 0.0        # monotonic time of arrival (oldest heads are served first)
     future: asyncio.Future | None = field(default=None, repr=False)
+
+    @property
+    def rejected(self) -> bool:
+        return self.state is WorkState.REJECTED
 
     def resolve(self, result: Any) -> None:
         if self.future is not None and not self.future.done():
@@ -45,6 +56,7 @@ class Work:
     def fail(self, exc: BaseException) -> None:
         if self.future is not None and not self.future.done():
             self.future.set_exception(exc)
+            self.future.exception()  # retrieved here: callers that await it re-raise it; no "never retrieved" noise
 
 
 class RunQueue:
@@ -59,13 +71,18 @@ class RunQueue:
     def add(self, work: Work) -> None:
         self.pending[work.seq_id] = work
 
+    def remove(self, work: Work) -> None:
+        """Forget claimed work that was neither admitted nor rejected (its seq stays free)."""
+        if self.pending.get(work.seq_id) is work:
+            del self.pending[work.seq_id]
+
     def ready(self) -> list[Work]:
-        """The contiguous run of pending work starting at next_seq_id (rejected work is skipped)."""
+        """The contiguous run of queued work starting at next_seq_id (rejected heads are dropped)."""
         while (head := self.pending.get(self.next_seq_id)) is not None and head.rejected:
             del self.pending[self.next_seq_id]
             self.next_seq_id += 1
         out, seq = [], self.next_seq_id
-        while (work := self.pending.get(seq)) is not None and not work.rejected:
+        while (work := self.pending.get(seq)) is not None and work.state is WorkState.QUEUED:
             out.append(work)
             seq += 1
         return out
@@ -75,6 +92,21 @@ class RunQueue:
         assert work.seq_id == self.next_seq_id, (work.seq_id, self.next_seq_id)
         del self.pending[work.seq_id]
         self.next_seq_id += 1
+
+    def rewind(self, seq_id: int) -> None:
+        """Taken work did not complete (its outcome is unknown): its seq is expected again."""
+        self.next_seq_id = min(self.next_seq_id, seq_id)
+
+    def unparked(self) -> int:
+        """Held work that is not parked behind a missing seq: the chain from next_seq_id."""
+        count, seq = 0, self.next_seq_id
+        while seq in self.pending:
+            count, seq = count + 1, seq + 1
+        return count
+
+    def extends_chain(self, seq_id: int) -> bool:
+        """Whether work at ``seq_id`` would join the unparked chain (not wait behind a gap)."""
+        return self.next_seq_id <= seq_id <= self.next_seq_id + self.unparked()
 
     def gap_since(self) -> float | None:
         """When the oldest work waiting behind a missing next seq arrived; None without such a gap."""

@@ -20,7 +20,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def stack(tiny_model_dir, postgres_url, tmp_path_factory):
     """Scheduler + trainer + sampler as separate processes on loopback, scheduler on Postgres."""
-    from temper.scheduler.localstack import LocalStack
+    from temper.localstack import LocalStack
 
     with LocalStack(tiny_model_dir, tmp_path_factory.mktemp("stack"), database_url=postgres_url, num_threads=1) as local:
         local.address = local.start()

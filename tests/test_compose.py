@@ -1,4 +1,5 @@
-"""docker-compose.yml stays consistent with the code: modules, console scripts, settings fields.
+"""docker-compose.yml stays consistent with the code: modules, console scripts, settings fields,
+ports (metrics on the compose network; only the scheduler published).
 
 No Docker engine is needed: the file is read with PyYAML, and `docker compose config -q`
 (or the standalone `docker-compose`) validates it when a compose client is installed.
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from temper.common.settings import ProcessSettings
 from temper.scheduler.settings import SchedulerSettings
 from temper.services.sampler.settings import SamplerSettings
 from temper.services.trainer.settings import TrainerSettings
@@ -25,11 +27,12 @@ COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 
-# Settings class per compose service; services not listed fall back to the variable's prefix.
-SERVICE_SETTINGS = {"scheduler": SchedulerSettings, "migrate": SchedulerSettings,
-                    "trainer": TrainerSettings, "sampler": SamplerSettings}
-PREFIX_SETTINGS = [("TEMPER_TRAINER_", TrainerSettings), ("TEMPER_SAMPLER_", SamplerSettings), ("TEMPER_", SchedulerSettings)]
-# Read outside the settings classes: services/models/prepare.py (the shared model cache).
+# Settings class of each Temper process (compose service); other services' TEMPER_* variables
+# are matched by prefix. Each class reads its fields (its own and ProcessSettings') under its prefix.
+SERVICE_SETTINGS = {"scheduler": SchedulerSettings, "trainer": TrainerSettings, "sampler": SamplerSettings}
+# Read outside the settings classes: services/models/prepare.py (the shared model cache) and
+# migrations/env.py (the migrate service's database URL).
+MIGRATIONS_ENV = (REPO / "migrations" / "env.py").read_text()
 NON_SETTINGS_VARS = {"TEMPER_MODEL_CACHE"}
 
 
@@ -47,14 +50,14 @@ def environment_of(service: dict) -> dict[str, str]:
     return {str(k): "" if v is None else str(v) for k, v in env.items()}
 
 
+def prefix_of(cls) -> str:
+    return cls.model_config["env_prefix"]
+
+
 def settings_for(service_name: str, var: str):
     if service_name in SERVICE_SETTINGS:
-        cls = SERVICE_SETTINGS[service_name]
-        return cls, cls.model_config["env_prefix"]
-    for prefix, cls in PREFIX_SETTINGS:
-        if var.startswith(prefix):
-            return cls, prefix
-    raise AssertionError(var)
+        return SERVICE_SETTINGS[service_name]
+    return next((cls for cls in SERVICE_SETTINGS.values() if var.startswith(prefix_of(cls))), None)
 
 
 def test_expected_services():
@@ -90,39 +93,69 @@ def test_temper_env_vars_are_settings_fields(service_name, monkeypatch):
     env = {k: v for k, v in environment_of(SERVICES[service_name]).items() if k.startswith("TEMPER_")}
     classes = set()
     for var in env:
-        if var in NON_SETTINGS_VARS:
+        if var in NON_SETTINGS_VARS or (service_name == "migrate" and f'"{var}"' in MIGRATIONS_ENV):
             continue
-        cls, prefix = settings_for(service_name, var)
+        cls = settings_for(service_name, var)
+        assert cls is not None, f"{service_name}: {var} has no settings class's prefix"
+        prefix = prefix_of(cls)
         assert var.startswith(prefix), f"{service_name}: {var} does not have {cls.__name__}'s prefix {prefix}"
         field = var[len(prefix):].lower()
         assert field in cls.model_fields, f"{service_name}: {var} is not a field of {cls.__name__}"
         classes.add(cls)
-    if "TEMPER_DATABASE_URL" in env:  # alembic (migrations/env.py) reads it too, but it is a scheduler setting
-        assert "database_url" in SchedulerSettings.model_fields
     # The values must parse: build each settings class from exactly this environment.
     for cls in classes:
         for field in cls.model_fields:
-            monkeypatch.delenv(f"{cls.model_config['env_prefix']}{field}".upper(), raising=False)
+            monkeypatch.delenv(f"{prefix_of(cls)}{field}".upper(), raising=False)
         for var, value in env.items():
             monkeypatch.setenv(var, value)
         cls()
 
 
+def setting(service_name: str, field: str) -> str:
+    """The value compose gives one settings field of a Temper process."""
+    return environment_of(SERVICES[service_name])[f"{prefix_of(SERVICE_SETTINGS[service_name])}{field.upper()}"]
+
+
+def port_of(address: str) -> str:
+    return address.rsplit(":", 1)[1]
+
+
+def test_settings_classes_share_process_settings():
+    for cls in SERVICE_SETTINGS.values():
+        assert issubclass(cls, ProcessSettings), f"{cls.__name__} does not extend common.settings.ProcessSettings"
+    assert len({prefix_of(cls) for cls in SERVICE_SETTINGS.values()}) == len(SERVICE_SETTINGS)
+
+
 def test_scheduler_wiring():
-    env = environment_of(SERVICES["scheduler"])
-    settings_env = {k[len("TEMPER_"):].lower(): v for k, v in env.items()}
-    trainer_port = environment_of(SERVICES["trainer"])["TEMPER_TRAINER_BIND"].rsplit(":", 1)[1]
-    sampler_port = environment_of(SERVICES["sampler"])["TEMPER_SAMPLER_BIND"].rsplit(":", 1)[1]
-    assert settings_env["trainer_addresses"] == f"trainer:{trainer_port}"
-    assert settings_env["sampler_addresses"] == f"sampler:{sampler_port}"
-    assert settings_env["auto_migrate"].lower() == "false", "the migrate service owns migrations in compose"
-    assert env["TEMPER_DATABASE_URL"] == environment_of(SERVICES["migrate"])["TEMPER_DATABASE_URL"]
+    assert setting("scheduler", "trainer_addresses") == f"trainer:{port_of(setting('trainer', 'bind'))}"
+    assert setting("scheduler", "sampler_addresses") == f"sampler:{port_of(setting('sampler', 'bind'))}"
+    assert setting("scheduler", "auto_migrate").lower() == "false", "the migrate service owns migrations in compose"
+    migrate_env = environment_of(SERVICES["migrate"])
+    assert migrate_env and all(f'"{var}"' in MIGRATIONS_ENV for var in migrate_env), "migrations/env.py must read these"
+    assert setting("scheduler", "database_url") in migrate_env.values()
     depends = SERVICES["scheduler"]["depends_on"]
     assert depends["migrate"]["condition"] == "service_completed_successfully"
     assert depends["trainer"]["condition"] == "service_healthy"
     assert depends["sampler"]["condition"] == "service_healthy"
-    bind_port = env["TEMPER_BIND"].rsplit(":", 1)[1]
-    assert any(str(p).split(":")[-1] == bind_port for p in SERVICES["scheduler"].get("ports", []))
+    assert port_of(setting("scheduler", "bind")) in published_ports("scheduler")
+
+
+def published_ports(service_name: str) -> set[str]:
+    """Container ports published on the host (short syntax: [host_ip:][host_port:]container_port)."""
+    return {str(p).split(":")[-1].split("/")[0] for p in SERVICES[service_name].get("ports", [])}
+
+
+@pytest.mark.parametrize("service_name", sorted(SERVICE_SETTINGS))
+def test_ports_and_metrics(service_name):
+    grpc_port, metrics_bind = port_of(setting(service_name, "bind")), setting(service_name, "metrics_bind")
+    assert metrics_bind.startswith("0.0.0.0:"), f"{service_name}: metrics must listen on the compose network"
+    metrics_port = port_of(metrics_bind)
+    assert metrics_port not in ("0", grpc_port)
+    assert {grpc_port, metrics_port} <= {str(p) for p in SERVICES[service_name].get("expose", [])}
+    if service_name != "scheduler":  # workers are reached through the scheduler only
+        assert not published_ports(service_name), f"{service_name} publishes ports on the host"
+    metrics_ports = {port_of(setting(name, "metrics_bind")) for name in SERVICE_SETTINGS}
+    assert len(metrics_ports) == len(SERVICE_SETTINGS), "each process has its own metrics port"
 
 
 @pytest.mark.parametrize("service_name", ["postgres", "trainer", "sampler", "scheduler"])
@@ -136,8 +169,8 @@ def test_healthchecks(service_name):
     cmd = [str(part) for part in test[1:]] if isinstance(test, list) else shlex.split(test)
     assert cmd[:3] == ["python", "-m", "temper.common.healthcheck"], cmd
     assert importlib.util.find_spec("temper.common.healthcheck") is not None
-    bind = next(v for k, v in environment_of(service).items() if k.endswith("BIND"))
-    assert cmd[3].rsplit(":", 1)[1] == bind.rsplit(":", 1)[1], f"{service_name} probes {cmd[3]} but binds {bind}"
+    bind = setting(service_name, "bind")
+    assert port_of(cmd[3]) == port_of(bind), f"{service_name} probes {cmd[3]} but binds {bind}"
 
 
 def test_build_context_points_at_dockerfile():

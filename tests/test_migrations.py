@@ -33,10 +33,10 @@ def alembic_config() -> Config:
 
 @pytest.fixture
 def migrate(monkeypatch):
-    """migrate(url, 'upgrade'|'downgrade', revision): run alembic the way deployment does (TEMPER_DATABASE_URL)."""
+    """migrate(url, 'upgrade'|'downgrade', revision): run alembic the way deployment does (TEMPER_SCHEDULER_DATABASE_URL)."""
 
     def run(url: str, direction: str, revision: str) -> None:
-        monkeypatch.setenv("TEMPER_DATABASE_URL", url)
+        monkeypatch.setenv("TEMPER_SCHEDULER_DATABASE_URL", url)
         getattr(command, direction)(alembic_config(), revision)
 
     return run

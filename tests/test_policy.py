@@ -3,7 +3,7 @@
 import pytest
 
 from temper.scheduler.policy import plan_cycle
-from temper.scheduler.work import RunQueue, Work, WorkKind
+from temper.scheduler.work import RunQueue, Work, WorkKind, WorkState
 
 FB, FWD, OPT, SAVE, LOAD = WorkKind.FORWARD_BACKWARD, WorkKind.FORWARD, WorkKind.OPTIM_STEP, WorkKind.SAVE_WEIGHTS, WorkKind.LOAD_WEIGHTS
 
@@ -65,7 +65,7 @@ def test_a_gap_is_dated_by_the_oldest_work_behind_it_and_skipping_it_releases_th
 
 def test_rejected_work_holds_its_place_then_is_skipped():
     q = RunQueue("a", 1)
-    q.add(Work("a", 1, FB, rejected=True))
+    q.add(Work("a", 1, FB, state=WorkState.REJECTED))
     q.add(Work("a", 2, OPT))
     assert [w.seq_id for w in q.ready()] == [2]
     assert q.next_seq_id == 2

@@ -144,10 +144,11 @@ def test_dpo_plus_nll_adds_the_sft_objective_of_the_chosen_judgment():
     import torch
     import torch.nn.functional as F
 
-    from recipes.dpo import make_dpo_loss, pair_data, to_sft_datum
+    from recipes.common import shifted_datum
+    from recipes.dpo import make_dpo_loss, pair_data
 
     pair = {"prompt": [5, 6, 7], "chosen": [11, 12, 2], "rejected": [13, 12, 2]}
-    sft = to_sft_datum([5, 6, 7, 11, 12, 2], [0, 0, 0, 0.5, 0.3, 0.2])
+    sft = shifted_datum([5, 6, 7, 11, 12, 2], [0, 0, 0, 0.5, 0.3, 0.2])
     logprobs = [torch.tensor([-1.0, -2.0, -0.3, -0.2, -0.1]), torch.tensor([-1.0, -2.0, -1.5, -0.4, -0.2])]
     loss, metrics = make_dpo_loss(lambda: [(-0.9, -1.2)], 0.5, sft_weight=2.0, sft_data=[sft])(pair_data(pair), logprobs)
     dpo = float(-F.logsigmoid(torch.tensor(0.5 * ((-0.6 + 0.9) - (-2.1 + 1.2)))))
@@ -208,7 +209,7 @@ def test_distill_runs_on_the_tiny_model(tiny_model_dir, tmp_path):
 def test_distill_from_a_checkpoint_teacher_on_a_running_stack(tiny_model_dir, tmp_path):
     """--address + --teacher-path: the teacher is a saved adapter on an already running stack."""
     from temper.client import ServiceClient
-    from temper.scheduler.localstack import LocalStack
+    from temper.localstack import LocalStack
 
     with LocalStack(tiny_model_dir, tmp_path / "stack", num_threads=1) as stack:
         address = stack.start()

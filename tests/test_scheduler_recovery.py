@@ -2,7 +2,7 @@
 Postgres: a scheduler process that dies (SIGKILL) and is restarted on the same port and database
 while the trainer keeps its adapters (accepted work is not lost; work whose outcome the crash made
 unknown is reported as such instead of being run twice or blocking the run), and a seq that never
-arrives (the run's later work goes on after TEMPER_SEQ_GAP_TIMEOUT_SECONDS)."""
+arrives (the run's later work goes on after TEMPER_SCHEDULER_SEQ_GAP_TIMEOUT_SECONDS)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from sqlalchemy import create_engine, text
 
 from fixtures_stack import adapter_weights, request_rows, sft_datum
 from temper.client import AdamParams, ServiceClient, convert
-from temper.scheduler.localstack import LocalStack
+from temper.localstack import LocalStack
 from temper.v1 import service_pb2, service_pb2_grpc
 
 FIRST = [7, 19, 42, 101, 250, 33, 77, 5, 310, 64, 128, 12]
@@ -146,7 +146,7 @@ def test_an_interrupted_save_is_reported_and_the_run_goes_on(own_stack, tiny_mod
 
 
 def test_a_seq_that_never_arrives_is_skipped_after_the_gap_timeout(tiny_model_dir, postgres_url, tmp_path):
-    with start_stack(tiny_model_dir, postgres_url, tmp_path / "stack", TEMPER_SEQ_GAP_TIMEOUT_SECONDS="1") as local:
+    with start_stack(tiny_model_dir, postgres_url, tmp_path / "stack", TEMPER_SCHEDULER_SEQ_GAP_TIMEOUT_SECONDS="1") as local:
         client = ServiceClient(local.address)
         run = client.create_lora_training_client(tiny_model_dir, rank=4, seed=5)
         never_sent = run._next_seq()  # a client that took seq 1 and died before sending it
@@ -165,7 +165,7 @@ def test_a_seq_that_never_arrives_is_skipped_after_the_gap_timeout(tiny_model_di
 
 def test_completed_requests_are_answered_again_after_a_restart_within_the_result_window(tiny_model_dir, postgres_url,
                                                                                          tmp_path):
-    with start_stack(tiny_model_dir, postgres_url, tmp_path / "stack", TEMPER_DURABLE_RESULTS_PER_RUN="2") as local:
+    with start_stack(tiny_model_dir, postgres_url, tmp_path / "stack", TEMPER_SCHEDULER_DURABLE_RESULTS_PER_RUN="2") as local:
         client = ServiceClient(local.address)
         run = client.create_lora_training_client(tiny_model_dir, rank=4, seed=6)
         stub = service_pb2_grpc.TemperStub(grpc.insecure_channel(local.address))

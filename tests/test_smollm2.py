@@ -10,7 +10,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smollm2_stack(tmp_path_factory):
-    from temper.scheduler.localstack import LocalStack
+    from temper.localstack import LocalStack
 
     prepare_smollm2()
     with LocalStack(SMOLLM2_NAME, tmp_path_factory.mktemp("smol"), num_threads=2) as stack:

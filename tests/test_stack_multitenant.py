@@ -64,10 +64,11 @@ def test_runs_trained_interleaved_end_where_they_end_alone(stack, tiny_model_dir
 
 @pytest.fixture(scope="module")
 def tight_stack(tiny_model_dir, postgres_url, tmp_path_factory):
-    """A stack whose scheduler accepts only 2 queued training requests."""
-    from temper.scheduler.localstack import LocalStack
+    """A stack whose scheduler holds at most 2 ready training requests (in all and per tenant) and 3 per run."""
+    from temper.localstack import LocalStack
 
-    env = {"TEMPER_MAX_QUEUED_REQUESTS": "2", "TEMPER_TENANT_WEIGHTS": '{"alice": 2.0}'}
+    env = {"TEMPER_SCHEDULER_MAX_QUEUED_REQUESTS": "2", "TEMPER_SCHEDULER_MAX_QUEUED_PER_TENANT": "2",
+           "TEMPER_SCHEDULER_MAX_QUEUED_PER_RUN": "3", "TEMPER_SCHEDULER_TENANT_WEIGHTS": '{"alice": 2.0}'}
     with LocalStack(tiny_model_dir, tmp_path_factory.mktemp("tight"), database_url=postgres_url, extra_env=env,
                     num_threads=1) as local:
         local.address = local.start()
@@ -84,15 +85,25 @@ def test_full_queue_answers_resource_exhausted_and_the_client_retries(tight_stac
         def fb(seq):
             return service_pb2.ForwardBackwardRequest(training_run_id=run.model_id, seq_id=seq, data=data, loss_fn="cross_entropy")
 
-        waiting = [stub.ForwardBackward.future(fb(seq)) for seq in (2, 3)]  # queued behind the missing seq 1
+        # Parked behind the missing seq 1, three requests count against their run only: more than the
+        # scheduler-wide and per-tenant limits (2), but not more than the run's (3).
+        waiting = [stub.ForwardBackward.future(fb(seq)) for seq in (2, 3, 4)]
         time.sleep(1.0)
         with pytest.raises(grpc.RpcError) as err:
-            stub.ForwardBackward(fb(4))
+            stub.ForwardBackward(fb(5))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"run {run.model_id} has 3 queued requests (limit 3)" in err.value.details()
         assert not any(f.done() for f in waiting)
+
+        # Another tenant is not locked out by alice's parked backlog: its request is admitted and runs.
+        with ServiceClient(tight_stack.address, tenant="bob") as bob:
+            other = bob.create_lora_training_client(tiny_model_dir, rank=4, seed=1)
+            assert other.forward_backward([sft_datum(list(range(1, 40)))]).result(timeout=60).metrics["loss:sum"] > 0
+        assert not any(f.done() for f in waiting)
+
         first = stub.ForwardBackward(fb(1))
-        assert [f.result(timeout=60) for f in waiting] == [first, first]  # acknowledged work was kept
-        assert stub.ForwardBackward(fb(4)) == first  # the pushed-back seq is accepted when resent
+        assert [f.result(timeout=60) for f in waiting] == [first, first, first]  # acknowledged work was kept
+        assert stub.ForwardBackward(fb(5)) == first  # the pushed-back seq is accepted when resent
 
         # Through the client, a burst beyond the bound is retried with backoff: every request lands,
         # each run's requests run in order, none is lost or run twice.

@@ -20,8 +20,9 @@ from tqdm import tqdm
 
 from examples.trajectory_judge import render
 from examples.trajectory_judge.data import load_heldout, load_train
-from temper.client import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
-from temper.scheduler.localstack import LocalStack
+from recipes.common import decode_replies, greedy_futures, shifted_datum
+from temper.client import AdamParams, ServiceClient
+from temper.localstack import LocalStack
 from temper.services.models.prepare import SMOLLM2_NAME, prepare_smollm2
 
 
@@ -42,24 +43,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def to_datum(tokens: list[int], weights: list[float]) -> Datum:
-    """Shift by one: input tokens[:-1] predicts tokens[1:], each target weighted like its token."""
-    return Datum(
-        model_input=ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": np.asarray(tokens[1:], np.int64), "weights": np.asarray(weights[1:], np.float32)},
-    )
-
-
 def evaluate(sampler, tokenizer, examples, desc: str) -> tuple[float, list[dict]]:
-    greedy = SamplingParams(max_tokens=1, temperature=0.0)
-    futures = [sampler.sample(ModelInput.from_ints(render.build_prompt_tokens(tokenizer, ex)), 1, greedy) for ex in examples]
-    correct, rows = 0, []
-    for ex, fut in zip(examples, tqdm(futures, desc=desc, unit="case")):
-        text = tokenizer.decode(fut.result().sequences[0].tokens)
-        answer = render.parse_answer(text)
-        correct += answer == ex["better"]
-        rows.append({"id": ex["id"], "kind": ex["kind"], "better": ex["better"], "answer": answer, "text": text})
-    return correct / len(examples), rows
+    """Held-out accuracy: the greedy first token of the reply names the better attempt."""
+    futures = greedy_futures(sampler, [render.build_prompt_tokens(tokenizer, ex) for ex in examples])
+    return render.score(examples, decode_replies(futures, tokenizer, desc))
 
 
 def plot(losses: list[float], accuracy: tuple[float, float], path: Path) -> None:
@@ -112,7 +99,7 @@ def main(argv=None) -> int:
                     if len(order) < args.batch_size:
                         order += rng.sample(range(len(examples)), len(examples))  # reshuffle each epoch
                     batch, order = order[: args.batch_size], order[args.batch_size :]
-                    fb = training.forward_backward([to_datum(*examples[i]) for i in batch], "cross_entropy")
+                    fb = training.forward_backward([shifted_datum(*examples[i]) for i in batch], "cross_entropy")
                     opt = training.optim_step(adam)  # submitted before waiting: same scheduler cycle
                     loss = fb.result().metrics["loss:sum"]
                     opt.result()

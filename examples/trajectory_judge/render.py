@@ -1,4 +1,4 @@
-"""Render judge examples into chat messages / token lists (no torch import).
+"""Render judge examples into chat messages / token lists, and score replies (no torch import).
 
 Prompt: ChatML via the tokenizer's chat template with a SHORT explicit system
 message (SmolLM2's template otherwise inserts a long default system prompt).
@@ -23,6 +23,8 @@ tokens[1:], weights[1:]).
 from __future__ import annotations
 
 import re
+
+from recipes.common import chat_prompt, end_token_id
 
 SYSTEM_PROMPT = "You judge agent attempts."
 QUESTION = "Which is better, A or B? Give the letter, then one sentence why."
@@ -55,22 +57,8 @@ def completion_text(example: dict) -> str:
     return f"{example['better']}. {example['reason']}"
 
 
-def _as_ids(out) -> list[int]:
-    # transformers 5 returns a BatchEncoding/dict from apply_chat_template(tokenize=True).
-    if isinstance(out, dict) or hasattr(out, "keys"):
-        out = out["input_ids"]
-    return list(out)
-
-
 def build_prompt_tokens(tokenizer, example: dict) -> list[int]:
-    return _as_ids(
-        tokenizer.apply_chat_template(build_messages(example), add_generation_prompt=True, tokenize=True)
-    )
-
-
-def eos_token_id(tokenizer) -> int:
-    eid = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    return eid if isinstance(eid, int) and eid >= 0 else tokenizer.eos_token_id
+    return chat_prompt(tokenizer, build_messages(example))
 
 
 def build_sft_example(
@@ -78,7 +66,7 @@ def build_sft_example(
 ) -> tuple[list[int], list[float]]:
     prompt = build_prompt_tokens(tokenizer, example)
     completion = list(tokenizer.encode(completion_text(example), add_special_tokens=False))
-    completion.append(eos_token_id(tokenizer))
+    completion.append(end_token_id(tokenizer))
     cw = [1.0] * len(completion)
     cw[0] = float(letter_weight)  # first completion token is the answer letter ("A"/"B")
     if normalize:
@@ -96,3 +84,12 @@ def parse_answer(text: str) -> str | None:
     if m:
         return m.group(1).upper()
     return None
+
+
+def score(examples: list[dict], replies: list[str]) -> tuple[float, list[dict]]:
+    """Accuracy of the replies' answer letters against each example's better attempt, and one
+    prediction row per example."""
+    rows = []
+    for ex, text in zip(examples, replies):
+        rows.append({"id": ex["id"], "kind": ex["kind"], "better": ex["better"], "answer": parse_answer(text), "text": text})
+    return sum(row["answer"] == row["better"] for row in rows) / len(examples), rows

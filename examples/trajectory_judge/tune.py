@@ -23,6 +23,7 @@ import time
 import torch
 
 from examples.trajectory_judge import data, render
+from recipes.common import end_token_id
 
 MODEL_DIR = "/root/.cache/temper/models/smollm2-135m-instruct"
 ALL_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
@@ -133,7 +134,7 @@ def main() -> None:
 
     rng = random.Random(args.seed)
     order: list[int] = []
-    pad_id = render.eos_token_id(tok)
+    pad_id = end_token_id(tok)
     t_train = 0.0
     tok_total = 0
     for step in range(1, args.steps + 1):

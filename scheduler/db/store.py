@@ -6,17 +6,46 @@ The async servicer calls them through ``asyncio.to_thread``. Rows come back deta
 
 from __future__ import annotations
 
+import functools
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable
 
 from sqlalchemy import create_engine, event, select, update
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
-from temper.common.errors import AlreadyExists, FailedPrecondition, NotFound
+from temper.common.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
 from temper.scheduler.db import models as m
+
+# Errors of a database that is down, restarting or unreachable: the call may be retried.
+TRANSIENT_ERRORS = (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError, sa_exc.TimeoutError)
+
+
+def _database_errors(cls):
+    """Every public method answers a database outage as Unavailable (retryable), never driver text
+    as INTERNAL. Which statement failed stays in the log, not in the client's message."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def method(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except TRANSIENT_ERRORS as exc:
+                raise Unavailable(f"the database is unavailable ({type(getattr(exc, 'orig', None) or exc).__name__}); retry") from exc
+            except sa_exc.DBAPIError as exc:
+                if exc.connection_invalidated:
+                    raise Unavailable("the database connection was lost; retry") from exc
+                raise
+
+        return method
+
+    for name, value in list(vars(cls).items()):
+        if callable(value) and not name.startswith("_"):
+            setattr(cls, name, wrap(value))
+    return cls
 
 
 def make_engine(url: str):
@@ -31,7 +60,8 @@ def make_engine(url: str):
             cur.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True)
+    # A refused or hung connection fails in seconds (then Unavailable), not at the OS's TCP timeout.
+    return create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": 5})
 
 
 def upgrade_schema(url: str) -> None:
@@ -51,6 +81,7 @@ def upgrade_schema(url: str) -> None:
     command.upgrade(cfg, "head")
 
 
+@_database_errors
 class Store:
     def __init__(self, url: str):
         if url.startswith("sqlite:///"):
@@ -61,13 +92,20 @@ class Store:
     # ---- tenants and sessions -----------------------------------------------------------------
 
     def ensure_tenant(self, name: str) -> int:
-        with self.sessions.begin() as db:
-            tenant = db.scalar(select(m.Tenant).where(m.Tenant.name == name))
-            if tenant is None:
-                tenant = m.Tenant(name=name, weight=1.0)
-                db.add(tenant)
-                db.flush()
-            return tenant.id
+        for attempt in range(3):
+            try:
+                with self.sessions.begin() as db:
+                    tenant = db.scalar(select(m.Tenant).where(m.Tenant.name == name))
+                    if tenant is None:
+                        tenant = m.Tenant(name=name, weight=1.0)
+                        db.add(tenant)
+                        db.flush()
+                    return tenant.id
+            except IntegrityError:
+                if attempt == 2:
+                    raise
+                # Another request created the same new tenant first: read its row.
+        raise AssertionError("unreachable")
 
     def set_tenant_weights(self, weights: dict[str, float]) -> None:
         for name, weight in weights.items():
@@ -160,6 +198,11 @@ class Store:
                            .where(m.RequestRecord.training_run_id == run_id, m.RequestRecord.seq_id == seq_id)
                            .values(status="running"))
 
+    def load_run(self, run_id: str, kinds: Iterable[str]) -> tuple[m.TrainingRun, str]:
+        """A run as an earlier process left it (see recover_interrupted) and its tenant."""
+        run = self.recover_interrupted(run_id, kinds)
+        return run, self.tenant_of_session(run.session_id)
+
     def recover_interrupted(self, run_id: str, kinds: Iterable[str]) -> m.TrainingRun:
         """Close the requests of ``kinds`` (those a trainer cannot recognise when re-sent) that an
         earlier scheduler process left on a trainer ("running") as failed, and move the run's next seq
@@ -216,6 +259,13 @@ class Store:
                 return row
         except IntegrityError:
             raise AlreadyExists(f"checkpoint {path} already exists") from None
+
+    def add_or_get_checkpoint(self, run_id: str, kind: str, name: str, path: str, size_bytes: int) -> m.Checkpoint:
+        """add_checkpoint, or the row an earlier attempt of the same save wrote (its answer was lost)."""
+        try:
+            return self.add_checkpoint(run_id, kind, name, path, size_bytes)
+        except AlreadyExists:
+            return self.get_checkpoint(path)
 
     def get_checkpoint(self, path: str) -> m.Checkpoint:
         with self.sessions() as db:

@@ -1,0 +1,233 @@
+"""Admission: the one place a sequenced request (forward_backward, optim_step, save, load) enters.
+
+For each request, in order: the run (metadata held once, in RunRegistry); payload hash and
+validation, in one worker-thread call; dedupe (a retry of a (run, seq) gets the first request's
+answer, from memory or from the database); seq order; capacity (per run, per tenant, global);
+claim (from here a retry waits for this request's answer); the request row; the queue.
+
+A request is answered failed only when it was not and will not be applied. A rejection spends its
+seq (the client numbered later requests after it) but changes nothing else. When the database is
+unavailable nothing is claimed or spent: the answer is UNAVAILABLE and the client resends the seq.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections import OrderedDict, defaultdict
+from typing import Awaitable, Callable
+
+from temper.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted, TemperError, Unavailable
+from temper.scheduler import metrics
+from temper.scheduler.runs import RunInfo, RunRegistry
+from temper.scheduler.settings import SchedulerSettings
+from temper.scheduler.work import RunQueue, Work, WorkKind, WorkState
+from temper.v1 import service_pb2, types_pb2
+
+log = logging.getLogger(__name__)
+ANSWER_TYPES = {  # what each sequenced verb answers (RequestRecord.result holds it serialized)
+    WorkKind.FORWARD_BACKWARD: types_pb2.ForwardBackwardOutput, WorkKind.FORWARD: types_pb2.ForwardBackwardOutput,
+    WorkKind.OPTIM_STEP: service_pb2.OptimStepResponse, WorkKind.SAVE_WEIGHTS: service_pb2.SaveWeightsResponse,
+    WorkKind.LOAD_WEIGHTS: service_pb2.LoadWeightsResponse,
+}
+Check = Callable[[RunInfo], int]                 # CPU-only validation; returns the request's token count
+AsyncCheck = Callable[[RunInfo], Awaitable[None]]  # validation that needs the database or other runs
+
+
+class Admission:
+    def __init__(self, store, runs: RunRegistry, settings: SchedulerSettings):
+        self.store = store
+        self.runs = runs
+        self.settings = settings
+        self.queues: dict[str, RunQueue] = {}
+        self.recent: OrderedDict[tuple[str, int], Work] = OrderedDict()  # claimed work, answers retried (run, seq)
+        self.wake = asyncio.Event()
+        metrics.watch_queues(self)
+
+    # ---- the request path ---------------------------------------------------------------------
+
+    async def submit(self, run_id: str, seq_id: int, kind: WorkKind, request, check: Check | None = None,
+                     check_async: AsyncCheck | None = None):
+        run = await self.runs.get(run_id)
+        if seq_id < 1:
+            raise InvalidArgument(f"seq_id must be >= 1, got {seq_id}")
+        sha, tokens, invalid = await asyncio.to_thread(_digest_and_check, request, check, run)
+        queue = self.queues.setdefault(run_id, RunQueue(run_id, run.row.next_seq_id))
+        existing = self._known(run_id, seq_id)
+        recorded = False
+        if existing is None:
+            record = await asyncio.to_thread(self.store.get_request, run_id, seq_id)
+            existing = self._known(run_id, seq_id)  # another retry may have arrived meanwhile
+            if existing is None and record is not None:
+                answer = _answer_from_record(record, sha, kind)
+                if answer is not None:
+                    return answer
+                # Accepted by an earlier process (or left by a worker that did not answer) and never
+                # answered: queued again on its existing row. If it had reached the trainer, the trainer
+                # answers it from memory by its seq instead of applying it twice.
+                recorded = True
+        if existing is not None:
+            if existing.payload_sha256 != sha:
+                raise AlreadyExists(f"seq_id {seq_id} of {run_id} was used by a different request")
+            return await asyncio.shield(existing.future)
+        if queue.was_skipped(seq_id):
+            raise FailedPrecondition(f"seq_id {seq_id} of {run_id} arrived after the scheduler stopped waiting for it "
+                                     f"(seq_gap_timeout_seconds); the run's later requests went on without it")
+        if seq_id < queue.next_seq_id:
+            raise InvalidArgument(f"seq_id {seq_id} of {run_id} is behind the next expected seq_id {queue.next_seq_id}")
+        self._check_capacity(run, queue, seq_id, kind)
+        work = Work(run_id, seq_id, kind, request, sha, tokens, run.tenant, WorkState.CLAIMED)
+        self._claim(queue, work)  # no await since the capacity check: the limit holds exactly
+        try:
+            if invalid is not None:
+                raise invalid
+            if check_async is not None:
+                await check_async(run)
+            if not recorded:
+                await asyncio.to_thread(self.store.add_request, run_id, seq_id, kind.value, sha, "queued", tokens)
+        except Unavailable as exc:
+            self._forget(queue, work, exc)
+            metrics.ADMISSIONS.labels(kind.value, "UNAVAILABLE").inc()
+            raise
+        except BaseException as exc:
+            self._reject(work, exc)
+            raise
+        work.state = WorkState.QUEUED
+        metrics.ADMISSIONS.labels(kind.value, "admitted").inc()
+        self.wake.set()
+        return await asyncio.shield(work.future)
+
+    def _known(self, run_id: str, seq_id: int) -> Work | None:
+        return self.recent.get((run_id, seq_id))
+
+    def _check_capacity(self, run: RunInfo, queue: RunQueue, seq_id: int, kind: WorkKind) -> None:
+        """Full: nothing is claimed; the client resends the same seq later (RESOURCE_EXHAUSTED is backpressure).
+        Work parked behind a missing seq counts against its own run only."""
+        if seq_id == queue.next_seq_id:
+            return  # the request this run's work waits for is always admitted, or the run would deadlock
+        limits = [(len(queue), self.settings.max_queued_per_run, f"run {run.run_id}")]
+        if queue.extends_chain(seq_id):
+            by_tenant = self.depth_by_tenant()
+            limits += [(by_tenant.get(run.tenant, (0, 0))[0] - by_tenant.get(run.tenant, (0, 0))[1],
+                        self.settings.max_queued_per_tenant, f"tenant {run.tenant!r}"),
+                       (sum(held - parked for held, parked in by_tenant.values()), self.settings.max_queued_requests,
+                        "the scheduler")]
+        for used, limit, who in limits:
+            if used >= limit:
+                metrics.ADMISSIONS.labels(kind.value, "RESOURCE_EXHAUSTED").inc()
+                raise ResourceExhausted(f"{who} has {used} queued requests (limit {limit}); retry with backoff")
+
+    def _claim(self, queue: RunQueue, work: Work) -> None:
+        work.future = asyncio.get_running_loop().create_future()
+        work.submitted_at = time.monotonic()
+        queue.add(work)
+        self.recent[(work.run_id, work.seq_id)] = work
+        while len(self.recent) > self.settings.result_cache_size:
+            self.recent.popitem(last=False)
+
+    def _reject(self, work: Work, exc: BaseException) -> None:
+        """Bad input: answered now; its seq is spent and skipped when it comes (a retry gets the same answer)."""
+        work.state = WorkState.REJECTED
+        work.fail(exc)
+        code = exc.code.name if isinstance(exc, TemperError) else "INTERNAL"
+        metrics.ADMISSIONS.labels(work.kind.value, code).inc()
+        self.wake.set()
+
+    def _forget(self, queue: RunQueue, work: Work, exc: BaseException) -> None:
+        """Not admitted and not spent: as if the request had never arrived (its retry starts afresh)."""
+        queue.remove(work)
+        if self.recent.get((work.run_id, work.seq_id)) is work:
+            del self.recent[(work.run_id, work.seq_id)]
+        work.fail(exc)
+
+    # ---- the loop's side ----------------------------------------------------------------------
+
+    def ready(self) -> dict[str, list[Work]]:
+        ready = {run_id: q.ready() for run_id, q in self.queues.items()}
+        # Oldest head first, so a run that has waited longest is served first.
+        return dict(sorted(((r, w) for r, w in ready.items() if w), key=lambda item: item[1][0].submitted_at))
+
+    def take(self, works: list[Work]) -> None:
+        for work in works:
+            self.queues[work.run_id].take(work)
+
+    def release(self, works: list[Work], error: Unavailable) -> None:
+        """Taken work whose outcome is unknown (a worker did not answer): answered UNAVAILABLE and
+        forgotten, and each run expects the seq again; the client's resend learns the true outcome
+        (the trainer answers a seq it applied from memory; the row stays as it was)."""
+        for work in sorted(works, key=lambda w: w.seq_id, reverse=True):
+            self.queues[work.run_id].rewind(work.seq_id)
+            if self.recent.get((work.run_id, work.seq_id)) is work:
+                del self.recent[(work.run_id, work.seq_id)]
+            metrics.UNKNOWN_OUTCOMES.labels(work.kind.value).inc()
+            work.fail(error)
+        self.wake.set()
+
+    def fail_all(self, error: TemperError) -> None:
+        """The loop is gone: every waiting caller hears ``error`` now rather than hanging."""
+        for work in [*self.recent.values(), *(w for q in self.queues.values() for w in q.pending.values())]:
+            work.fail(error)
+
+    async def wait_for_work(self) -> None:
+        """Until work arrives or a run's missing seq has waited for long enough."""
+        gaps = [since for q in self.queues.values() if (since := q.gap_since()) is not None]
+        timeout = None
+        if gaps and self.settings.seq_gap_timeout_seconds > 0:
+            timeout = max(0.0, min(gaps) + self.settings.seq_gap_timeout_seconds - time.monotonic())
+        try:
+            await asyncio.wait_for(self.wake.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        self.wake.clear()
+        self.skip_expired_gaps()
+
+    def skip_expired_gaps(self) -> None:
+        """Give up on missing seqs waited for longer than seq_gap_timeout_seconds (checked between
+        cycles too, so a gap expires on time under other tenants' load)."""
+        if self.settings.seq_gap_timeout_seconds <= 0:
+            return
+        now = time.monotonic()
+        for queue in self.queues.values():
+            since = queue.gap_since()
+            if since is not None and now - since >= self.settings.seq_gap_timeout_seconds:
+                gap = queue.skip_gap()
+                log.warning("run %s: skipped seq %d-%d after waiting %.0f s for it", queue.run_id, gap.start, gap.stop - 1, now - since)
+
+    def depth_by_tenant(self) -> dict[str, tuple[int, int]]:
+        """tenant -> (requests held, of which parked behind a missing seq)."""
+        depth: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        for run_id, queue in self.queues.items():
+            info = self.runs.known(run_id)
+            entry = depth[info.tenant if info else "?"]
+            entry[0] += len(queue)
+            entry[1] += len(queue) - queue.unparked()
+        return {tenant: (held, parked) for tenant, (held, parked) in depth.items()}
+
+    def next_seq_id(self, run: RunInfo) -> int:
+        queue = self.queues.get(run.run_id)
+        return queue.next_seq_id if queue is not None else run.row.next_seq_id
+
+
+def _digest_and_check(request, check: Check | None, run: RunInfo) -> tuple[str, int, BaseException | None]:
+    """One worker-thread call: the payload hash (dedupe) and the CPU validation (decoded once here;
+    the trainer's deep check is the other)."""
+    sha = hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest()
+    try:
+        return sha, (check(run) if check is not None else 0), None
+    except TemperError as exc:
+        return sha, 0, exc
+
+
+def _answer_from_record(record, sha: str, kind: WorkKind):
+    """The stored answer of a request an earlier process completed; None when it must be queued again."""
+    if record.payload_sha256 != sha:
+        raise AlreadyExists(f"seq_id {record.seq_id} of {record.training_run_id} was used by a different request")
+    if record.status == "done" and record.result is not None:
+        return ANSWER_TYPES[kind].FromString(record.result)
+    if record.status in ("queued", "running"):
+        return None
+    detail = f": {record.error}" if record.error else ""
+    raise FailedPrecondition(f"seq_id {record.seq_id} of {record.training_run_id} already ran ({record.status}{detail}); "
+                             f"its result is no longer held")

@@ -1,0 +1,88 @@
+"""The scheduler process assembled: store, runs, admission, workers, loop, gRPC server, and the
+supervision that turns a dead loop into an honest exit instead of a server that hangs."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from temper.common.errors import Unavailable
+from temper.common.metrics import ready_line, serve_metrics
+from temper.common.server import build_server, mark_serving
+from temper.scheduler.admission import Admission
+from temper.scheduler.backends import Backends
+from temper.scheduler.db.store import Store, upgrade_schema
+from temper.scheduler.loop import SchedulerLoop
+from temper.scheduler.policy import FairShare
+from temper.scheduler.runs import RunRegistry
+from temper.scheduler.servicer import TemperServicer
+from temper.scheduler.settings import SchedulerSettings
+from temper.v1 import service_pb2, service_pb2_grpc
+
+log = logging.getLogger("temper.scheduler")
+SERVICE = service_pb2.DESCRIPTOR.services_by_name["Temper"].full_name
+EXIT_LOOP_FAILED = 3
+
+
+class SchedulerApp:
+    def __init__(self, settings: SchedulerSettings, store=None, backends: Backends | None = None):
+        self.settings = settings
+        self.store = store if store is not None else Store(settings.database_url)
+        self.backends = backends if backends is not None else Backends(settings)
+        self.runs = RunRegistry(self.store)
+        self.admission = Admission(self.store, self.runs, settings)
+        self.loop = SchedulerLoop(self.admission, self.backends, self.store, self.runs, settings)
+        self.servicer = TemperServicer(self.store, self.backends, self.runs, self.admission)
+        self.server = self.health = None
+        self.port = self.metrics_port = None
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.store.set_tenant_weights, self.settings.tenant_weights)
+        self.loop.share = FairShare(weights=await asyncio.to_thread(self.store.tenant_weights),
+                                    quantum=self.settings.fair_share_quantum_tokens)
+        registration = (service_pb2_grpc.add_TemperServicer_to_server, self.servicer, SERVICE)
+        self.server, self.port, self.health = build_server([registration], self.settings.bind)
+        await mark_serving(self.health, [SERVICE], serving=False)  # until the trainers and samplers answer
+        await self.server.start()
+        self.metrics_port = serve_metrics(self.settings.metrics_bind)
+
+    async def run(self) -> int:
+        """Serve until the server stops (0) or the loop dies (EXIT_LOOP_FAILED: the process supervisor
+        restarts the scheduler, and the new process recovers the queue from the database)."""
+        connecting = asyncio.create_task(self._connect(), name="scheduler-connect")
+        loop_task = asyncio.create_task(self.loop.run_forever(), name="scheduler-loop")
+        stopped = asyncio.create_task(self.server.wait_for_termination(), name="scheduler-server")
+        try:
+            await asyncio.wait([loop_task, stopped], return_when=asyncio.FIRST_COMPLETED)
+            if loop_task.done():
+                exc = loop_task.exception() if not loop_task.cancelled() else None
+                log.critical("the scheduler loop stopped: %r; failing waiting requests with UNAVAILABLE and exiting", exc,
+                             exc_info=exc)
+                await self.fail_over()
+                return EXIT_LOOP_FAILED
+            return 0
+        finally:
+            for task in (connecting, loop_task, stopped):
+                task.cancel()
+            await self.backends.close()
+
+    async def fail_over(self) -> None:
+        self.admission.fail_all(Unavailable("the scheduler is restarting; retry"))
+        await mark_serving(self.health, [SERVICE], serving=False)
+        await asyncio.sleep(0.2)  # the failed calls' statuses leave before the server goes
+        await self.server.stop(grace=1.0)
+
+    async def _connect(self) -> None:
+        await self.backends.connect()
+        await mark_serving(self.health, [SERVICE])
+        log.info("scheduler serving on port %d; models: %s", self.port, self.backends.model_names())
+
+
+async def serve(settings: SchedulerSettings) -> int:
+    if settings.auto_migrate:
+        await asyncio.to_thread(upgrade_schema, settings.database_url)
+    app = SchedulerApp(settings)
+    await app.start()
+    # Listening (health NOT_SERVING until the workers answer; requests wait for them meanwhile).
+    print(ready_line("scheduler", app.port, app.metrics_port), flush=True)
+    return await app.run()

@@ -1,0 +1,53 @@
+"""What the scheduler knows about each training run, held once per process: owner, base model and
+the seq it resumes from. Loaded from the database on a run's first use in this process."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from temper.scheduler.db import models as m
+from temper.scheduler.work import WorkKind
+
+
+@dataclass
+class RunInfo:
+    run_id: str
+    session_id: str
+    tenant: str
+    base_model: str
+    row: m.TrainingRun        # as loaded or created (lora config, metadata); counters there are not kept current
+
+
+class RunRegistry:
+    def __init__(self, store):
+        self.store = store
+        self._runs: dict[str, RunInfo] = {}
+        self._loading: dict[str, asyncio.Future] = {}
+
+    def add(self, row: m.TrainingRun, tenant: str) -> RunInfo:
+        info = self._runs[row.id] = RunInfo(row.id, row.session_id, tenant, row.base_model, row)
+        return info
+
+    async def get(self, run_id: str) -> RunInfo:
+        """The run; its first use in this process closes what an earlier process left interrupted on a
+        trainer (Store.recover_interrupted). Concurrent first uses share that one load."""
+        info = self._runs.get(run_id)
+        if info is not None:
+            return info
+        loading = self._loading.get(run_id)
+        if loading is None:
+            barriers = [kind.value for kind in WorkKind if kind.is_barrier]
+            loading = self._loading[run_id] = asyncio.ensure_future(asyncio.to_thread(self.store.load_run, run_id, barriers))
+        try:
+            row, tenant = await asyncio.shield(loading)
+        finally:
+            if loading.done():
+                self._loading.pop(run_id, None)
+        return self._runs.get(run_id) or self.add(row, tenant)
+
+    def known(self, run_id: str) -> RunInfo | None:
+        return self._runs.get(run_id)
+
+    def tenant_by_run(self) -> dict[str, str]:
+        return {run_id: info.tenant for run_id, info in self._runs.items()}

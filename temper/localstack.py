@@ -1,0 +1,162 @@
+"""Start scheduler, trainer and sampler as separate local processes on loopback ports.
+
+A development and test harness (`make demo`, recipes, integration tests, benchmarks), not part of
+any service. Each service binds port 0 for gRPC and for its /metrics endpoint and prints
+"TEMPER_READY <role> port=<n> metrics_port=<m>"; we read that line instead of guessing free ports.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+READY_PREFIX = "TEMPER_READY "
+MODULES = {"scheduler": "temper.scheduler", "trainer": "temper.services.trainer", "sampler": "temper.services.sampler"}
+
+
+@dataclass
+class Service:
+    role: str
+    process: subprocess.Popen
+    log_path: Path
+    env: dict[str, str]  # the role's own settings, without bind addresses (reused by restarts)
+    port: int = 0
+    metrics_port: int | None = None  # None until ready, or when the process serves no metrics
+    lines: "queue.Queue[str]" = field(default_factory=queue.Queue)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def metrics_url(self) -> str | None:
+        return None if self.metrics_port is None else f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+
+def parse_ready_line(line: str) -> dict[str, str]:
+    """``TEMPER_READY trainer port=1 metrics_port=2`` -> {"role": "trainer", "port": "1", "metrics_port": "2"}."""
+    _, role, *pairs = line.split()
+    return {"role": role, **dict(pair.split("=", 1) for pair in pairs if "=" in pair)}
+
+
+def _pump(service: Service, log) -> None:
+    with log:
+        for line in service.process.stdout:
+            log.write(line)
+            log.flush()
+            if line.startswith(READY_PREFIX):
+                service.lines.put(line)
+    service.lines.put("")
+
+
+class LocalStack:
+    def __init__(self, base_model: str, data_dir: Path, database_url: str | None = None, extra_env: dict[str, str] | None = None,
+                 num_threads: int = 0):
+        self.base_model = base_model
+        self.data_dir = Path(data_dir)
+        self.database_url = database_url or f"sqlite:///{self.data_dir / 'temper.db'}"
+        self.extra_env = extra_env or {}
+        self.num_threads = num_threads
+        self.services: list[Service] = []
+
+    def _launch(self, role: str, env: dict[str, str], port: int = 0) -> Service:
+        """Start one process; its gRPC server on ``port`` (0: a free one), its metrics on a free port."""
+        log_path = self.data_dir / "logs" / f"{role}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        prefix = f"TEMPER_{role.upper()}_"
+        binds = {f"{prefix}BIND": f"127.0.0.1:{port}", f"{prefix}METRICS_BIND": "127.0.0.1:0"}
+        process = subprocess.Popen(
+            [sys.executable, "-m", MODULES[role]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **env, **binds, **self.extra_env},
+        )
+        service = Service(role, process, log_path, env)
+        threading.Thread(target=_pump, args=(service, open(log_path, "a")), daemon=True).start()
+        self.services.append(service)
+        return service
+
+    @staticmethod
+    def _wait_ready(service: Service, timeout: float) -> Service:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = service.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                line = None
+            if line:
+                ready = parse_ready_line(line)
+                service.port = int(ready["port"])
+                service.metrics_port = int(ready["metrics_port"]) if "metrics_port" in ready else None
+                return service
+            if line == "" or service.process.poll() is not None or time.monotonic() > deadline:
+                tail = service.log_path.read_text()[-3000:] if service.log_path.exists() else ""
+                raise RuntimeError(f"{service.role} did not start (see {service.log_path}):\n{tail}")
+
+    def start(self, timeout: float = 300.0) -> str:
+        """Start all three services; returns the scheduler's address."""
+        folders = {"trainer": ("CHECKPOINT_DIR", "checkpoints"), "sampler": ("ADAPTER_DIR", "sampler-adapters")}
+        for role, (setting, folder) in folders.items():
+            prefix = f"TEMPER_{role.upper()}_"
+            self._launch(role, {f"{prefix}BASE_MODEL": self.base_model, f"{prefix}NUM_THREADS": str(self.num_threads),
+                                f"{prefix}{setting}": str(self.data_dir / folder)})
+        try:
+            self._wait_ready(self.service("trainer"), timeout)
+            self._wait_ready(self.service("sampler"), timeout)
+            scheduler = self._launch("scheduler", {
+                "TEMPER_SCHEDULER_DATABASE_URL": self.database_url,
+                "TEMPER_SCHEDULER_TRAINER_ADDRESSES": self.service("trainer").address,
+                "TEMPER_SCHEDULER_SAMPLER_ADDRESSES": self.service("sampler").address,
+            })
+            self._wait_ready(scheduler, timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return scheduler.address
+
+    def restart(self, role: str, crash: bool = False, timeout: float = 300.0) -> Service:
+        """Stop ``role`` (SIGKILL when ``crash``, else SIGTERM) and start it again with the same
+        settings and gRPC port, so the other services' addresses stay valid. Returns the new one."""
+        old = self.service(role)
+        self.resume(role)  # a stopped process would not act on SIGTERM
+        (old.process.kill if crash else old.process.terminate)()
+        old.process.wait(timeout=30)
+        self.services.remove(old)
+        return self._wait_ready(self._launch(role, old.env, old.port), timeout)
+
+    def restart_scheduler(self, crash: bool = True, timeout: float = 120.0) -> str:
+        """Restart the scheduler on the same port, database and backends; returns its address."""
+        return self.restart("scheduler", crash=crash, timeout=timeout).address
+
+    def pause(self, role: str) -> None:
+        """Freeze ``role`` (SIGSTOP): its port stays open but nothing answers, like a hung host."""
+        self.service(role).process.send_signal(signal.SIGSTOP)
+
+    def resume(self, role: str) -> None:
+        self.service(role).process.send_signal(signal.SIGCONT)
+
+    def service(self, role: str) -> Service:
+        return next(s for s in self.services if s.role == role)
+
+    def stop(self) -> None:
+        for service in reversed(self.services):
+            if service.process.poll() is None:
+                service.process.send_signal(signal.SIGCONT)
+                service.process.terminate()
+        for service in self.services:
+            try:
+                service.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                service.process.kill()
+        self.services.clear()
+
+    def __enter__(self) -> "LocalStack":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
