@@ -1,0 +1,221 @@
+"""Admission and the loop in-process, with a fake store and a fake trainer (no model, no network):
+dedupe, seq order, limits, honest answers under worker and database faults, gap timeouts under load."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fakes_scheduler import FakeBackends, FakeStore, FakeTrainer, build, fb
+from temper.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
+from temper.scheduler.servicer import TemperServicer
+from temper.scheduler.work import WorkKind
+
+
+def servicer_of(s) -> TemperServicer:
+    return TemperServicer(s.store, FakeBackends(s.trainer), s.admission.runs, s.admission)
+
+
+async def running(s):
+    task = asyncio.create_task(s.loop.run_forever())
+    await asyncio.sleep(0)
+    return task
+
+
+def test_a_retry_gets_the_first_answer_and_a_different_payload_is_refused():
+    async def main():
+        s = build()
+        s.store.add_run("r", "alice")
+        api, task = servicer_of(s), await running(s)
+        first, again = await asyncio.gather(api.ForwardBackward(fb("r", 1), None), api.ForwardBackward(fb("r", 1), None))
+        assert first == again and first.metrics["loss:sum"] == 1.0
+        assert await api.ForwardBackward(fb("r", 1), None) == first  # after it ran: from memory
+        with pytest.raises(AlreadyExists):
+            await api.ForwardBackward(fb("r", 1, tokens=(4, 5)), None)
+        assert s.trainer.applied == [("r", 1)]
+        task.cancel()
+
+    asyncio.run(main())
+
+
+def test_bad_input_spends_its_seq_and_writes_nothing():
+    async def main():
+        s = build()
+        s.store.add_run("r", "alice")
+        api, task = servicer_of(s), await running(s)
+        later = asyncio.create_task(api.ForwardBackward(fb("r", 2), None))
+        with pytest.raises(InvalidArgument, match="outside the vocabulary"):
+            await api.ForwardBackward(fb("r", 1, tokens=(1, 500)), None)
+        assert (await later).metrics["loss:sum"] == 2.0  # the run went on after the rejected seq
+        assert ("r", 1) not in s.store.requests and s.trainer.applied == [("r", 2)]
+        with pytest.raises(InvalidArgument):  # a retry of the rejected seq hears the same answer
+            await api.ForwardBackward(fb("r", 1, tokens=(1, 500)), None)
+        with pytest.raises(AlreadyExists):  # the seq is spent: another payload cannot take it
+            await api.ForwardBackward(fb("r", 1), None)
+        task.cancel()
+
+    asyncio.run(main())
+
+
+def test_a_parked_backlog_counts_against_its_own_run_only():
+    async def main():
+        s = build(max_queued_requests=2, max_queued_per_tenant=2, max_queued_per_run=10)
+        s.store.add_run("a", "alice")
+        s.store.add_run("b", "bob")
+        api, task = servicer_of(s), await running(s)
+        parked = [asyncio.create_task(api.ForwardBackward(fb("a", seq), None)) for seq in range(2, 12)]  # behind seq 1
+        await asyncio.sleep(0.2)
+        with pytest.raises(ResourceExhausted, match="run a has 10 queued requests"):
+            await api.ForwardBackward(fb("a", 12), None)
+        # bob is admitted and runs although alice holds 10 requests and the scheduler-wide limit is 2
+        assert (await api.ForwardBackward(fb("b", 1), None)).metrics["loss:sum"] == 1.0
+        assert not any(p.done() for p in parked)
+        assert s.admission.depth_by_tenant()["alice"] == (10, 10)
+        await api.ForwardBackward(fb("a", 1), None)
+        assert [r.metrics["loss:sum"] for r in await asyncio.gather(*parked)] == [float(seq) for seq in range(2, 12)]
+        task.cancel()
+
+    asyncio.run(main())
+
+
+def test_limits_hold_exactly_under_concurrent_admission():
+    async def main():
+        # add_request is slow: every submission is inside admission at once; the run limit still holds
+        s = build(store=FakeStore(add_delay=0.05), max_queued_per_run=5)
+        s.store.add_run("r", "alice")
+        api = servicer_of(s)  # no loop: nothing drains the queue
+        results = await asyncio.gather(*[asyncio.wait_for(api.ForwardBackward(fb("r", seq), None), 1.0) for seq in range(1, 21)],
+                                       return_exceptions=True)
+        exhausted = [r for r in results if isinstance(r, ResourceExhausted)]
+        assert len(exhausted) == 15 and len(s.admission.queues["r"]) == 5
+        assert sorted(seq for _, seq in s.store.requests) == [1, 2, 3, 4, 5]
+
+    asyncio.run(main())
+
+
+def test_a_database_outage_at_admission_is_unavailable_and_spends_nothing():
+    async def main():
+        s = build()
+        s.store.add_run("r", "alice")
+        api, task = servicer_of(s), await running(s)
+        await api.ForwardBackward(fb("r", 1), None)  # the run is loaded
+        s.store.down = True
+        with pytest.raises(Unavailable):
+            await api.ForwardBackward(fb("r", 2), None)
+        assert ("r", 2) not in s.admission.recent and 2 not in s.admission.queues["r"].pending
+        s.store.down = False
+        assert (await api.ForwardBackward(fb("r", 2), None)).metrics["loss:sum"] == 2.0  # the same seq, resent
+        task.cancel()
+
+    asyncio.run(main())
+
+
+def test_a_database_outage_while_recording_delays_the_answer_and_loses_nothing():
+    async def main():
+        s = build(trainer=FakeTrainer(delay=0.2))
+        s.store.add_run("r", "alice")
+        api, task = servicer_of(s), await running(s)
+        call = asyncio.create_task(api.ForwardBackward(fb("r", 1), None))
+        await asyncio.sleep(0.1)  # on the trainer now
+        s.store.down = True
+        await asyncio.sleep(0.5)
+        assert not call.done() and s.trainer.applied == [("r", 1)]  # applied; never answered "failed"
+        s.store.down = False
+        assert (await asyncio.wait_for(call, 10)).metrics["loss:sum"] == 1.0
+        assert s.store.statuses("r") == {1: "done"}
+        task.cancel()
+
+    asyncio.run(main())
+
+
+def test_an_unanswered_cycle_is_resent_then_answered_unavailable_and_the_retry_gets_the_true_outcome():
+    async def main():
+        s = build(trainer=FakeTrainer(unreachable_for=100), dispatch_retry_seconds=0.5)
+        s.store.add_run("r", "alice")
+        api, task = servicer_of(s), await running(s)
+        with pytest.raises(Unavailable, match="whether it was applied is not known"):
+            await api.ForwardBackward(fb("r", 1), None)
+        assert s.trainer.calls >= 2 and s.trainer.applied == [("r", 1)]  # resent, applied once
+        assert s.store.statuses("r") == {1: "running"}  # not "failed": it may have been (and was) applied
+        s.trainer.unreachable_for = 0
+        assert (await api.ForwardBackward(fb("r", 1), None)).metrics["loss:sum"] == 1.0
+        assert s.trainer.applied == [("r", 1)] and s.store.statuses("r") == {1: "done"}
+        task.cancel()
+
+    asyncio.run(main())
+
+
+def test_a_missing_seq_times_out_on_time_under_other_tenants_load():
+    async def main():
+        s = build(trainer=FakeTrainer(delay=0.05), seq_gap_timeout_seconds=0.3)
+        s.store.add_run("a", "alice")
+        s.store.add_run("b", "bob")
+        api, task = servicer_of(s), await running(s)
+        parked = asyncio.create_task(api.ForwardBackward(fb("a", 2), None))  # seq 1 never comes
+        started = asyncio.get_running_loop().time()
+        seq = 0
+        while not parked.done():  # bob keeps the loop busy all the time
+            seq += 1
+            await api.ForwardBackward(fb("b", seq), None)
+            assert asyncio.get_running_loop().time() - started < 5, "the gap was never skipped under load"
+        assert parked.result().metrics["loss:sum"] == 2.0
+        with pytest.raises(FailedPrecondition, match="stopped waiting"):
+            await api.ForwardBackward(fb("a", 1), None)
+        task.cancel()
+
+    asyncio.run(main())
+
+
+def test_admission_is_one_call_per_verb():
+    # Each sequenced verb of the servicer is a few lines that hand over to admission.
+    import inspect
+
+    for verb in ("ForwardBackward", "OptimStep", "SaveWeights", "LoadWeights"):
+        assert len(inspect.getsource(getattr(TemperServicer, verb)).splitlines()) <= 25, verb
+    assert {k.value for k in WorkKind} == {"forward_backward", "forward", "optim_step", "save_weights", "load_weights"}
+
+
+def test_a_dead_loop_fails_waiting_calls_unavailable_turns_health_off_and_exits(monkeypatch):
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from temper.scheduler import app as app_module
+    from temper.scheduler import loop as loop_module
+    from temper.scheduler.app import EXIT_LOOP_FAILED, SchedulerApp
+    from temper.v1 import service_pb2_grpc
+    from fakes_scheduler import settings
+
+    calls = []
+
+    def broken_plan(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("injected: the planner has a bug")
+
+    async def main():
+        store, trainer = FakeStore(), FakeTrainer()
+        store.add_run("r", "alice")
+        app = SchedulerApp(settings(), store=store, backends=FakeBackends(trainer))
+        await app.start()
+        run = asyncio.create_task(app.run())
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            for _ in range(50):
+                if (await health.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+                await asyncio.sleep(0.05)
+            watch = health.Watch(health_pb2.HealthCheckRequest())
+            assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+            monkeypatch.setattr(loop_module, "plan_cycle", broken_plan)
+            call = service_pb2_grpc.TemperStub(channel).ForwardBackward(fb("r", 2), timeout=10)  # waits behind seq 1
+            await asyncio.sleep(0.3)
+            app.admission.wake.set()  # the loop wakes, plans, dies
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert await asyncio.wait_for(run, 10) == EXIT_LOOP_FAILED
+        assert calls
+
+    assert app_module.EXIT_LOOP_FAILED != 0
+    asyncio.run(main())
