@@ -157,6 +157,67 @@ def test_health_and_reflection_are_served(stack):
     assert "temper.v1.Temper" in names
 
 
+def test_health_watch_streams_serving_on_every_service(stack):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    for role in ("scheduler", "trainer", "sampler"):
+        with grpc.insecure_channel(stack.service(role).address) as channel:
+            stream = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=60)
+            # the scheduler listens before its workers answer (NOT_SERVING), then streams SERVING
+            statuses = []
+            for reply in stream:
+                statuses.append(reply.status)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+            stream.cancel()
+            assert statuses[-1] == health_pb2.HealthCheckResponse.SERVING, (role, statuses)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Sample name with labels -> value, from a Prometheus text exposition."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    return {name + (str(sorted(labels.items())) if labels else ""): value
+            for family in text_string_to_metric_families(text) for name, labels, value, *_ in family.samples}
+
+
+def series(samples: dict[str, float], prefix: str) -> float:
+    return sum(v for k, v in samples.items() if k.startswith(prefix))
+
+
+def test_every_service_serves_its_metrics(service_client, stack, tiny_model_dir):
+    before = {role: scrape(stack.service(role).metrics_url) for role in ("scheduler", "trainer", "sampler")}
+    tc = service_client.create_lora_training_client(tiny_model_dir, rank=4, seed=0)
+    tc.forward_backward([sft_datum(PATTERN)]).result()
+    tc.optim_step(ADAM).result()
+    sampler = service_client.create_sampling_client(base_model=tiny_model_dir)
+    sampler.sample(ModelInput.from_ints([1, 2, 3]), 2, SamplingParams(max_tokens=4, temperature=0.0)).result()
+    after = {role: scrape(stack.service(role).metrics_url) for role in ("scheduler", "trainer", "sampler")}
+    tokens = len(PATTERN) - 1
+
+    def moved(role, prefix):
+        return series(after[role], prefix) - series(before[role], prefix)
+
+    assert moved("scheduler", "temper_scheduler_tokens_trained_total") == tokens
+    assert moved("scheduler", "temper_scheduler_admissions_total") == 2
+    assert moved("scheduler", "temper_scheduler_cycles_total") >= 1
+    assert moved("scheduler", "temper_scheduler_cycle_seconds_count") >= 1
+    assert moved("scheduler", "temper_scheduler_cycle_tokens_sum") == tokens
+    assert moved("scheduler", "temper_scheduler_tokens_sampled_total") == 8
+    assert any(k.startswith("temper_scheduler_queued_requests[") for k in after["scheduler"])  # per tenant
+    assert moved("trainer", "temper_trainer_tokens_trained_total") == tokens
+    assert moved("trainer", "temper_trainer_optim_steps_total") == 1
+    assert moved("trainer", "temper_trainer_cycle_seconds_count") >= 1
+    assert series(after["trainer"], "temper_trainer_resident_adapters") >= 1
+    assert series(after["trainer"], "temper_trainer_rss_bytes") > 0
+    assert moved("sampler", "temper_sampler_tokens_sampled_total") == 8
+    assert moved("sampler", "temper_sampler_batch_sequences_count") >= 1
+
+
 def test_forward_backward_custom_equals_the_builtin_loss(service_client, tiny_model_dir, tmp_path):
     import torch
 
