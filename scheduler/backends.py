@@ -80,7 +80,9 @@ class Backends:
         self._ready = asyncio.Event()
 
     def _channel(self, address: str) -> grpc.aio.Channel:
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        # A worker that restarts is found again within seconds (gRPC's default backoff grows to 2 min).
+        options = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 5000)]
+        channel = grpc.aio.insecure_channel(address, options=options)
         self._channels.append(channel)
         return channel
 

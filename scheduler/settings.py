@@ -55,7 +55,7 @@ class SchedulerSettings(ProcessSettings):
     trainer_call_timeout_seconds: float = Field(300.0, description="Deadline of the trainer's other calls (create, save, load, read).")
     sampler_call_timeout_seconds: float = Field(300.0, description="Deadline of one sampler call (sample, logprobs, adapter push).")
     dispatch_retry_seconds: float = Field(
-        60.0, description="How long the loop resends a cycle whose trainer is unreachable (the trainer answers a resent "
+        10.0, description="How long the loop resends a cycle whose trainer is unreachable (the trainer answers a resent "
                           "seq from memory) before answering UNAVAILABLE; the client's retry then resends it again.")
     auto_migrate: bool = Field(True, description="Run `alembic upgrade head` at start-up.")
 
