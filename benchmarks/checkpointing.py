@@ -26,23 +26,22 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import multitenant as mt  # noqa: E402  (shared helpers: engine, data, memory children)
-from temper.common.host_allocator import TUNED_MALLOC_ENV, reexec_with_tuned_allocator  # noqa: E402
+import harness  # the benchmarks' shared helpers (this script's folder is first on sys.path)
+from temper.common.host_allocator import TUNED_MALLOC_ENV, reexec_with_tuned_allocator
 
 HERE = Path(__file__).resolve().parent
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    mt.add_model_arguments(parser)
+    harness.add_model_arguments(parser)
     parser.add_argument("--tokens", type=int, default=256, help="tokens per row (8 rows, one per adapter)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
     # timings under the trainer process's allocator settings (the memory children reset them)
     reexec_with_tuned_allocator()
-    mt.resolve_model(args)
+    harness.resolve_model(args)
     started = time.perf_counter()
     progress = tqdm(total=2 + 2 + 2 * (args.reps + 1), desc="checkpointing", unit="step", file=sys.stderr)
 
@@ -51,26 +50,26 @@ def main(argv: list[str] | None = None) -> int:
         child = argparse.Namespace(**{**vars(args), "memory_tokens": args.tokens, "no_activation_checkpointing": not on,
                                       "checkpoint_min_tokens": 0})
         progress.set_postfix_str(f"memory, checkpointing {'on' if on else 'off'}")
-        memory[on] = mt.run_memory_child(child, "chunked")
+        memory[on] = harness.run_memory_child(child, "chunked")
         progress.update()
 
     engines = {}
     with tempfile.TemporaryDirectory() as tmp:
         for on in (True, False):
             progress.set_postfix_str("loading engines")
-            engines[on] = mt.build_engine(argparse.Namespace(**{**vars(args), "no_activation_checkpointing": not on,
+            engines[on] = harness.build_engine(argparse.Namespace(**{**vars(args), "no_activation_checkpointing": not on,
                                                              "checkpoint_min_tokens": 0}),
-                                          Path(tmp) / str(on), mt.ROWS)
+                                          Path(tmp) / str(on), harness.ROWS)
             progress.update()
-        sequences = mt.random_sequences(mt.ROWS, args.tokens, engines[True].loaded.vocab_size, seed=0)
-        items = [mt.fb_item(f"tenant-{i}", [mt.datum_proto(s)]) for i, s in enumerate(sequences)]
+        sequences = harness.random_sequences(harness.ROWS, args.tokens, engines[True].loaded.vocab_size, seed=0)
+        items = [harness.fb_item(f"tenant-{i}", [harness.datum_proto(s)]) for i, s in enumerate(sequences)]
         samples: dict[bool, list[float]] = {True: [], False: []}
         for rep in range(args.reps + 1):  # rep 0 warms both up
             for on in ((True, False) if rep % 2 else (False, True)):
                 progress.set_postfix_str(f"rep {rep}/{args.reps}: checkpointing {'on' if on else 'off'}")
                 start = time.perf_counter()
-                engines[on].run_cycle(items, [])
-                mt.sync(args.device)
+                harness.run_cycle(engines[on], items)
+                harness.sync(args.device)
                 if rep:
                     samples[on].append(time.perf_counter() - start)
                 progress.update()
@@ -85,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         "samples_s": {"on": samples[True], "off": samples[False]},
         "memory_delta_mib": {"on": memory[True]["delta_rss_kb"] / 1024, "off": memory[False]["delta_rss_kb"] / 1024},
         "config": {"model": args.model, "device": args.device, "dtype": args.dtype, "threads": args.threads,
-                   "rows": mt.ROWS, "tokens_per_row": args.tokens, "reps": args.reps, "rank": mt.RANK,
+                   "rows": harness.ROWS, "tokens_per_row": args.tokens, "reps": args.reps, "rank": harness.RANK,
                    "malloc_env": {k: os.environ.get(k) for k in TUNED_MALLOC_ENV}},
         "total_seconds": time.perf_counter() - started,
     }

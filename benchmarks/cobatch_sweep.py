@@ -25,9 +25,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import multitenant as mt  # noqa: E402  (shared helpers: engine, data)
-from temper.common.host_allocator import TUNED_MALLOC_ENV, reexec_with_tuned_allocator  # noqa: E402
+import harness  # the benchmarks' shared helpers (this script's folder is first on sys.path)
+from temper.common.host_allocator import TUNED_MALLOC_ENV, reexec_with_tuned_allocator
 
 HERE = Path(__file__).resolve().parent
 
@@ -50,7 +49,7 @@ def plot(result: dict, path: Path) -> None:
     ax.axhline(1.2, color="black", linestyle="--", linewidth=1, label="issue goal at 128 tokens (1.2)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(sizes, [str(s) for s in sizes])
-    ax.set_xlabel(f"tokens per tenant ({mt.ROWS} tenants, 1 datum each)")
+    ax.set_xlabel(f"tokens per tenant ({harness.ROWS} tenants, 1 datum each)")
     ax.set_ylabel("time-sliced / co-batched")
     c = result["config"]
     ax.set_title(f"Co-batching gain vs tenant batch size: {Path(c['model']).name}, {c['device']}, {c['threads']} threads",
@@ -63,24 +62,24 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    mt.add_model_arguments(parser)
+    harness.add_model_arguments(parser)
     parser.add_argument("--tokens", type=int, nargs="+", default=[32, 64, 128, 256, 512], help="tokens per tenant")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
     reexec_with_tuned_allocator()  # the trainer process's allocator settings
     args.no_activation_checkpointing, args.checkpoint_min_tokens = False, None
-    mt.resolve_model(args)
+    harness.resolve_model(args)
     started = time.perf_counter()
     points = []
     with tempfile.TemporaryDirectory() as tmp:
-        engine = mt.build_engine(args, Path(tmp), mt.ROWS)
+        engine = harness.build_engine(args, Path(tmp), harness.ROWS)
         progress = tqdm(total=len(args.tokens) * (args.reps + 1) * 2, desc="cobatch sweep", unit="step", file=sys.stderr)
         for tokens in args.tokens:
-            sequences = mt.random_sequences(mt.ROWS, tokens, engine.loaded.vocab_size, seed=tokens)
-            items = [mt.fb_item(f"tenant-{i}", [mt.datum_proto(s)]) for i, s in enumerate(sequences)]
-            variants = {"cobatched": lambda: engine.run_cycle(items, []),
-                        "time_sliced": lambda: [engine.run_cycle([item], []) for item in items]}
+            sequences = harness.random_sequences(harness.ROWS, tokens, engine.loaded.vocab_size, seed=tokens)
+            items = [harness.fb_item(f"tenant-{i}", [harness.datum_proto(s)]) for i, s in enumerate(sequences)]
+            variants = {"cobatched": lambda: harness.run_cycle(engine, items),
+                        "time_sliced": lambda: [harness.run_cycle(engine, [item]) for item in items]}
             samples: dict[str, list[float]] = {name: [] for name in variants}
             for rep in range(args.reps + 1):  # rep 0 warms this size up
                 order = list(variants) if rep % 2 == 0 else list(reversed(variants))
@@ -88,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                     progress.set_postfix_str(f"{tokens} tokens, rep {rep}: {name}")
                     start = time.perf_counter()
                     variants[name]()
-                    mt.sync(args.device)
+                    harness.sync(args.device)
                     if rep:
                         samples[name].append(time.perf_counter() - start)
                     progress.update()
@@ -97,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                 "tokens_per_tenant": tokens, "cobatch_gain": med["time_sliced"] / med["cobatched"], "medians_s": med,
                 "samples_s": samples,
                 "cobatched_checkpointed": engine.settings.activation_checkpointing
-                and mt.ROWS * tokens >= engine.settings.activation_checkpointing_min_tokens,
+                and harness.ROWS * tokens >= engine.settings.activation_checkpointing_min_tokens,
                 "tenant_pass_checkpointed": engine.settings.activation_checkpointing
                 and tokens >= engine.settings.activation_checkpointing_min_tokens,
             })
@@ -109,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         "points": points,
         "measures": "per size: median(8 run_cycle calls of 1 item each) / median(one run_cycle with the 8 items)",
         "config": {"model": args.model, "device": args.device, "dtype": args.dtype, "threads": args.threads, "reps": args.reps,
-                   "tenants": mt.ROWS, "rank": mt.RANK, "logprob_chunk_tokens": engine.logprob_chunk_tokens,
+                   "tenants": harness.ROWS, "rank": harness.RANK, "logprob_chunk_tokens": engine.logprob_chunk_tokens,
                    "activation_checkpointing_min_tokens": engine.settings.activation_checkpointing_min_tokens,
                    "malloc_env": {k: os.environ.get(k) for k in TUNED_MALLOC_ENV},
                    "load_average_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None},

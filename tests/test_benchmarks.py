@@ -47,3 +47,20 @@ def test_cobatch_sweep_runs(tiny_model_dir, tmp_path):
     assert [p["tokens_per_tenant"] for p in result["points"]] == [8, 16]
     assert all(p["cobatch_gain"] > 0 and len(p["samples_s"]["cobatched"]) == 1 for p in result["points"])
     assert (tmp_path / "cobatch_sweep.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_gpu_benchmark_smoke_runs_on_the_trainer_numerics_without_grpc_protobuf_or_pydantic():
+    # as on a GPU box without temper installed: the shim + torch/transformers only
+    code = ("import runpy, sys\n"
+            "sys.argv = ['gpu_multitenant.py', '--smoke']\n"
+            "try:\n    runpy.run_path(sys.argv_path, run_name='__main__')\n"
+            "except SystemExit as exit:\n    assert not exit.code, exit.code\n"
+            "print('LOADED', sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'pydantic', 'pydantic_settings')"
+            " or m.startswith(('google.protobuf', 'temper.v1', 'temper.common'))))\n")
+    code = code.replace("sys.argv_path", repr(str(REPO / "benchmarks" / "gpu_multitenant.py")))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO / "benchmarks", capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-1] == "LOADED []"
+    result = json.loads(lines[-2])
+    assert result["ratios"]["cobatch_gain"] > 0 and result["config"]["numerics_module"].endswith("services/trainer/numerics.py")

@@ -4,27 +4,33 @@ import numpy as np
 import pytest
 import torch
 
+from test_trainer_engine import SPEC, run_wire
 from temper.common.codec import encode_array, encode_tokens
 from temper.common.errors import InvalidArgument
+from temper.common.validation import LOSS_SPECS, DecodedDatum
 from temper.services.models.loading import load_model
-from temper.services.trainer.engine import TrainerEngine
+from temper.services.trainer.engine import ForwardBackwardItem, TrainerEngine
 from temper.services.trainer.settings import TrainerSettings
 from temper.v1 import trainer_pb2, types_pb2
-
-LORA = types_pb2.LoraConfig(rank=4, train_attn=True, train_mlp=True, train_unembed=True, seed=9)
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir, tmp_path_factory):
     eng = TrainerEngine(load_model(tiny_model_dir), TrainerSettings(checkpoint_dir=tmp_path_factory.mktemp("ckpt"), logprob_chunk_tokens=7))
-    eng.host.create("run", LORA)
+    eng.create_adapter("run", SPEC, seed=9)
     with torch.no_grad():  # a non-trivial adapter so every term matters
         for p in eng.host.get("run").params.values():
             p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
     return eng
 
 
+def domain_datum(tokens, **inputs) -> DecodedDatum:
+    return DecodedDatum(tokens=np.asarray(tokens, np.int32),
+                        inputs={k: np.asarray(v, np.int64 if k == "target_tokens" else np.float32) for k, v in inputs.items()})
+
+
 def make_datum(tokens, **inputs):
+    """As it arrives on the wire."""
     return types_pb2.Datum(
         model_input=types_pb2.ModelInput(chunks=[types_pb2.ModelInputChunk(encoded_text=types_pb2.EncodedTextChunk(tokens=encode_tokens(tokens)))]),
         loss_fn_inputs={k: encode_array(np.asarray(v), "int64" if k == "target_tokens" else "float32") for k, v in inputs.items()},
@@ -63,10 +69,10 @@ def direct(engine, raw, objective):
 
 
 def check(engine, raw, loss_fn, config, objective):
-    config_pb = {k: types_pb2.LossConfigValue(number=v) for k, v in config.items()}
-    data = [make_datum(d["tokens"], **{k: v for k, v in d.items() if k != "tokens"}) for d in raw]
+    data = [domain_datum(d["tokens"], **{k: v for k, v in d.items() if k != "tokens"}) for d in raw]
     want_loss, want_lp, want_grads = direct(engine, raw, objective)
-    (result,), _ = engine.run_cycle([trainer_pb2.ForwardBackwardItem(training_run_id="run", data=data, loss_fn=loss_fn, loss_fn_config=config_pb)], [])
+    config = {**LOSS_SPECS[loss_fn].config, **config}  # a domain item carries the whole config, defaults included
+    (result,), _ = engine.run_cycle([ForwardBackwardItem("run", data, loss_fn=loss_fn, loss_config=config)], [])
     assert result.metrics["loss:sum"] == pytest.approx(want_loss, rel=1e-5, abs=1e-4)
     for got, want in zip(result.logprobs, want_lp):
         assert got.shape == want.shape
@@ -130,5 +136,5 @@ def test_bad_rl_inputs_are_rejected_before_anything_runs(engine, loss_fn, inputs
     config_pb = {k: types_pb2.LossConfigValue(number=v) for k, v in config.items()}
     item = trainer_pb2.ForwardBackwardItem(training_run_id="run", data=[datum], loss_fn=loss_fn, loss_fn_config=config_pb)
     with pytest.raises(InvalidArgument, match=match):
-        engine.run_cycle([item], [])
+        run_wire(engine, [item])
     assert all(p.grad is None for p in engine.host.get("run").params.values())

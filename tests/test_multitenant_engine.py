@@ -5,30 +5,35 @@ import numpy as np
 import pytest
 import torch
 
-from test_trainer_engine import datum
+from test_trainer_engine import fb, sft
+from temper.services.lora.model import AdapterSpec
 from temper.services.models.loading import load_model
-from temper.services.trainer.adapters import OffloadedState
-from temper.services.trainer.engine import TrainerEngine
+from temper.services.trainer.adapters import OffloadedState, lora_targets
+from temper.services.trainer.engine import AdamParams, OptimStepItem, TrainerEngine
 from temper.services.trainer.settings import TrainerSettings
-from temper.v1 import trainer_pb2, types_pb2
 
-CONFIGS = {
-    "r2-attn": types_pb2.LoraConfig(rank=2, train_attn=True, seed=1),
-    "r4-mlp": types_pb2.LoraConfig(rank=4, train_mlp=True, seed=2),
-    "r8-all": types_pb2.LoraConfig(rank=8, alpha=16, train_attn=True, train_mlp=True, train_unembed=True, seed=3),
-    "r16-unembed": types_pb2.LoraConfig(rank=16, train_unembed=True, seed=4),
-    "r3-attn-mlp": types_pb2.LoraConfig(rank=3, alpha=5, train_attn=True, train_mlp=True, seed=5),
+
+def spec(rank, alpha=32.0, dropout=0.0, **targets):
+    return AdapterSpec(rank=rank, alpha=alpha, targets=lora_targets(**targets), dropout=dropout)
+
+
+CONFIGS = {  # run id -> (adapter spec, seed)
+    "r2-attn": (spec(2, attn=True), 1),
+    "r4-mlp": (spec(4, mlp=True), 2),
+    "r8-all": (spec(8, alpha=16, attn=True, mlp=True, unembed=True), 3),
+    "r16-unembed": (spec(16, unembed=True), 4),
+    "r3-attn-mlp": (spec(3, alpha=5, attn=True, mlp=True), 5),
     # same shapes as earlier ones: these share batched matmuls inside the LoRA layers
-    "r4-mlp-twin": types_pb2.LoraConfig(rank=4, train_mlp=True, seed=6),
-    "r8-all-twin": types_pb2.LoraConfig(rank=8, alpha=16, train_attn=True, train_mlp=True, train_unembed=True, seed=7),
+    "r4-mlp-twin": (spec(4, mlp=True), 6),
+    "r8-all-twin": (spec(8, alpha=16, attn=True, mlp=True, unembed=True), 7),
 }
-ADAM = types_pb2.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8)
+ADAM = AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8)
 
 
 def make_engine(model_dir, tmp_path, **settings):
     engine = TrainerEngine(load_model(model_dir), TrainerSettings(checkpoint_dir=tmp_path / "ckpt", **settings))
-    for key, cfg in CONFIGS.items():
-        engine.host.create(key, cfg)
+    for key, (adapter_spec, seed) in CONFIGS.items():
+        engine.create_adapter(key, adapter_spec, seed)
     return engine
 
 
@@ -39,8 +44,8 @@ def items_for(seed):
         data = []
         for _ in range(int(rng.integers(1, 4))):
             tokens = rng.integers(0, 512, int(rng.integers(5, 20))).tolist()
-            data.append(datum(tokens, rng.standard_normal(len(tokens) - 1).astype(np.float32)))
-        items.append(trainer_pb2.ForwardBackwardItem(training_run_id=key, data=data, loss_fn="cross_entropy"))
+            data.append(sft(tokens, rng.standard_normal(len(tokens) - 1).astype(np.float32)))
+        items.append(fb(key, data))
     return items
 
 
@@ -88,7 +93,7 @@ def test_optim_step_on_one_adapter_leaves_the_others_bit_identical(tiny_model_di
     engine.run_cycle(items_for(1), [])
     before = {key: {n: (p.detach().clone(), p.grad.clone()) for n, p in engine.host.get(key).params.items()} for key in CONFIGS}
     states = {key: {n: dict(engine.host.get(key).optimizer.state.get(p, {})) for n, p in engine.host.get(key).params.items()} for key in CONFIGS}
-    engine.run_cycle([], [trainer_pb2.OptimStepItem(training_run_id="r8-all", adam_params=ADAM)])
+    engine.run_cycle([], [OptimStepItem("r8-all", ADAM)])
     for key in CONFIGS:
         if key == "r8-all":
             continue
@@ -103,11 +108,11 @@ def test_many_optim_steps_in_one_call_each_with_its_own_hyperparameters(tiny_mod
     together = make_engine(tiny_model_dir, tmp_path / "t")
     separate = make_engine(tiny_model_dir, tmp_path / "s")
     items = items_for(2)
-    params = {key: types_pb2.AdamParams(learning_rate=1e-3 * (i + 1), beta1=0.9, beta2=0.99 - 0.01 * i, eps=1e-8, weight_decay=0.01 * i)
+    params = {key: AdamParams(learning_rate=1e-3 * (i + 1), beta1=0.9, beta2=0.99 - 0.01 * i, eps=1e-8, weight_decay=0.01 * i)
               for i, key in enumerate(CONFIGS)}
-    together.run_cycle(items, [trainer_pb2.OptimStepItem(training_run_id=k, adam_params=p) for k, p in params.items()])
+    together.run_cycle(items, [OptimStepItem(k, p) for k, p in params.items()])
     for item in items:
-        separate.run_cycle([item], [trainer_pb2.OptimStepItem(training_run_id=item.training_run_id, adam_params=params[item.training_run_id])])
+        separate.run_cycle([item], [OptimStepItem(item.run_id, params[item.run_id])])
     for key in CONFIGS:
         for name, p in together.host.get(key).params.items():
             torch.testing.assert_close(p.detach(), separate.host.get(key).params[name].detach(), atol=1e-6, rtol=1e-5)
@@ -173,13 +178,13 @@ def test_only_passes_past_the_token_threshold_are_checkpointed(tiny_model_dir, t
 def test_checkpointed_dropout_recomputes_the_same_masks(tiny_model_dir, tmp_path):
     # the backward pass recomputes each layer; its dropout masks must be the forward's, or the
     # gradient belongs to no forward at all. Same torch seed, with and without checkpointing.
-    spec = types_pb2.LoraConfig(rank=4, train_attn=True, train_mlp=True, dropout=0.3, seed=9)
-    item = trainer_pb2.ForwardBackwardItem(training_run_id="dropout", data=items_for(6)[0].data, loss_fn="cross_entropy")
+    dropout = spec(4, dropout=0.3, attn=True, mlp=True)
+    item = fb("dropout", items_for(6)[0].data)
     out = {}
     for on in (True, False):
         engine = TrainerEngine(load_model(tiny_model_dir), TrainerSettings(
             checkpoint_dir=tmp_path / f"d{on}", activation_checkpointing=on, activation_checkpointing_min_tokens=0))
-        engine.host.create("dropout", spec)
+        engine.create_adapter("dropout", dropout, seed=9)
         with torch.no_grad():
             for p in engine.host.get("dropout").params.values():
                 p.add_(0.05)
@@ -193,11 +198,11 @@ def test_checkpointed_dropout_recomputes_the_same_masks(tiny_model_dir, tmp_path
 
 def test_lora_dropout_is_applied_when_asked(tiny_model_dir, tmp_path):
     engine = make_engine(tiny_model_dir, tmp_path)
-    engine.host.create("dropout", types_pb2.LoraConfig(rank=4, train_attn=True, dropout=0.5, seed=7))
+    engine.create_adapter("dropout", spec(4, dropout=0.5, attn=True), seed=7)
     with torch.no_grad():
         for p in engine.host.get("dropout").params.values():
             p.add_(0.1)
-    item = trainer_pb2.ForwardBackwardItem(training_run_id="dropout", data=items_for(4)[0].data, loss_fn="cross_entropy", forward_only=True)
+    item = fb("dropout", items_for(4)[0].data, forward_only=True)
     first, second = (engine.run_cycle([item], [])[0][0] for _ in range(2))
     assert not np.allclose(first.logprobs[0], second.logprobs[0])  # dropout masks differ between passes
 
@@ -212,7 +217,7 @@ def test_evicted_adapters_come_back_with_weights_grads_and_adam_state(tiny_model
     for engine in (limited, unlimited):
         for round_ in range(3):  # every cycle touches two adapters; the others wait offloaded
             for a, b in zip(items[::2], items[1::2]):
-                engine.run_cycle([a, b], [trainer_pb2.OptimStepItem(training_run_id=a.training_run_id, adam_params=ADAM)])
+                engine.run_cycle([a, b], [OptimStepItem(a.run_id, ADAM)])
             engine.run_cycle([items[-1]], [])  # leaves gradients pending on an adapter that gets evicted
     assert len(limited.host.resident()) == 2
     evicted = [a.offloaded for a in limited.host.adapters.values() if a.offloaded is not None]

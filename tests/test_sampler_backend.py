@@ -1,11 +1,18 @@
 """The torch sampler backend in-process: mixed-adapter batches equal per-adapter decoding,
-sampling options behave, and prompt logprobs match a direct computation."""
+sampling options behave, and prompt logprobs match a direct computation. Also the sampler's
+protobuf conversion and its metrics, through the servicer without a server."""
+
+import asyncio
 
 import numpy as np
 import pytest
 import torch
 
+from temper.common.codec import decode_array, decode_floats, decode_tokens, encode_tokens
 from temper.common.errors import InvalidArgument, NotFound
+from temper.services.sampler import convert
+from temper.services.sampler.servicer import SamplerServicer
+from temper.v1 import sampler_pb2, types_pb2
 from temper.services.lora.model import AdapterSpec, LoraModel
 from temper.services.models.loading import load_model
 from temper.services.sampler.backend import SampleRequest, SamplingOptions
@@ -43,7 +50,7 @@ def test_mixed_adapter_batch_matches_one_request_at_a_time(backend):
                 for key, n, samples in [("x", 5, 2), (None, 9, 1), ("y", 3, 1), ("z", 12, 2), ("x", 7, 1)]]
     batched = backend.sample_batch(requests)
     for request, got in zip(requests, batched):
-        want = backend.sample(request.adapter_id, request.prompt, request.num_samples, request.options, True)
+        want = backend.sample(request.checkpoint_key, request.prompt, request.num_samples, request.options, True)
         for g, w in zip(got.sequences, want.sequences):
             assert g.tokens == w.tokens
             np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
@@ -110,3 +117,49 @@ def test_top_k_logprobs_and_the_logprob_mode(backend):
     want_processed = (logits / 0.5).log_softmax(-1)[positions, targets].numpy()
     np.testing.assert_allclose(raw.logprobs, want_raw, atol=1e-4)
     np.testing.assert_allclose(processed.logprobs, want_processed, atol=1e-4)
+
+
+def test_sampling_params_convert_and_are_checked():
+    params = types_pb2.SamplingParams(max_tokens=5, seed=3, temperature=0.5, top_k=-1, top_p=1.0, stop_strings=["\n"],
+                                      stop_token_ids=encode_tokens([7, 9]))
+    assert convert.sampling_options_from_pb(params, 512) == SamplingOptions(
+        max_tokens=5, seed=3, temperature=0.5, top_k=0, top_p=1.0, stop_strings=("\n",), stop_token_ids=(7, 9))
+    assert convert.sampling_options_from_pb(types_pb2.SamplingParams(max_tokens=1), 512).seed is None
+    for bad, match in [(dict(max_tokens=0), "max_tokens"), (dict(max_tokens=1, temperature=-1), "temperature"),
+                       (dict(max_tokens=1, top_p=1.5), "top_p"), (dict(max_tokens=1, stop_token_ids=encode_tokens([512])), "stop")]:
+        with pytest.raises(InvalidArgument, match=match):
+            convert.sampling_options_from_pb(types_pb2.SamplingParams(**bad), 512)
+
+
+def test_sample_through_the_servicer_converts_and_counts(backend, tmp_path):
+    from prometheus_client import REGISTRY
+
+    def value(name):
+        return REGISTRY.get_sample_value(name) or 0.0
+
+    names = ["temper_sampler_tokens_sampled_total", "temper_sampler_batch_sequences_count", "temper_sampler_batch_sequences_sum",
+             "temper_sampler_sample_seconds_count"]
+    before = {n: value(n) for n in names}
+    servicer = SamplerServicer(backend, tmp_path, max_num_samples=4)
+    prompt = [9, 10, 11]
+    request = sampler_pb2.SamplerSampleRequest(
+        checkpoint_key="z", prompt_tokens=encode_tokens(prompt), num_samples=2, include_prompt_logprobs=True, topk_logprobs=2,
+        sampling_params=types_pb2.SamplingParams(max_tokens=6, temperature=0.0, stop_disabled=True))
+    response = asyncio.run(servicer.Sample(request, None))
+    want = backend.sample_batch([SampleRequest("z", np.array(prompt, np.int32), 2, GREEDY, True, 2)])[0]
+    assert len(response.sequences) == 2
+    for seq, expected in zip(response.sequences, want.sequences):
+        assert decode_tokens(seq.tokens).tolist() == expected.tokens[:6] and seq.stop_reason == types_pb2.STOP_REASON_LENGTH
+        np.testing.assert_allclose(decode_floats(seq.logprobs), expected.logprobs[:6], atol=1e-5)
+        assert seq.topk == 2 and decode_tokens(seq.topk_token_ids).reshape(-1, 2)[:, 0].tolist() == expected.tokens[:6]
+    np.testing.assert_allclose(decode_array(response.prompt_logprobs), want.prompt_logprobs, atol=1e-6, equal_nan=True)
+    moved = {n: value(n) - before[n] for n in names}
+    assert moved["temper_sampler_tokens_sampled_total"] == 12  # 2 sequences x 6 tokens
+    assert moved["temper_sampler_batch_sequences_count"] == 1 and moved["temper_sampler_batch_sequences_sum"] == 2
+    assert moved["temper_sampler_sample_seconds_count"] == 1
+    with pytest.raises(InvalidArgument, match="num_samples"):
+        asyncio.run(servicer.Sample(sampler_pb2.SamplerSampleRequest(prompt_tokens=encode_tokens(prompt), num_samples=5,
+                                                                     sampling_params=request.sampling_params), None))
+    assert REGISTRY.get_sample_value("temper_sampler_errors_total", {"rpc": "Sample", "code": "INVALID_ARGUMENT"}) >= 1
+    info = asyncio.run(servicer.GetModelInfo(None, None))
+    assert list(info.loaded_adapters) == ["x", "y", "z"] and info.backend == "torch"

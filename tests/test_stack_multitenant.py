@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from fixtures_stack import sft_datum
+from fixtures_stack import request_rows, sft_datum
 from temper.client import AdamParams, ModelInput, SamplingParams, ServiceClient, convert
 from temper.v1 import service_pb2, service_pb2_grpc
 
@@ -75,7 +75,7 @@ def tight_stack(tiny_model_dir, postgres_url, tmp_path_factory):
         yield local
 
 
-def test_full_queue_answers_resource_exhausted_and_the_client_retries(tight_stack, tiny_model_dir):
+def test_full_queue_answers_resource_exhausted_and_the_client_retries(tight_stack, tiny_model_dir, postgres_url):
     with ServiceClient(tight_stack.address, tenant="alice") as client:
         assert client.get_usage()["weight"] == 2.0
         run = client.create_lora_training_client(tiny_model_dir, rank=4, seed=1)
@@ -88,7 +88,10 @@ def test_full_queue_answers_resource_exhausted_and_the_client_retries(tight_stac
         # Parked behind the missing seq 1, three requests count against their run only: more than the
         # scheduler-wide and per-tenant limits (2), but not more than the run's (3).
         waiting = [stub.ForwardBackward.future(fb(seq)) for seq in (2, 3, 4)]
-        time.sleep(1.0)
+        deadline = time.monotonic() + 60
+        while [row[0] for row in request_rows(postgres_url, run.model_id)] != [2, 3, 4]:  # all three admitted
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         with pytest.raises(grpc.RpcError) as err:
             stub.ForwardBackward(fb(5))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

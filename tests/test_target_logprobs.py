@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from temper.services.trainer.engine import default_logprob_chunk_tokens
+from temper.services.trainer.numerics import default_logprob_chunk_tokens
 from temper.services.trainer.target_logprobs import target_logprobs
 
 

@@ -1,31 +1,57 @@
-"""The trainer engine against a direct torch computation, on the tiny model (no network)."""
+"""The trainer engine against a direct torch computation, on the tiny model (no network).
+
+The engine takes domain objects; tests of wire payloads go through ``convert`` as the servicer does."""
+
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
-from temper.common.codec import encode_array, encode_tokens
+from temper.common.codec import decode_array, encode_array, encode_tokens
 from temper.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from temper.common.validation import DecodedDatum
+from temper.services.lora.model import AdapterSpec
 from temper.services.models.loading import load_model
-from temper.services.trainer.engine import TrainerEngine
+from temper.services.trainer import convert
+from temper.services.trainer.adapters import lora_targets
+from temper.services.trainer.engine import AdamParams, ForwardBackwardItem, OptimStepItem, TrainerEngine
 from temper.services.trainer.settings import TrainerSettings
 from temper.v1 import trainer_pb2, types_pb2
 
-LORA = types_pb2.LoraConfig(rank=4, train_attn=True, train_mlp=True, train_unembed=True, seed=3)
+SPEC = AdapterSpec(rank=4, alpha=32.0, targets=lora_targets(attn=True, mlp=True, unembed=True))
+
+
+def sft(tokens, weights) -> DecodedDatum:
+    """A next-token datum: inputs tokens[:-1], targets tokens[1:]."""
+    return DecodedDatum(tokens=np.asarray(tokens[:-1], np.int32),
+                        inputs={"target_tokens": np.asarray(tokens[1:], np.int64), "weights": np.asarray(weights, np.float32)})
+
+
+def fb(run_id, data, **kwargs) -> ForwardBackwardItem:
+    return ForwardBackwardItem(run_id=run_id, data=list(data), **kwargs)
 
 
 def datum(tokens, weights, dtype_t="int64", dtype_w="float32"):
+    """The same datum as it arrives on the wire."""
     return types_pb2.Datum(
         model_input=types_pb2.ModelInput(chunks=[types_pb2.ModelInputChunk(encoded_text=types_pb2.EncodedTextChunk(tokens=encode_tokens(tokens[:-1])))]),
         loss_fn_inputs={"target_tokens": encode_array(np.asarray(tokens[1:]), dtype_t), "weights": encode_array(np.asarray(weights), dtype_w)},
     )
 
 
+def run_wire(engine, forward_backward, optim_step=()):
+    """A cycle as the servicer runs it: decode and check, then the engine."""
+    request = trainer_pb2.CycleRequest(forward_backward=forward_backward, optim_step=optim_step)
+    return engine.run_cycle(*convert.cycle_from_pb(request, engine.loaded.vocab_size, engine.loaded.max_context_length))
+
+
 @pytest.fixture
 def engine(tiny_model_dir, tmp_path):
     settings = TrainerSettings(checkpoint_dir=tmp_path / "ckpt", logprob_chunk_tokens=5, max_tokens_per_microbatch=24)
     eng = TrainerEngine(load_model(tiny_model_dir), settings)
-    eng.host.create("run-a", LORA)
+    eng.create_adapter("run-a", SPEC, seed=3)
     return eng
 
 
@@ -61,7 +87,7 @@ def direct(engine, raw):
 
 def test_cross_entropy_matches_direct_torch(engine):
     raw = random_data(n=4)
-    item = trainer_pb2.ForwardBackwardItem(training_run_id="run-a", data=[datum(t, w) for t, w in raw], loss_fn="cross_entropy")
+    item = fb("run-a", [sft(t, w) for t, w in raw])
     want_loss, want_lp, want_grads = direct(engine, raw)
     (result,), _ = engine.run_cycle([item], [])
     assert result.metrics["loss:sum"] == pytest.approx(want_loss, rel=1e-5, abs=1e-4)
@@ -76,11 +102,11 @@ def test_cross_entropy_matches_direct_torch(engine):
 
 def test_gradients_accumulate_until_optim_step_and_forward_only_touches_nothing(engine):
     raw = random_data(n=2, seed=1)
-    item = trainer_pb2.ForwardBackwardItem(training_run_id="run-a", data=[datum(t, w) for t, w in raw], loss_fn="cross_entropy")
+    item = fb("run-a", [sft(t, w) for t, w in raw])
     engine.run_cycle([item], [])
     adapter = engine.host.get("run-a")
     once = {n: p.grad.clone() for n, p in adapter.params.items()}
-    forward = trainer_pb2.ForwardBackwardItem(training_run_id="run-a", data=item.data, loss_fn="cross_entropy", forward_only=True)
+    forward = fb("run-a", item.data, forward_only=True)
     engine.run_cycle([forward], [])
     for n, p in adapter.params.items():
         assert torch.equal(p.grad, once[n])
@@ -88,7 +114,7 @@ def test_gradients_accumulate_until_optim_step_and_forward_only_touches_nothing(
     for n, p in adapter.params.items():
         torch.testing.assert_close(p.grad, 2 * once[n])
     before = {n: p.detach().clone() for n, p in adapter.params.items()}
-    _, (metrics,) = engine.run_cycle([], [trainer_pb2.OptimStepItem(training_run_id="run-a", adam_params=types_pb2.AdamParams(learning_rate=1e-3, beta1=0.9, beta2=0.95, eps=1e-8))])
+    _, (metrics,) = engine.run_cycle([], [OptimStepItem("run-a", AdamParams(learning_rate=1e-3, beta1=0.9, beta2=0.95, eps=1e-8))])
     assert metrics["step:max"] == 1
     assert all(p.grad is None for p in adapter.params.values())
     assert any(not torch.equal(p, before[n]) for n, p in adapter.params.items())
@@ -97,7 +123,7 @@ def test_gradients_accumulate_until_optim_step_and_forward_only_touches_nothing(
 def test_optim_step_matches_torch_adamw(engine):
     adapter = engine.host.get("run-a")
     raw = random_data(n=2, seed=2)
-    item = trainer_pb2.ForwardBackwardItem(training_run_id="run-a", data=[datum(t, w) for t, w in raw], loss_fn="cross_entropy")
+    item = fb("run-a", [sft(t, w) for t, w in raw])
     engine.run_cycle([item], [])
     params = {n: p.detach().clone().requires_grad_(True) for n, p in adapter.params.items()}
     for n, p in params.items():
@@ -105,8 +131,8 @@ def test_optim_step_matches_torch_adamw(engine):
     reference = torch.optim.AdamW(list(params.values()), lr=1e-2, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1)
     torch.nn.utils.clip_grad_norm_(list(params.values()), 0.5)
     reference.step()
-    adam = types_pb2.AdamParams(learning_rate=1e-2, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.1, grad_clip_norm=0.5)
-    engine.run_cycle([], [trainer_pb2.OptimStepItem(training_run_id="run-a", adam_params=adam)])
+    adam = AdamParams(learning_rate=1e-2, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.1, grad_clip_norm=0.5)
+    engine.run_cycle([], [OptimStepItem("run-a", adam)])
     for n, p in adapter.params.items():
         torch.testing.assert_close(p.detach(), params[n].detach(), atol=1e-7, rtol=1e-6)
 
@@ -124,13 +150,13 @@ def test_optim_step_matches_torch_adamw(engine):
 )
 def test_rejected_cycle_changes_nothing(engine, make_item, error, match):
     good = trainer_pb2.ForwardBackwardItem(training_run_id="run-a", data=[datum([5, 6, 7, 8], [1, 1, 1])], loss_fn="cross_entropy")
-    engine.run_cycle([good], [])
+    run_wire(engine, [good])
     adapter = engine.host.get("run-a")
     grads = {n: p.grad.clone() for n, p in adapter.params.items()}
     weights = {n: p.detach().clone() for n, p in adapter.params.items()}
     step = trainer_pb2.OptimStepItem(training_run_id="run-a", adam_params=types_pb2.AdamParams(learning_rate=1.0, eps=1e-8))
     with pytest.raises(error, match=match):
-        engine.run_cycle([good, make_item()], [step])  # the good item and the step must not run either
+        run_wire(engine, [good, make_item()], [step])  # the good item and the step must not run either
     for n, p in adapter.params.items():
         assert torch.equal(p.grad, grads[n]) and torch.equal(p.detach(), weights[n])
     assert adapter.steps == 0
@@ -141,8 +167,8 @@ def test_save_and_load_round_trip_with_optimizer(engine, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     raw = random_data(n=2, seed=4)
-    item = trainer_pb2.ForwardBackwardItem(training_run_id="run-a", data=[datum(t, w) for t, w in raw], loss_fn="cross_entropy")
-    step = trainer_pb2.OptimStepItem(training_run_id="run-a", adam_params=types_pb2.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8))
+    item = fb("run-a", [sft(t, w) for t, w in raw])
+    step = OptimStepItem("run-a", AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8))
     engine.run_cycle([item], [step])
     engine.save("run-a", "run-a/weights/s1", include_optimizer=True)
     # peft loads the folder unchanged and gives the same outputs
@@ -151,10 +177,10 @@ def test_save_and_load_round_trip_with_optimizer(engine, tiny_model_dir):
     with torch.no_grad(), engine.lora.route([("run-a", None)]):
         torch.testing.assert_close(peft_model(input_ids=ids).logits, engine.loaded.model(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
     # a second run loads the state and then steps exactly like the first
-    engine.host.create("run-b", LORA)
+    engine.create_adapter("run-b", SPEC, seed=3)
     engine.load("run-b", "run-a/weights/s1", with_optimizer=True)
-    for_b = trainer_pb2.ForwardBackwardItem(training_run_id="run-b", data=item.data, loss_fn="cross_entropy")
-    step_b = trainer_pb2.OptimStepItem(training_run_id="run-b", adam_params=step.adam_params)
+    for_b = fb("run-b", item.data)
+    step_b = OptimStepItem("run-b", step.adam)
     engine.run_cycle([item], [step])
     engine.run_cycle([for_b], [step_b])
     a, b = engine.host.get("run-a"), engine.host.get("run-b")
@@ -163,8 +189,8 @@ def test_save_and_load_round_trip_with_optimizer(engine, tiny_model_dir):
     assert a.steps == b.steps == 2
 
 
-def adapter_state(engine, adapter_id):
-    adapter = engine.host.get(adapter_id)
+def adapter_state(engine, run_id):
+    adapter = engine.host.get(run_id)
     params = {n: p.detach().clone() for n, p in adapter.params.items()}
     grads = {n: None if p.grad is None else p.grad.clone() for n, p in adapter.params.items()}
     adam = {n: {k: v.clone() for k, v in adapter.optimizer.state[p].items()} for n, p in adapter.params.items()
@@ -186,28 +212,131 @@ def assert_same_state(a, b):
 
 
 def test_a_re_sent_cycle_is_answered_from_memory_and_applied_once(engine):
-    engine.host.create("run-b", types_pb2.LoraConfig(rank=2, train_attn=True, seed=4))
-    adam = types_pb2.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8)
-    fb = [trainer_pb2.ForwardBackwardItem(training_run_id="run-a", data=[datum(t, w) for t, w in random_data(2, seed=1)],
-                                          loss_fn="cross_entropy", seq_id=1)]
-    step = [trainer_pb2.OptimStepItem(training_run_id="run-a", adam_params=adam, seq_id=2)]
-    results, metrics = engine.run_cycle(fb, step)
+    engine.create_adapter("run-b", AdapterSpec(rank=2, alpha=32.0, targets=lora_targets(attn=True)), seed=4)
+    adam = AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8)
+    items = [fb("run-a", [sft(t, w) for t, w in random_data(2, seed=1)], seq_id=1)]
+    step = [OptimStepItem("run-a", adam, seq_id=2)]
+    results, metrics = engine.run_cycle(items, step)
     after = adapter_state(engine, "run-a")
 
     # the same cycle again, as a restarted scheduler would send it, plus new work of another run
-    other = trainer_pb2.ForwardBackwardItem(training_run_id="run-b", data=[datum(t, w) for t, w in random_data(1, seed=2)],
-                                            loss_fn="cross_entropy", seq_id=1)
-    again, metrics_again = engine.run_cycle(fb + [other], step)
+    other = fb("run-b", [sft(t, w) for t, w in random_data(1, seed=2)], seq_id=1)
+    again, metrics_again = engine.run_cycle(items + [other], step)
     assert again[0] is results[0] and metrics_again == metrics  # the first answers, not a recomputation
     assert_same_state(adapter_state(engine, "run-a"), after)  # no second gradient, no second step
     assert engine.host.get("run-b").applied_seq == 1 and again[1].metrics["loss:sum"] != 0.0
 
     # a newer seq runs as usual; one applied so long ago that its answer is gone is refused
-    newer = trainer_pb2.ForwardBackwardItem(training_run_id="run-a", data=fb[0].data, loss_fn="cross_entropy", seq_id=3)
+    newer = fb("run-a", items[0].data, seq_id=3)
     (fresh,), _ = engine.run_cycle([newer], [])
     assert engine.host.get("run-a").applied_seq == 3 and engine.host.get("run-a").pending_tokens > 0
     engine.host.get("run-a").answers.pop(1)
     before = adapter_state(engine, "run-a")
     with pytest.raises(FailedPrecondition, match="no longer held"):
-        engine.run_cycle(fb, [])
+        engine.run_cycle(items, [])
     assert_same_state(adapter_state(engine, "run-a"), before)
+
+
+def test_a_cycle_naming_an_unknown_run_runs_nothing(engine):
+    engine.run_cycle([fb("run-a", [sft([5, 6, 7, 8], [1, 1, 1])])], [])
+    before = adapter_state(engine, "run-a")
+    good = fb("run-a", [sft(t, w) for t, w in random_data(2, seed=5)])
+    with pytest.raises(NotFound, match="not loaded"):
+        engine.run_cycle([good, fb("missing", good.data)], [OptimStepItem("run-a", AdamParams(learning_rate=1.0))])
+    assert_same_state(adapter_state(engine, "run-a"), before)
+    assert engine.host.get("run-a").pending_tokens == 3
+
+
+def test_cycle_protobuf_round_trip(engine):
+    raw = random_data(n=2, seed=6)
+    request = trainer_pb2.CycleRequest(
+        forward_backward=[trainer_pb2.ForwardBackwardItem(training_run_id="run-a", data=[datum(t, w) for t, w in raw],
+                                                          loss_fn="cross_entropy", seq_id=4)],
+        optim_step=[trainer_pb2.OptimStepItem(training_run_id="run-a", seq_id=5, adam_params=types_pb2.AdamParams(
+            learning_rate=1e-3, beta1=0.8, beta2=0.9, eps=1e-7, weight_decay=0.1, grad_clip_norm=2.0))])
+    (item,), (step,) = convert.cycle_from_pb(request, engine.loaded.vocab_size)
+    assert (item.run_id, item.seq_id, item.loss_fn, item.forward_only) == ("run-a", 4, "cross_entropy", False)
+    for got, (tokens, weights) in zip(item.data, raw):
+        np.testing.assert_array_equal(got.tokens, tokens[:-1])
+        np.testing.assert_array_equal(got.inputs["target_tokens"], tokens[1:])
+        np.testing.assert_array_equal(got.inputs["weights"], weights)
+    assert step == OptimStepItem("run-a", AdamParams(1e-3, 0.8, 0.9, 1e-7, 0.1, 2.0), seq_id=5)
+    results, steps = engine.run_cycle([item], [step])
+    response = convert.cycle_to_pb(results, steps)
+    (out,), (step_out,) = response.forward_backward, response.optim_step
+    assert dict(out.metrics) == results[0].metrics and dict(step_out.metrics) == steps[0]
+    for wire, lp, loss in zip(out.loss_fn_outputs, results[0].logprobs, results[0].elementwise_loss):
+        np.testing.assert_array_equal(decode_array(wire.fields["logprobs"]), lp)
+        np.testing.assert_array_equal(decode_array(wire.fields["elementwise_loss"]), loss)
+    with pytest.raises(InvalidArgument, match="eps"):
+        convert.adam_from_pb(types_pb2.AdamParams(learning_rate=1e-3))
+
+
+def test_lora_config_converts_to_an_adapter_spec():
+    spec, seed = convert.adapter_from_pb(types_pb2.LoraConfig(rank=8, train_mlp=True, train_unembed=True, seed=5), 32.0)
+    assert spec == AdapterSpec(rank=8, alpha=32.0, targets=("down_proj", "gate_proj", "lm_head", "up_proj")) and seed == 5
+    assert convert.adapter_from_pb(types_pb2.LoraConfig(rank=2, alpha=4, train_attn=True, dropout=0.1), 32.0) == (
+        AdapterSpec(rank=2, alpha=4.0, targets=("k_proj", "o_proj", "q_proj", "v_proj"), dropout=pytest.approx(0.1)), None)
+    for bad, match in [(dict(rank=0, train_attn=True), "rank"), (dict(rank=2), "trains nothing"),
+                       (dict(rank=2, train_attn=True, dropout=1.0), "dropout")]:
+        with pytest.raises(InvalidArgument, match=match):
+            convert.adapter_from_pb(types_pb2.LoraConfig(**bad), 32.0)
+
+
+def test_metrics_move_by_what_the_cycle_did(engine):
+    from prometheus_client import REGISTRY
+
+    def value(name, **labels):
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    names = ["temper_trainer_tokens_trained_total", "temper_trainer_tokens_forward_total", "temper_trainer_cycles_total",
+             "temper_trainer_optim_steps_total", "temper_trainer_cycle_seconds_count"]
+    before = {n: value(n) for n in names}
+    passes_before = value("temper_trainer_pass_seconds_count", kind="forward_backward")
+    raw = random_data(n=3, seed=7)
+    train = fb("run-a", [sft(t, w) for t, w in raw])
+    forward = fb("run-a", [sft(t, w) for t, w in raw[:2]], forward_only=True)
+    engine.create_adapter("run-b", SPEC, seed=1)
+    engine.run_cycle([train, forward], [OptimStepItem("run-a", AdamParams(learning_rate=1e-3))])
+    moved = {n: value(n) - before[n] for n in names}
+    assert moved["temper_trainer_tokens_trained_total"] == sum(len(t) - 1 for t, _ in raw)
+    assert moved["temper_trainer_tokens_forward_total"] == sum(len(t) - 1 for t, _ in raw[:2])
+    assert moved["temper_trainer_cycles_total"] == moved["temper_trainer_cycle_seconds_count"] == 1
+    assert moved["temper_trainer_optim_steps_total"] == 1
+    assert value("temper_trainer_pass_seconds_count", kind="forward_backward") > passes_before
+    assert value("temper_trainer_resident_adapters") == 2 and value("temper_trainer_offloaded_adapters") == 0
+    assert value("temper_trainer_rss_bytes") > 0
+    engine.drop_adapter("run-b")
+    assert value("temper_trainer_resident_adapters") == 1
+
+
+def test_the_engine_imports_no_protobuf():
+    # the engine is transport-free: convert.py is the only trainer module that knows temper.v1
+    code = ("import sys, temper.services.trainer.engine, temper.services.trainer.numerics, temper.services.sampler.torch_backend\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('temper.v1', 'google.protobuf'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_the_servicer_decodes_runs_encodes_and_counts_errors(engine):
+    import asyncio
+
+    from prometheus_client import REGISTRY
+
+    from temper.services.trainer.servicer import TrainerServicer
+
+    servicer = TrainerServicer(engine)
+    raw = random_data(n=2, seed=8)
+    item = trainer_pb2.ForwardBackwardItem(training_run_id="run-a", data=[datum(t, w) for t, w in raw], loss_fn="cross_entropy")
+    want = direct(engine, raw)[0]
+    response = asyncio.run(servicer.RunCycle(trainer_pb2.CycleRequest(forward_backward=[item]), None))
+    assert response.forward_backward[0].metrics["loss:sum"] == pytest.approx(want, rel=1e-5, abs=1e-4)
+    labels = {"rpc": "RunCycle", "code": "NOT_FOUND"}
+    before = REGISTRY.get_sample_value("temper_trainer_errors_total", labels) or 0.0
+    missing = trainer_pb2.ForwardBackwardItem(training_run_id="missing", data=item.data, loss_fn="cross_entropy")
+    with pytest.raises(NotFound):
+        asyncio.run(servicer.RunCycle(trainer_pb2.CycleRequest(forward_backward=[missing]), None))
+    assert REGISTRY.get_sample_value("temper_trainer_errors_total", labels) == before + 1
+    asyncio.run(servicer.CreateAdapter(trainer_pb2.CreateAdapterRequest(
+        training_run_id="run-c", lora_config=types_pb2.LoraConfig(rank=2, train_mlp=True)), None))
+    assert engine.host.get("run-c").spec == AdapterSpec(rank=2, alpha=32.0, targets=lora_targets(mlp=True))

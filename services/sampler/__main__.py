@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from temper.common.server import build_server, configure_logging, mark_serving
+from temper.common.logs import configure_logging
+from temper.common.metrics import ready_line, serve_metrics
+from temper.common.server import build_server, mark_serving
 from temper.services.models.loading import load_model
 from temper.services.sampler.servicer import SamplerServicer
 from temper.services.sampler.settings import SamplerSettings
@@ -21,16 +23,18 @@ async def serve(settings: SamplerSettings) -> None:
     backend = TorchSamplerBackend(loaded, settings.device)
     servicer = SamplerServicer(backend, settings.adapter_dir, settings.max_num_samples)
     server, port, health = build_server([(sampler_pb2_grpc.add_SamplerServicer_to_server, servicer, SERVICE)], settings.bind)
+    metrics_port = serve_metrics(settings.metrics_bind)
     await server.start()
     await mark_serving(health, [SERVICE])
     log.info("sampler (%s backend) for %s listening on port %d", backend.name, loaded.name, port)
-    print(f"TEMPER_READY sampler port={port}", flush=True)
+    print(ready_line("sampler", port, metrics_port), flush=True)
     await server.wait_for_termination()
 
 
 def main() -> None:
     settings = SamplerSettings()
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_format)
+    log.info("settings: %s", settings.model_dump_json())
     asyncio.run(serve(settings))
 
 

@@ -1,5 +1,9 @@
 """The sampler backend interface. The torch backend implements it for CPU/GPU development; an
-SGLang backend (its HTTP server with --enable-lora) will implement the same methods."""
+SGLang backend (its HTTP server with --enable-lora) will implement the same methods.
+
+Transport-free (``convert.py`` maps protobuf onto these types). A sampler serves the base model
+plus the LoRA weights of saved checkpoints, each loaded under its checkpoint key
+("<run>/sampler_weights/<name>"); a key of None means the base model."""
 
 from __future__ import annotations
 
@@ -8,10 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
-from temper.common.codec import decode_tokens
-from temper.common.errors import InvalidArgument
-from temper.v1 import types_pb2
 
 
 @dataclass(frozen=True)
@@ -25,23 +25,6 @@ class SamplingOptions:
     stop_token_ids: tuple[int, ...] = ()
     stop_disabled: bool = False
     processed_logprobs: bool = False
-
-    @classmethod
-    def from_proto(cls, p: types_pb2.SamplingParams, vocab_size: int) -> "SamplingOptions":
-        if p.max_tokens <= 0:
-            raise InvalidArgument(f"max_tokens must be positive, got {p.max_tokens}")
-        if p.temperature < 0 or not np.isfinite(p.temperature):
-            raise InvalidArgument(f"temperature must be >= 0, got {p.temperature}")
-        if not 0 <= p.top_p <= 1:
-            raise InvalidArgument(f"top_p must be in [0, 1], got {p.top_p}")
-        stop_ids = tuple(int(t) for t in decode_tokens(p.stop_token_ids))
-        if any(t < 0 or t >= vocab_size for t in stop_ids):
-            raise InvalidArgument(f"stop token ids must be in [0, {vocab_size})")
-        return cls(
-            max_tokens=p.max_tokens, seed=p.seed if p.HasField("seed") else None, temperature=p.temperature,
-            top_k=max(p.top_k, 0), top_p=p.top_p if 0 < p.top_p < 1 else 1.0, stop_strings=tuple(p.stop_strings),
-            stop_token_ids=stop_ids, stop_disabled=p.stop_disabled, processed_logprobs=p.processed_logprobs,
-        )
 
 
 @dataclass
@@ -61,7 +44,7 @@ class SampleResult:
 
 @dataclass
 class SampleRequest:
-    adapter_id: str | None
+    checkpoint_key: str | None
     prompt: np.ndarray
     num_samples: int
     options: SamplingOptions
@@ -75,7 +58,7 @@ class ModelDescription:
     tokenizer_id: str
     vocab_size: int
     max_context_length: int
-    loaded_adapters: list[str] = field(default_factory=list)
+    loaded_checkpoints: list[str] = field(default_factory=list)   # checkpoint keys
 
 
 class SamplerBackend(abc.ABC):
@@ -85,22 +68,22 @@ class SamplerBackend(abc.ABC):
     def describe(self) -> ModelDescription: ...
 
     @abc.abstractmethod
-    def load_adapter(self, adapter_id: str, folder: Path) -> None:
-        """Load (or replace) a peft adapter folder under ``adapter_id``."""
+    def load_adapter(self, checkpoint_key: str, folder: Path) -> None:
+        """Load (or replace) the peft adapter folder of a checkpoint under ``checkpoint_key``."""
 
     @abc.abstractmethod
-    def drop_adapter(self, adapter_id: str) -> None: ...
+    def drop_adapter(self, checkpoint_key: str) -> None: ...
 
     @abc.abstractmethod
     def sample(
-        self, adapter_id: str | None, prompt: np.ndarray, num_samples: int, options: SamplingOptions, prompt_logprobs: bool
+        self, checkpoint_key: str | None, prompt: np.ndarray, num_samples: int, options: SamplingOptions, prompt_logprobs: bool
     ) -> SampleResult: ...
 
     def sample_batch(self, requests: list[SampleRequest]) -> list[SampleResult]:
         """Serve several requests (possibly for different adapters) together; backends that can
         decode them in one batch override this."""
-        return [self.sample(r.adapter_id, r.prompt, r.num_samples, r.options, r.prompt_logprobs) for r in requests]
+        return [self.sample(r.checkpoint_key, r.prompt, r.num_samples, r.options, r.prompt_logprobs) for r in requests]
 
     @abc.abstractmethod
-    def compute_logprobs(self, adapter_id: str | None, prompt: np.ndarray) -> np.ndarray:
+    def compute_logprobs(self, checkpoint_key: str | None, prompt: np.ndarray) -> np.ndarray:
         """float32 log p(prompt[i] | prompt[:i]) for each position, NaN at position 0."""

@@ -1,21 +1,35 @@
-"""gRPC face of the sampler: adapters arrive as streams of file chunks; sampling runs on one
-compute thread."""
+"""gRPC face of the sampler: checkpoints' adapters arrive as streams of file chunks; requests are
+decoded by ``convert`` and sampled on one compute thread, batched with whatever else is waiting."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import shutil
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from temper.common.codec import decode_tokens, encode_array, encode_floats, encode_tokens
-from temper.common.errors import InvalidArgument
-from temper.services.sampler.backend import SampleRequest, SampleResult, SamplerBackend, SamplingOptions
 from temper.common.checkpoints import WEIGHT_FILES
-from temper.v1 import sampler_pb2, sampler_pb2_grpc, types_pb2
+from temper.common.errors import InvalidArgument, TemperError
+from temper.services.sampler import convert, metrics
+from temper.services.sampler.backend import SampleRequest, SampleResult, SamplerBackend
+from temper.v1 import sampler_pb2, sampler_pb2_grpc
 
-_STOP_REASONS = {"stop": types_pb2.STOP_REASON_STOP, "length": types_pb2.STOP_REASON_LENGTH}
+
+def _counted(method):
+    """Count the RPC's failures by the status the error interceptor will send."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except Exception as exc:
+            metrics.ERRORS.labels(method.__name__, exc.code.name if isinstance(exc, TemperError) else "INTERNAL").inc()
+            raise
+
+    return wrapper
 
 
 class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
@@ -33,19 +47,16 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 
     async def GetModelInfo(self, request, context):
-        d = self.backend.describe()
-        return sampler_pb2.SamplerModelInfo(
-            base_model=d.base_model, tokenizer_id=d.tokenizer_id, vocab_size=d.vocab_size,
-            max_context_length=d.max_context_length, backend=self.backend.name, loaded_adapters=d.loaded_adapters,
-        )
+        return convert.model_info_to_pb(self.backend.describe(), self.backend.name)
 
+    @_counted
     async def PushAdapter(self, request_iterator, context):
         staging = Path(tempfile.mkdtemp(dir=self.adapter_dir, prefix=".push-"))
-        adapter_id, received, handles = None, 0, {}
+        checkpoint_key, received, handles = None, 0, {}
         try:
             async for message in request_iterator:
                 if message.WhichOneof("payload") == "checkpoint_key":
-                    adapter_id = message.checkpoint_key
+                    checkpoint_key = message.checkpoint_key
                     continue
                 chunk = message.file
                 if chunk.relative_path not in WEIGHT_FILES:
@@ -57,46 +68,38 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
                 received += len(chunk.data)
             for fh in handles.values():
                 fh.close()
-            if not adapter_id:
-                raise InvalidArgument("the first PushAdapter message must name the adapter")
+            if not checkpoint_key:
+                raise InvalidArgument("the first PushAdapter message must name the checkpoint")
             missing = [n for n in WEIGHT_FILES if not (staging / n).is_file()]
             if missing:
                 raise InvalidArgument(f"adapter push is missing {missing}")
-            await self._run(self.backend.load_adapter, adapter_id, staging)
+            await self._run(self.backend.load_adapter, checkpoint_key, staging)
         finally:
             for fh in handles.values():
                 fh.close()
             # weights are in memory now (or the push failed): the files are not needed either way
             shutil.rmtree(staging, ignore_errors=True)
+            self._count_adapters()
         return sampler_pb2.PushAdapterResponse(bytes_received=received)
 
+    @_counted
     async def DropAdapter(self, request, context):
-        await self._run(self.backend.drop_adapter, request.checkpoint_key)
+        try:
+            await self._run(self.backend.drop_adapter, request.checkpoint_key)
+        finally:
+            self._count_adapters()
         return sampler_pb2.SamplerDropAdapterResponse()
 
+    def _count_adapters(self) -> None:
+        metrics.RESIDENT_ADAPTERS.set(len(self.backend.describe().loaded_checkpoints))
+
+    @_counted
     async def Sample(self, request, context):
-        if not 1 <= request.num_samples <= self.max_num_samples:
-            raise InvalidArgument(f"num_samples must be in [1, {self.max_num_samples}], got {request.num_samples}")
-        options = SamplingOptions.from_proto(request.sampling_params, self.backend.describe().vocab_size)
-        prompt = decode_tokens(request.prompt_tokens)
-        vocab = self.backend.describe().vocab_size
-        if not 0 <= request.topk_logprobs <= min(vocab, 100):
-            raise InvalidArgument(f"topk_logprobs must be in [0, {min(vocab, 100)}], got {request.topk_logprobs}")
-        sample = SampleRequest(request.checkpoint_key or None, prompt, request.num_samples, options, request.include_prompt_logprobs,
-                               request.topk_logprobs)
+        start = time.perf_counter()
+        sample = convert.sample_request_from_pb(request, self.backend.describe().vocab_size, self.max_num_samples)
         result = await self._submit(sample)
-        response = types_pb2.SampleResponse()
-        for seq in result.sequences:
-            out = response.sequences.add(
-                stop_reason=_STOP_REASONS[seq.stop_reason], tokens=encode_tokens(seq.tokens), logprobs=encode_floats(seq.logprobs)
-            )
-            if seq.topk_ids is not None:
-                out.topk = request.topk_logprobs
-                out.topk_token_ids = encode_tokens([t for row in seq.topk_ids for t in row])
-                out.topk_logprobs = encode_floats([x for row in seq.topk_logprobs for x in row])
-        if result.prompt_logprobs is not None:
-            response.prompt_logprobs.CopyFrom(encode_array(result.prompt_logprobs, "float32"))
-        return response
+        metrics.SAMPLE_SECONDS.observe(time.perf_counter() - start)
+        return convert.sample_result_to_pb(result, request.topk_logprobs)
 
     async def _submit(self, request: SampleRequest) -> SampleResult:
         """Queue a request; requests that arrive while a batch decodes go together into the next."""
@@ -114,7 +117,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
                 batch.append(item)
                 rows += item[0].num_samples
             try:
-                results = await self._run(self.backend.sample_batch, [r for r, _ in batch])
+                results = await self._sample([r for r, _ in batch])
             except Exception:  # noqa: BLE001 - retry alone so one bad request fails only itself
                 results = None
             for k, (request, future) in enumerate(batch):
@@ -124,10 +127,17 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
                     future.set_result(results[k])
                     continue
                 try:
-                    future.set_result((await self._run(self.backend.sample_batch, [request]))[0])
+                    future.set_result((await self._sample([request]))[0])
                 except Exception as exc:  # noqa: BLE001 - delivered to that request's caller
                     future.set_exception(exc)
 
+    async def _sample(self, requests: list[SampleRequest]) -> list[SampleResult]:
+        results = await self._run(self.backend.sample_batch, requests)
+        metrics.BATCH_SEQUENCES.observe(sum(r.num_samples for r in requests))
+        metrics.TOKENS_SAMPLED.inc(sum(len(seq.tokens) for result in results for seq in result.sequences))
+        return results
+
+    @_counted
     async def ComputeLogprobs(self, request, context):
-        logprobs = await self._run(self.backend.compute_logprobs, request.checkpoint_key or None, decode_tokens(request.prompt_tokens))
-        return sampler_pb2.ComputeLogprobsResponseInternal(logprobs=encode_array(logprobs, "float32"))
+        checkpoint_key, prompt = convert.logprobs_request_from_pb(request)
+        return convert.logprobs_to_pb(await self._run(self.backend.compute_logprobs, checkpoint_key, prompt))

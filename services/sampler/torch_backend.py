@@ -1,6 +1,7 @@
 """Sampling with plain torch + transformers: a KV-cached decode loop we control, so we return
 per-token logprobs, honour top-k/top-p/stop rules, make seeds reproducible, and decode requests
-for different adapters together in one batch (rows routed to their adapter by the LoRA layer)."""
+for different checkpoints together in one batch (rows routed to their checkpoint's LoRA weights by
+the LoRA layer, which keys them by checkpoint key)."""
 
 from __future__ import annotations
 
@@ -56,33 +57,33 @@ class TorchSamplerBackend(SamplerBackend):
     def describe(self) -> ModelDescription:
         return ModelDescription(
             base_model=self.loaded.name, tokenizer_id=self.loaded.path, vocab_size=self.loaded.vocab_size,
-            max_context_length=self.loaded.max_context_length, loaded_adapters=sorted(self.lora.adapters),
+            max_context_length=self.loaded.max_context_length, loaded_checkpoints=sorted(self.lora.adapters),
         )
 
     # ---- adapters -----------------------------------------------------------------------------
 
-    def load_adapter(self, adapter_id: str, folder: Path) -> None:
+    def load_adapter(self, checkpoint_key: str, folder: Path) -> None:
         try:
             spec, weights = LoraModel.read(folder)
         except (ValueError, KeyError, OSError) as exc:
             raise InvalidArgument(f"not a peft LoRA adapter: {exc}") from None
-        if adapter_id in self.lora.adapters:
-            self.lora.remove(adapter_id)
+        if checkpoint_key in self.lora.adapters:
+            self.lora.remove(checkpoint_key)
         try:
-            self.lora.add(adapter_id, spec)
-            self.lora.load_weights(adapter_id, weights)
+            self.lora.add(checkpoint_key, spec)
+            self.lora.load_weights(checkpoint_key, weights)
         except ValueError as exc:
-            self.lora.remove(adapter_id) if adapter_id in self.lora.adapters else None
+            self.lora.remove(checkpoint_key) if checkpoint_key in self.lora.adapters else None
             raise InvalidArgument(str(exc)) from None
 
-    def drop_adapter(self, adapter_id: str) -> None:
-        if adapter_id not in self.lora.adapters:
-            raise NotFound(f"adapter {adapter_id} is not loaded on this sampler")
-        self.lora.remove(adapter_id)
+    def drop_adapter(self, checkpoint_key: str) -> None:
+        if checkpoint_key not in self.lora.adapters:
+            raise NotFound(f"checkpoint {checkpoint_key} is not loaded on this sampler")
+        self.lora.remove(checkpoint_key)
 
-    def _check(self, adapter_id: str | None, prompt: np.ndarray) -> None:
-        if adapter_id and adapter_id not in self.lora.adapters:
-            raise NotFound(f"adapter {adapter_id} is not loaded on this sampler")
+    def _check(self, checkpoint_key: str | None, prompt: np.ndarray) -> None:
+        if checkpoint_key and checkpoint_key not in self.lora.adapters:
+            raise NotFound(f"checkpoint {checkpoint_key} is not loaded on this sampler")
         if prompt.size == 0:
             raise InvalidArgument("prompt is empty")
         vocab = self.loaded.vocab_size
@@ -92,21 +93,21 @@ class TorchSamplerBackend(SamplerBackend):
     # ---- numerics -----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def compute_logprobs(self, adapter_id: str | None, prompt: np.ndarray) -> np.ndarray:
-        self._check(adapter_id, prompt)
+    def compute_logprobs(self, checkpoint_key: str | None, prompt: np.ndarray) -> np.ndarray:
+        self._check(checkpoint_key, prompt)
         ids = torch.from_numpy(prompt.astype(np.int64)).to(self.device)
-        with self.lora.route([(adapter_id, None)]):
+        with self.lora.route([(checkpoint_key, None)]):
             logits = self.loaded.model(input_ids=ids[None]).logits[0]
         return _prompt_logprobs(logits, ids)
 
-    def sample(self, adapter_id, prompt, num_samples, options, prompt_logprobs) -> SampleResult:
-        return self.sample_batch([SampleRequest(adapter_id, prompt, num_samples, options, prompt_logprobs)])[0]
+    def sample(self, checkpoint_key, prompt, num_samples, options, prompt_logprobs) -> SampleResult:
+        return self.sample_batch([SampleRequest(checkpoint_key, prompt, num_samples, options, prompt_logprobs)])[0]
 
     @torch.no_grad()
     def sample_batch(self, requests: list[SampleRequest]) -> list[SampleResult]:
         """Decode every sequence of every request in one left-padded, KV-cached batch."""
         for r in requests:
-            self._check(r.adapter_id, r.prompt)
+            self._check(r.checkpoint_key, r.prompt)
             if len(r.prompt) + r.options.max_tokens > self.loaded.max_context_length:
                 raise InvalidArgument(
                     f"prompt ({len(r.prompt)}) + max_tokens ({r.options.max_tokens}) exceeds the context length "
@@ -130,7 +131,7 @@ class TorchSamplerBackend(SamplerBackend):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         groups: dict[str | None, list[int]] = {}
         for state in live:
-            groups.setdefault(state.request.adapter_id, []).extend(state.rows)
+            groups.setdefault(state.request.checkpoint_key, []).extend(state.rows)
         routing = [(key, torch.tensor(rows, device=self.device)) for key, rows in groups.items()]
         model = self.loaded.model
         steps = max(r.options.max_tokens for r in requests)

@@ -13,6 +13,7 @@ log = logging.getLogger("temper.trainer")
 
 async def serve(settings: TrainerSettings) -> None:
     # imported here, after the allocator re-exec: torch is a few seconds to import
+    from temper.common.metrics import ready_line, serve_metrics
     from temper.common.server import build_server, mark_serving
     from temper.services.models.loading import load_model
     from temper.services.trainer.engine import TrainerEngine
@@ -24,19 +25,21 @@ async def serve(settings: TrainerSettings) -> None:
     engine = TrainerEngine(loaded, settings)
     registration = (trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(engine), service)
     server, port, health = build_server([registration], settings.bind)
+    metrics_port = serve_metrics(settings.metrics_bind)
     await server.start()
     await mark_serving(health, [service])
     log.info("trainer for %s listening on port %d", loaded.name, port)
-    print(f"TEMPER_READY trainer port={port}", flush=True)
+    print(ready_line("trainer", port, metrics_port), flush=True)
     await server.wait_for_termination()
 
 
 def main() -> None:
     settings = TrainerSettings()
     reexec_with_tuned_allocator(settings.tune_host_allocator)
-    from temper.common.server import configure_logging
+    from temper.common.logs import configure_logging
 
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_format)
+    log.info("settings: %s", settings.model_dump_json())
     asyncio.run(serve(settings))
 
 

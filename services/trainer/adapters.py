@@ -1,5 +1,6 @@
-"""Training state of every adapter on the trainer: LoRA weights (in the shared LoraModel),
-one AdamW per adapter, accumulated gradients, and checkpoint files in peft's format."""
+"""Training state of every run's adapter on the trainer: LoRA weights (in the shared LoraModel,
+keyed by the run id), one AdamW per adapter, accumulated gradients, and checkpoint files in peft's
+format."""
 
 from __future__ import annotations
 
@@ -16,22 +17,15 @@ from safetensors.torch import load_file, save_file
 
 from temper.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from temper.services.lora.model import ATTN_MODULES, MLP_MODULES, UNEMBED_MODULES, AdapterSpec, LoraModel
-from temper.v1 import types_pb2
 
 OPTIMIZER_FILE = "optimizer.safetensors"
 OPTIMIZER_META = "optimizer.json"
 
 
-def adapter_spec(cfg: types_pb2.LoraConfig, default_alpha: float) -> AdapterSpec:
-    if cfg.rank <= 0:
-        raise InvalidArgument(f"LoRA rank must be positive, got {cfg.rank}")
-    if not 0.0 <= cfg.dropout < 1.0:
-        raise InvalidArgument(f"LoRA dropout must be in [0, 1), got {cfg.dropout}")
-    targets = (ATTN_MODULES if cfg.train_attn else ()) + (MLP_MODULES if cfg.train_mlp else ())
-    targets += UNEMBED_MODULES if cfg.train_unembed else ()
-    if not targets:
-        raise InvalidArgument("LoRA config trains nothing: enable train_attn, train_mlp or train_unembed")
-    return AdapterSpec(rank=cfg.rank, alpha=cfg.alpha or default_alpha, targets=tuple(sorted(targets)), dropout=cfg.dropout)
+def lora_targets(attn: bool = False, mlp: bool = False, unembed: bool = False) -> tuple[str, ...]:
+    """The module names an adapter trains, sorted (the order AdapterSpec and peft files use)."""
+    targets = (ATTN_MODULES if attn else ()) + (MLP_MODULES if mlp else ()) + (UNEMBED_MODULES if unembed else ())
+    return tuple(sorted(targets))
 
 
 @dataclass
@@ -43,7 +37,7 @@ class OffloadedState:
 
 @dataclass
 class TrainedAdapter:
-    adapter_id: str
+    run_id: str
     spec: AdapterSpec
     params: dict[str, torch.nn.Parameter]   # peft-format name -> parameter
     optimizer: torch.optim.AdamW
@@ -76,12 +70,10 @@ class AdapterHost:
     state, to host memory (``offload_to="host"``; pinned when the model is on a GPU) or to a file in
     ``offload_dir`` (``"disk"``), and brought back exactly when next used."""
 
-    def __init__(self, lora: LoraModel, default_alpha: float, max_resident: int = 0, offload_dir: Path | None = None,
-                 offload_to: str = "disk"):
+    def __init__(self, lora: LoraModel, max_resident: int = 0, offload_dir: Path | None = None, offload_to: str = "disk"):
         if offload_to not in ("disk", "host"):
             raise ValueError(f"offload_to must be 'disk' or 'host', got {offload_to!r}")
         self.lora = lora
-        self.default_alpha = default_alpha
         self.max_resident = max_resident            # 0: no limit
         self.offload_dir = Path(offload_dir) if offload_dir else None
         self.offload_to = offload_to
@@ -89,22 +81,22 @@ class AdapterHost:
         self._clock = itertools.count(1)
         self._pinned: set[str] = set()
 
-    def get(self, adapter_id: str) -> TrainedAdapter:
+    def get(self, run_id: str) -> TrainedAdapter:
         """The adapter, resident in the model (restored from offload if needed)."""
         try:
-            adapter = self.adapters[adapter_id]
+            adapter = self.adapters[run_id]
         except KeyError:
-            raise NotFound(f"adapter {adapter_id} is not loaded on this trainer") from None
+            raise NotFound(f"the adapter of run {run_id} is not loaded on this trainer") from None
         adapter.last_used = next(self._clock)
         if adapter.offloaded is not None:
             self._restore(adapter)
-        self._evict_over_capacity(keep=adapter_id)
+        self._evict_over_capacity(keep=run_id)
         return adapter
 
     @contextlib.contextmanager
-    def pinned(self, adapter_ids):
+    def pinned(self, run_ids):
         """Adapters of the cycle in progress: never evicted while it runs."""
-        previous, self._pinned = self._pinned, set(adapter_ids)
+        previous, self._pinned = self._pinned, set(run_ids)
         try:
             yield
         finally:
@@ -117,7 +109,7 @@ class AdapterHost:
         if not self.max_resident or (self.offload_to == "disk" and self.offload_dir is None):
             return
         resident = [a for a in self.adapters.values() if a.offloaded is None]
-        candidates = sorted((a for a in resident if a.adapter_id != keep and a.adapter_id not in self._pinned), key=lambda a: a.last_used)
+        candidates = sorted((a for a in resident if a.run_id != keep and a.run_id not in self._pinned), key=lambda a: a.last_used)
         for adapter in candidates[: max(0, len(resident) - self.max_resident)]:
             self._offload(adapter)
 
@@ -143,9 +135,9 @@ class AdapterHost:
             offloaded = OffloadedState(tensors, param_steps)
         else:
             self.offload_dir.mkdir(parents=True, exist_ok=True)
-            offloaded = self.offload_dir / (re.sub(r"[^A-Za-z0-9._-]", "_", adapter.adapter_id) + ".safetensors")
+            offloaded = self.offload_dir / (re.sub(r"[^A-Za-z0-9._-]", "_", adapter.run_id) + ".safetensors")
             save_file(tensors, str(offloaded), metadata={"param_steps": json.dumps(param_steps)})
-        self.lora.remove(adapter.adapter_id)
+        self.lora.remove(adapter.run_id)
         adapter.params, adapter.optimizer, adapter.offloaded = {}, None, offloaded
 
     def _restore(self, adapter: TrainedAdapter) -> None:
@@ -157,8 +149,8 @@ class AdapterHost:
             with safe_open(str(adapter.offloaded), "pt") as f:
                 param_steps = json.loads(f.metadata()["param_steps"])
             tensors = load_file(str(adapter.offloaded))
-        params = self.lora.add(adapter.adapter_id, adapter.spec, seed=0).params
-        self.lora.load_weights(adapter.adapter_id, {n: tensors[f"weight/{n}"] for n in params})
+        params = self.lora.add(adapter.run_id, adapter.spec, seed=0).params
+        self.lora.load_weights(adapter.run_id, {n: tensors[f"weight/{n}"] for n in params})
         optimizer = torch.optim.AdamW(list(params.values()), lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
         for name, param in params.items():
             if f"grad/{name}" in tensors:
@@ -173,36 +165,37 @@ class AdapterHost:
             adapter.offloaded.unlink()
         adapter.params, adapter.optimizer, adapter.offloaded = params, optimizer, None
 
-    def create(self, adapter_id: str, cfg: types_pb2.LoraConfig) -> TrainedAdapter:
-        if adapter_id in self.adapters:
-            raise AlreadyExists(f"adapter {adapter_id} already exists")
-        spec = adapter_spec(cfg, self.default_alpha)
+    def create(self, run_id: str, spec: AdapterSpec, seed: int | None = None) -> TrainedAdapter:
+        if run_id in self.adapters:
+            raise AlreadyExists(f"run {run_id} already has an adapter on this trainer")
+        if spec.rank <= 0 or not 0.0 <= spec.dropout < 1.0 or not spec.targets:
+            raise InvalidArgument(f"bad LoRA spec {spec}: rank must be positive, dropout in [0, 1), targets not empty")
         try:
-            lora_adapter = self.lora.add(adapter_id, spec, seed=cfg.seed if cfg.HasField("seed") else None)
+            lora_adapter = self.lora.add(run_id, spec, seed=seed)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         params = lora_adapter.params
         # Adam settings are overwritten on every step from the request's AdamParams.
         optimizer = torch.optim.AdamW(list(params.values()), lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
-        adapter = TrainedAdapter(adapter_id, spec, params, optimizer, last_used=next(self._clock))
-        self.adapters[adapter_id] = adapter
-        self._evict_over_capacity(keep=adapter_id)
+        adapter = TrainedAdapter(run_id, spec, params, optimizer, last_used=next(self._clock))
+        self.adapters[run_id] = adapter
+        self._evict_over_capacity(keep=run_id)
         return adapter
 
-    def drop(self, adapter_id: str) -> None:
-        adapter = self.adapters.get(adapter_id)
+    def drop(self, run_id: str) -> None:
+        adapter = self.adapters.get(run_id)
         if adapter is None:
-            raise NotFound(f"adapter {adapter_id} is not loaded on this trainer")
+            raise NotFound(f"the adapter of run {run_id} is not loaded on this trainer")
         if adapter.offloaded is not None:
             adapter.offloaded.unlink(missing_ok=True)
         else:
-            self.lora.remove(adapter_id)
-        del self.adapters[adapter_id]
+            self.lora.remove(run_id)
+        del self.adapters[run_id]
 
     # ---- persistence -------------------------------------------------------------------------
 
     def save(self, adapter: TrainedAdapter, folder: Path, include_optimizer: bool) -> None:
-        self.lora.save(adapter.adapter_id, folder)
+        self.lora.save(adapter.run_id, folder)
         if include_optimizer:
             tensors, steps = {}, {}
             for name, param in adapter.params.items():
@@ -220,7 +213,7 @@ class AdapterHost:
         if (spec.rank, spec.targets) != (adapter.spec.rank, adapter.spec.targets):
             raise FailedPrecondition(
                 f"checkpoint LoRA config (rank {spec.rank}, targets {list(spec.targets)}) does not match run "
-                f"{adapter.adapter_id} (rank {adapter.spec.rank}, targets {list(adapter.spec.targets)})"
+                f"{adapter.run_id} (rank {adapter.spec.rank}, targets {list(adapter.spec.targets)})"
             )
         if set(weights) != set(adapter.params):
             raise FailedPrecondition("checkpoint weights do not match the run's adapter layout")
@@ -229,7 +222,7 @@ class AdapterHost:
         return weights
 
     def load(self, adapter: TrainedAdapter, folder: Path, weights: dict[str, torch.Tensor], with_optimizer: bool) -> None:
-        self.lora.load_weights(adapter.adapter_id, weights)
+        self.lora.load_weights(adapter.run_id, weights)
         for param in adapter.params.values():
             param.grad = None
         adapter.optimizer.state.clear()

@@ -10,13 +10,18 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple, Sequence
 
-from temper.common.checkpoints import WEIGHT_FILES
 from temper.common.errors import AlreadyExists, InvalidArgument, NotFound
-from temper.v1 import types_pb2
 
 CHUNK_BYTES = 1 << 20
+
+
+class FilePiece(NamedTuple):
+    relative_path: str
+    offset: int
+    data: bytes
+    total_size: int   # of the whole file
 _SAFE_PART = re.compile(r"^[A-Za-z0-9._:@+-]+$")
 
 
@@ -55,9 +60,11 @@ class CheckpointStore:
             raise NotFound(f"checkpoint {key} not found on this trainer")
         return path
 
-    def read_chunks(self, key: str, weights_only: bool) -> Iterator[types_pb2.FileChunk]:
+    def read_chunks(self, key: str, names: Sequence[str] | None = None) -> Iterator[FilePiece]:
+        """The checkpoint's files (only ``names`` when given) in pieces of at most CHUNK_BYTES; an
+        empty file is one empty piece."""
         folder = self.existing(key)
-        files = [folder / n for n in WEIGHT_FILES] if weights_only else sorted(p for p in folder.iterdir() if p.is_file())
+        files = [folder / n for n in names] if names is not None else sorted(p for p in folder.iterdir() if p.is_file())
         for file in files:
             size = file.stat().st_size
             with open(file, "rb") as fh:
@@ -66,7 +73,7 @@ class CheckpointStore:
                     data = fh.read(CHUNK_BYTES)
                     if not data and offset:
                         break
-                    yield types_pb2.FileChunk(relative_path=file.name, offset=offset, data=data, total_size=size)
+                    yield FilePiece(file.name, offset, data, size)
                     offset += len(data)
                     if offset >= size:
                         break

@@ -1,11 +1,13 @@
-"""gRPC face of the trainer: protobuf in, engine call on the compute thread, protobuf out."""
+"""gRPC face of the trainer: protobuf in, ``convert`` to domain objects, engine call on the compute
+thread, ``convert`` back to protobuf."""
 
 from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-from temper.common.codec import encode_array
+from temper.common.errors import TemperError
+from temper.services.trainer import convert, metrics
 from temper.services.trainer.engine import TrainerEngine
 from temper.v1 import trainer_pb2, trainer_pb2_grpc
 
@@ -16,48 +18,58 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         # One compute thread: torch work on the shared model is serialized, the event loop stays free.
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-compute")
 
-    async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
+    async def _run(self, rpc: str, fn, *args):
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
+        except Exception as exc:
+            count_error(rpc, exc)
+            raise
 
     async def GetModelInfo(self, request, context):
-        loaded = self.engine.loaded
-        return trainer_pb2.ModelInfo(
-            base_model=loaded.name, tokenizer_id=loaded.path, vocab_size=loaded.vocab_size,
-            max_context_length=loaded.max_context_length, device=self.engine.settings.device,
-            dtype=self.engine.settings.dtype,
-        )
+        return convert.model_info_to_pb(self.engine.loaded, self.engine.settings.device, self.engine.settings.dtype)
 
     async def CreateAdapter(self, request, context):
-        await self._run(self.engine.host.create, request.training_run_id, request.lora_config)
+        await self._run("CreateAdapter", self._create, request)
         return trainer_pb2.CreateAdapterResponse()
 
+    def _create(self, request: trainer_pb2.CreateAdapterRequest) -> None:
+        spec, seed = convert.adapter_from_pb(request.lora_config, self.engine.settings.default_lora_alpha)
+        self.engine.create_adapter(request.training_run_id, spec, seed)
+
     async def DropAdapter(self, request, context):
-        await self._run(self.engine.host.drop, request.training_run_id)
+        await self._run("DropAdapter", self.engine.drop_adapter, request.training_run_id)
         return trainer_pb2.DropAdapterResponse()
 
     async def RunCycle(self, request, context):
-        results, steps = await self._run(self.engine.run_cycle, list(request.forward_backward), list(request.optim_step))
-        response = trainer_pb2.CycleResponse()
-        for result in results:
-            out = response.forward_backward.add(loss_fn_output_type="ArrayRecord", metrics=result.metrics)
-            for logprobs, loss in zip(result.logprobs, result.elementwise_loss):
-                out.loss_fn_outputs.add(
-                    fields={"logprobs": encode_array(logprobs, "float32"), "elementwise_loss": encode_array(loss, "float32")}
-                )
-        for metrics in steps:
-            response.optim_step.add(metrics=metrics)
-        return response
+        return await self._run("RunCycle", self._cycle, request)
+
+    def _cycle(self, request: trainer_pb2.CycleRequest) -> trainer_pb2.CycleResponse:
+        # on the compute thread: decoding a big cycle is real work, and the event loop stays free
+        loaded = self.engine.loaded
+        forward_backward, optim_step = convert.cycle_from_pb(request, loaded.vocab_size, loaded.max_context_length)
+        return convert.cycle_to_pb(*self.engine.run_cycle(forward_backward, optim_step))
 
     async def SaveAdapter(self, request, context):
-        size = await self._run(self.engine.save, request.training_run_id, request.checkpoint_key, request.include_optimizer)
+        size = await self._run("SaveAdapter", self.engine.save, request.training_run_id, request.checkpoint_key,
+                               request.include_optimizer)
         return trainer_pb2.SaveAdapterResponse(size_bytes=size)
 
     async def LoadAdapter(self, request, context):
-        await self._run(self.engine.load, request.training_run_id, request.checkpoint_key, request.with_optimizer)
+        await self._run("LoadAdapter", self.engine.load, request.training_run_id, request.checkpoint_key,
+                        request.with_optimizer)
         return trainer_pb2.LoadAdapterResponse()
 
     async def ReadCheckpoint(self, request, context):
-        for chunk in self.engine.store.read_chunks(request.checkpoint_key, request.weights_only):
-            yield chunk
+        key, names = convert.checkpoint_files(request)
+        try:
+            for chunk in convert.file_chunks_to_pb(self.engine.store.read_chunks(key, names)):
+                yield chunk
+        except Exception as exc:
+            count_error("ReadCheckpoint", exc)
+            raise
 
 
+def count_error(rpc: str, exc: BaseException) -> None:
+    """The status the error interceptor will send: a domain error's code, else INTERNAL."""
+    code = exc.code.name if isinstance(exc, TemperError) else "INTERNAL"
+    metrics.ERRORS.labels(rpc, code).inc()

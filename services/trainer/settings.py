@@ -6,18 +6,19 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from temper.common.settings import ModelServiceSettings
 
 
-class TrainerSettings(BaseSettings):
+class TrainerSettings(ModelServiceSettings):
+    """base_model, device, dtype, num_threads, metrics_bind, log_level and log_format come from
+    ModelServiceSettings."""
+
     model_config = SettingsConfigDict(env_prefix="TEMPER_TRAINER_")
 
-    base_model: str = Field("HuggingFaceTB/SmolLM2-135M-Instruct", description="Base model name, local folder or hub id.")
     bind: str = Field("127.0.0.1:50061", description="host:port to listen on (port 0 picks a free one).")
     checkpoint_dir: Path = Field(Path("data/checkpoints"), description="Where checkpoint folders are written.")
-    device: str = Field("cpu", description="torch device, e.g. cpu or cuda.")
-    dtype: str = Field("float32", description="Base model dtype (adapters always train in float32).")
-    num_threads: int = Field(0, description="torch intra-op threads; 0 keeps torch's default.")
     max_tokens_per_microbatch: int = Field(4096, description="Padded tokens per forward/backward micro-batch.")
     logprob_chunk_tokens: int = Field(
         0, description="Tokens per chunk of the lm_head + log-softmax; 0 picks one: on CPU as many as keep a chunk's "
@@ -35,4 +36,3 @@ class TrainerSettings(BaseSettings):
     tune_host_allocator: bool = Field(
         True, description="Start the trainer under glibc malloc settings that keep freed memory for reuse "
                           "(temper.common.host_allocator); MALLOC_* variables already set are kept.")
-    log_level: str = "INFO"

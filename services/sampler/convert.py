@@ -1,0 +1,77 @@
+"""The sampler's one protobuf <-> domain boundary (temper.v1 messages <-> backend objects).
+
+Requests are checked here as they are decoded (sampling parameters, counts, stop tokens); the
+backend checks what depends on its state (loaded checkpoints, prompt tokens, context length).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from temper.common.codec import decode_tokens, encode_array, encode_floats, encode_tokens
+from temper.common.errors import InvalidArgument
+from temper.services.sampler.backend import ModelDescription, SampleRequest, SampleResult, SamplingOptions
+from temper.v1 import sampler_pb2, types_pb2
+
+MAX_TOPK_LOGPROBS = 100
+_STOP_REASONS = {"stop": types_pb2.STOP_REASON_STOP, "length": types_pb2.STOP_REASON_LENGTH}
+
+
+def sampling_options_from_pb(p: types_pb2.SamplingParams, vocab_size: int) -> SamplingOptions:
+    if p.max_tokens <= 0:
+        raise InvalidArgument(f"max_tokens must be positive, got {p.max_tokens}")
+    if p.temperature < 0 or not np.isfinite(p.temperature):
+        raise InvalidArgument(f"temperature must be >= 0, got {p.temperature}")
+    if not 0 <= p.top_p <= 1:
+        raise InvalidArgument(f"top_p must be in [0, 1], got {p.top_p}")
+    stop_ids = tuple(int(t) for t in decode_tokens(p.stop_token_ids))
+    if any(t < 0 or t >= vocab_size for t in stop_ids):
+        raise InvalidArgument(f"stop token ids must be in [0, {vocab_size})")
+    return SamplingOptions(
+        max_tokens=p.max_tokens, seed=p.seed if p.HasField("seed") else None, temperature=p.temperature,
+        top_k=max(p.top_k, 0), top_p=p.top_p if 0 < p.top_p < 1 else 1.0, stop_strings=tuple(p.stop_strings),
+        stop_token_ids=stop_ids, stop_disabled=p.stop_disabled, processed_logprobs=p.processed_logprobs,
+    )
+
+
+def sample_request_from_pb(request: sampler_pb2.SamplerSampleRequest, vocab_size: int, max_num_samples: int) -> SampleRequest:
+    if not 1 <= request.num_samples <= max_num_samples:
+        raise InvalidArgument(f"num_samples must be in [1, {max_num_samples}], got {request.num_samples}")
+    options = sampling_options_from_pb(request.sampling_params, vocab_size)
+    top = min(vocab_size, MAX_TOPK_LOGPROBS)
+    if not 0 <= request.topk_logprobs <= top:
+        raise InvalidArgument(f"topk_logprobs must be in [0, {top}], got {request.topk_logprobs}")
+    return SampleRequest(request.checkpoint_key or None, decode_tokens(request.prompt_tokens), request.num_samples, options,
+                         request.include_prompt_logprobs, request.topk_logprobs)
+
+
+def sample_result_to_pb(result: SampleResult, topk_logprobs: int) -> types_pb2.SampleResponse:
+    response = types_pb2.SampleResponse()
+    for seq in result.sequences:
+        out = response.sequences.add(
+            stop_reason=_STOP_REASONS[seq.stop_reason], tokens=encode_tokens(seq.tokens), logprobs=encode_floats(seq.logprobs)
+        )
+        if seq.topk_ids is not None:
+            out.topk = topk_logprobs
+            out.topk_token_ids = encode_tokens([t for row in seq.topk_ids for t in row])
+            out.topk_logprobs = encode_floats([x for row in seq.topk_logprobs for x in row])
+    if result.prompt_logprobs is not None:
+        response.prompt_logprobs.CopyFrom(encode_array(result.prompt_logprobs, "float32"))
+    return response
+
+
+def logprobs_request_from_pb(request: sampler_pb2.SamplerLogprobsRequest) -> tuple[str | None, np.ndarray]:
+    """(checkpoint key or None for the base model, prompt tokens)."""
+    return request.checkpoint_key or None, decode_tokens(request.prompt_tokens)
+
+
+def logprobs_to_pb(logprobs: np.ndarray) -> sampler_pb2.ComputeLogprobsResponseInternal:
+    return sampler_pb2.ComputeLogprobsResponseInternal(logprobs=encode_array(logprobs, "float32"))
+
+
+def model_info_to_pb(description: ModelDescription, backend: str) -> sampler_pb2.SamplerModelInfo:
+    d = description
+    return sampler_pb2.SamplerModelInfo(
+        base_model=d.base_model, tokenizer_id=d.tokenizer_id, vocab_size=d.vocab_size, max_context_length=d.max_context_length,
+        backend=backend, loaded_adapters=d.loaded_checkpoints,
+    )

@@ -1,0 +1,13 @@
+"""Prometheus series of the sampler process (default registry; served by common.metrics.serve_metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+BATCH_SEQUENCES = Histogram("temper_sampler_batch_sequences", "Sequences decoded together in one batch.",
+                            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+TOKENS_SAMPLED = Counter("temper_sampler_tokens_sampled", "Tokens generated, over all sequences.")
+SAMPLE_SECONDS = Histogram("temper_sampler_sample_seconds", "Latency of one Sample request, queueing included.",
+                           buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120))
+RESIDENT_ADAPTERS = Gauge("temper_sampler_resident_adapters", "Checkpoints whose LoRA weights are loaded.")
+ERRORS = Counter("temper_sampler_errors", "Failed RPCs by gRPC status code.", ["rpc", "code"])

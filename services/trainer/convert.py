@@ -1,0 +1,91 @@
+"""The trainer's one protobuf <-> domain boundary (temper.v1 messages <-> engine objects).
+
+Decoding is where wire payloads are checked, once per process (``common.validation``: dtypes,
+shapes, token ranges, loss inputs and config, Adam parameters); the engine then works on the
+decoded, checked domain objects only.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from temper.common.checkpoints import WEIGHT_FILES
+from temper.common.codec import encode_array
+from temper.common.errors import InvalidArgument
+from temper.common.validation import validate_adam, validate_forward_backward
+from temper.services.lora.model import AdapterSpec
+from temper.services.trainer.adapters import lora_targets
+from temper.services.trainer.checkpoints import FilePiece
+from temper.services.trainer.engine import AdamParams, ForwardBackwardItem, ForwardBackwardResult, OptimStepItem
+from temper.v1 import trainer_pb2, types_pb2
+
+
+def adapter_from_pb(cfg: types_pb2.LoraConfig, default_alpha: float) -> tuple[AdapterSpec, int | None]:
+    """The adapter's spec and its initialisation seed (None: random)."""
+    if cfg.rank <= 0:
+        raise InvalidArgument(f"LoRA rank must be positive, got {cfg.rank}")
+    if not 0.0 <= cfg.dropout < 1.0:
+        raise InvalidArgument(f"LoRA dropout must be in [0, 1), got {cfg.dropout}")
+    targets = lora_targets(cfg.train_attn, cfg.train_mlp, cfg.train_unembed)
+    if not targets:
+        raise InvalidArgument("LoRA config trains nothing: enable train_attn, train_mlp or train_unembed")
+    spec = AdapterSpec(rank=cfg.rank, alpha=cfg.alpha or default_alpha, targets=targets, dropout=cfg.dropout)
+    return spec, (cfg.seed if cfg.HasField("seed") else None)
+
+
+def forward_backward_from_pb(item: trainer_pb2.ForwardBackwardItem, vocab_size: int,
+                             max_length: int | None = None) -> ForwardBackwardItem:
+    data, config = validate_forward_backward(item.data, item.loss_fn, item.loss_fn_config, vocab_size, max_length)
+    return ForwardBackwardItem(run_id=item.training_run_id, data=data, loss_fn=item.loss_fn, loss_config=config,
+                               forward_only=item.forward_only, seq_id=item.seq_id)
+
+
+def adam_from_pb(params: types_pb2.AdamParams) -> AdamParams:
+    validate_adam(params)
+    return AdamParams(learning_rate=params.learning_rate, beta1=params.beta1, beta2=params.beta2, eps=params.eps,
+                      weight_decay=params.weight_decay, grad_clip_norm=params.grad_clip_norm)
+
+
+def optim_step_from_pb(item: trainer_pb2.OptimStepItem) -> OptimStepItem:
+    return OptimStepItem(run_id=item.training_run_id, adam=adam_from_pb(item.adam_params), seq_id=item.seq_id)
+
+
+def cycle_from_pb(request: trainer_pb2.CycleRequest, vocab_size: int,
+                  max_length: int | None = None) -> tuple[list[ForwardBackwardItem], list[OptimStepItem]]:
+    """Every item of the cycle decoded and checked; the first bad one raises InvalidArgument."""
+    return ([forward_backward_from_pb(item, vocab_size, max_length) for item in request.forward_backward],
+            [optim_step_from_pb(item) for item in request.optim_step])
+
+
+def forward_backward_to_pb(result: ForwardBackwardResult, out: types_pb2.ForwardBackwardOutput) -> None:
+    out.loss_fn_output_type = "ArrayRecord"
+    out.metrics.update(result.metrics)
+    for logprobs, loss in zip(result.logprobs, result.elementwise_loss):
+        out.loss_fn_outputs.add(
+            fields={"logprobs": encode_array(logprobs, "float32"), "elementwise_loss": encode_array(loss, "float32")}
+        )
+
+
+def cycle_to_pb(results: list[ForwardBackwardResult], steps: list[dict[str, float]]) -> trainer_pb2.CycleResponse:
+    response = trainer_pb2.CycleResponse()
+    for result in results:
+        forward_backward_to_pb(result, response.forward_backward.add())
+    for metrics in steps:
+        response.optim_step.add(metrics=metrics)
+    return response
+
+
+def checkpoint_files(request: trainer_pb2.ReadCheckpointRequest) -> tuple[str, tuple[str, ...] | None]:
+    """(checkpoint key, the file names to send or None for all)."""
+    return request.checkpoint_key, (WEIGHT_FILES if request.weights_only else None)
+
+
+def file_chunks_to_pb(pieces: Iterable[FilePiece]) -> Iterable[types_pb2.FileChunk]:
+    for piece in pieces:
+        yield types_pb2.FileChunk(relative_path=piece.relative_path, offset=piece.offset, data=piece.data,
+                                  total_size=piece.total_size)
+
+
+def model_info_to_pb(loaded, device: str, dtype: str) -> trainer_pb2.ModelInfo:
+    return trainer_pb2.ModelInfo(base_model=loaded.name, tokenizer_id=loaded.path, vocab_size=loaded.vocab_size,
+                                 max_context_length=loaded.max_context_length, device=device, dtype=dtype)

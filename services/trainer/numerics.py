@@ -1,0 +1,245 @@
+"""The trainer's numerics: co-batched forward/backward passes of many LoRA adapters over one base model.
+
+Pure computation on a ``LoraModel``: rows packed into micro-batches, log p(target) through the
+decoder and a chunked lm_head, the losses applied per group, ``backward``. It holds no state and
+knows nothing of runs, settings, adapter residency or protobuf, so it imports with torch, numpy and
+``temper.services.lora`` only (the GPU benchmark loads it where grpc, protobuf and pydantic are
+missing). Gradients accumulate into the adapters' parameters; undoing them on failure is the
+caller's business.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Protocol, Sequence
+
+import numpy as np
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from temper.services.lora.model import LoraModel
+from temper.services.trainer.losses import LOSS_FNS
+from temper.services.trainer.target_logprobs import target_logprobs
+
+
+class TokenDatum(Protocol):
+    """A decoded datum (``temper.common.validation.DecodedDatum`` is one)."""
+
+    tokens: np.ndarray                  # int (N,)
+    inputs: dict[str, np.ndarray]       # loss inputs: target_tokens (N,) or (N, K), the rest alike
+
+
+@dataclass
+class LossGroup:
+    """The datums of one forward_backward item: one adapter, one loss."""
+
+    adapter: str                        # LoraModel adapter key the rows are routed to
+    data: Sequence[TokenDatum]
+    loss_fn: str                        # a key of LOSS_FNS
+    config: dict[str, float] = field(default_factory=dict)
+    forward_only: bool = False
+
+
+@dataclass
+class ForwardBackwardResult:
+    logprobs: list[np.ndarray]          # per datum, float32, shaped like its target_tokens
+    elementwise_loss: list[np.ndarray]  # per datum, float32, same shape
+    metrics: dict[str, float]           # loss:sum, num_tokens:sum, <stat>:mean
+
+
+@dataclass(frozen=True)
+class PassOptions:
+    max_tokens_per_microbatch: int = 4096   # rows x longest row, per pass
+    logprob_chunk_tokens: int = 1024        # tokens per lm_head + log-softmax chunk
+    # Checkpoint the decoder (LoraModel.checkpoint_decoder_layers) in passes of at least this many
+    # padded tokens; None: never.
+    checkpoint_min_tokens: int | None = None
+
+    def checkpoint_decoder(self, padded_tokens: int) -> bool:
+        return self.checkpoint_min_tokens is not None and padded_tokens >= self.checkpoint_min_tokens
+
+
+@dataclass
+class Row:
+    group: int                # index of the LossGroup
+    index: int                # datum index within the group
+    datum: TokenDatum
+
+
+PassHook = Callable[[bool, int, float], None]  # (gradients on, tokens, seconds), after each pass
+
+CPU_LOGPROB_CHUNK_BYTES = 24 << 20
+
+
+def default_logprob_chunk_tokens(device: torch.device, vocab_size: int) -> int:
+    """On CPU, chunks whose float32 logits stay below glibc's 32 MiB mmap threshold: a bigger chunk is
+    a fresh mmap, page-faulted and zeroed by the kernel, for every chunk of every pass (measured: a
+    1024-token chunk made an 8 x 128-token pass 20-30% slower). Accelerators take big chunks."""
+    if device.type != "cpu":
+        return 1024
+    return max(16, min(1024, CPU_LOGPROB_CHUNK_BYTES // (4 * vocab_size)))
+
+
+def forward_backward(lora: LoraModel, groups: list[LossGroup], options: PassOptions, device: torch.device,
+                     on_pass: PassHook | None = None) -> list[ForwardBackwardResult]:
+    """Every group's datums in shared passes (training groups with gradients, forward-only groups
+    in no-grad passes); gradients accumulate into each group's own adapter."""
+    logprobs = [[None] * len(g.data) for g in groups]
+    losses = [[None] * len(g.data) for g in groups]
+    totals = [0.0] * len(groups)
+    stat_sums: list[dict[str, list[float]]] = [defaultdict(lambda: [0.0, 0.0]) for _ in groups]
+    # Rows of one adapter side by side: the LoRA layers then work on views of the batch, not copies.
+    adapter_rank = {key: n for n, key in enumerate(dict.fromkeys(g.adapter for g in groups))}
+    for grad in (True, False):
+        rows = [Row(i, j, d) for i, g in enumerate(groups) if g.forward_only != grad for j, d in enumerate(g.data)]
+        rows.sort(key=lambda row: adapter_rank[groups[row.group].adapter])  # stable
+        for batch in microbatches(rows, options.max_tokens_per_microbatch):
+            start = time.perf_counter()
+            with torch.set_grad_enabled(grad):
+                lp, elementwise, stats = run_pass(lora, groups, batch, options, device)
+                if grad:
+                    elementwise.sum().backward()
+            for r, row in enumerate(batch):
+                n, shape = len(row.datum.tokens), row.datum.inputs["target_tokens"].shape
+                cols = columns(row.datum.inputs["target_tokens"])
+                logprobs[row.group][row.index] = lp[r, :n, :cols].detach().float().cpu().numpy().reshape(shape)
+                losses[row.group][row.index] = elementwise[r, :n, :cols].detach().float().cpu().numpy().reshape(shape)
+                totals[row.group] += float(losses[row.group][row.index].sum(dtype=np.float64))
+            for i, group_stats in stats.items():
+                for name, (total, count) in group_stats.items():
+                    stat_sums[i][name][0] += total
+                    stat_sums[i][name][1] += count
+            if on_pass is not None:  # the .cpu() copies above waited for the device
+                on_pass(grad, sum(len(row.datum.tokens) for row in batch), time.perf_counter() - start)
+    results = []
+    for i, g in enumerate(groups):
+        metrics = {"loss:sum": totals[i], "num_tokens:sum": float(sum(len(d.tokens) for d in g.data))}
+        metrics.update({f"{name}:mean": total / max(count, 1.0) for name, (total, count) in stat_sums[i].items()})
+        results.append(ForwardBackwardResult(logprobs[i], losses[i], metrics))
+    return results
+
+
+def microbatches(rows: list[Row], max_tokens: int) -> Iterator[list[Row]]:
+    """Group rows (in order) so that rows x longest row stays within ``max_tokens``."""
+    batch, longest = [], 0
+    for row in rows:
+        n = len(row.datum.tokens)
+        if batch and max(longest, n) * (len(batch) + 1) > max_tokens:
+            yield batch
+            batch, longest = [], 0
+        batch.append(row)
+        longest = max(longest, n)
+    if batch:
+        yield batch
+
+
+def run_pass(lora: LoraModel, groups: list[LossGroup], batch: list[Row], options: PassOptions, device: torch.device):
+    """One micro-batch: target logprobs and elementwise loss, both (B, T, K), and per-group sums of
+    each loss statistic with its token count (for ``name:mean`` metrics)."""
+    ids, mask, targets = pack_rows(batch, device)
+    rows_of: dict[str, list[int]] = defaultdict(list)
+    for r, row in enumerate(batch):
+        rows_of[groups[row.group].adapter].append(r)
+    routing = [(key, torch.tensor(rs, device=device)) for key, rs in rows_of.items()]
+    lp = target_logprobs_pass(lora, ids, mask, targets, routing, options.logprob_chunk_tokens,
+                              options.checkpoint_decoder(ids.numel()))
+    elementwise, stats = apply_losses(lp, mask, groups, batch)
+    return lp, elementwise, stats
+
+
+def pack_rows(batch: list[Row], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded token ids (B, T), their mask (B, T) and target tokens (B, T, K) on ``device``."""
+    width = max(len(row.datum.tokens) for row in batch)
+    k = max(columns(row.datum.inputs["target_tokens"]) for row in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    mask = torch.zeros(len(batch), width, dtype=torch.bool)
+    targets = torch.zeros(len(batch), width, k, dtype=torch.long)
+    for r, row in enumerate(batch):
+        n = len(row.datum.tokens)
+        ids[r, :n] = torch.from_numpy(np.asarray(row.datum.tokens).astype(np.int64))
+        mask[r, :n] = True
+        tt = torch.tensor(row.datum.inputs["target_tokens"], dtype=torch.long)
+        targets[r, :n, : columns(tt)] = tt.reshape(n, -1)
+    return ids.to(device), mask.to(device), targets.to(device)
+
+
+def apply_losses(lp: torch.Tensor, mask: torch.Tensor, groups: list[LossGroup], batch: list[Row]):
+    """Each group's loss on its rows of ``lp`` (B, T, K): the elementwise loss (B, T, K), zero on
+    padding, and per group {stat: (sum over real tokens, token count)}."""
+    width, k = lp.shape[1], lp.shape[2]
+    by_group: dict[int, list[int]] = defaultdict(list)
+    for r, row in enumerate(batch):
+        by_group[row.group].append(r)
+    elementwise = torch.zeros_like(lp)
+    stats: dict[int, dict[str, tuple[float, float]]] = {}
+    for i, rs in by_group.items():
+        group = groups[i]
+        index = torch.tensor(rs, device=lp.device)
+        ki = max(columns(batch[r].datum.inputs["target_tokens"]) for r in rs)
+        inputs = {}
+        for name in group.data[0].inputs:
+            if name == "target_tokens":
+                continue
+            values = torch.zeros(len(rs), width, ki, dtype=torch.float32)
+            for j, r in enumerate(rs):
+                arr = torch.tensor(batch[r].datum.inputs[name], dtype=torch.float32)
+                values[j, : arr.shape[0], : columns(arr)] = arr.reshape(arr.shape[0], -1)
+            inputs[name] = values.to(lp.device)
+        group_lp = lp.index_select(0, index)[:, :, :ki]
+        valid = mask.index_select(0, index)[:, :, None].expand_as(group_lp)
+        if ki == 1:  # per-token losses see (B, T) tensors
+            loss, extra = LOSS_FNS[group.loss_fn](group_lp[..., 0], {n: v[..., 0] for n, v in inputs.items()}, group.config)
+            loss, extra = loss[..., None], {n: v[..., None] for n, v in extra.items()}
+        else:
+            loss, extra = LOSS_FNS[group.loss_fn](group_lp, inputs, group.config)
+        loss = loss * valid
+        padded = torch.zeros(len(rs), width, k, dtype=loss.dtype, device=loss.device)
+        padded[:, :, :ki] = loss
+        elementwise = elementwise.index_add(0, index, padded)
+        stats[i] = {name: (float((v * valid).sum()), float(valid.sum())) for name, v in extra.items()}
+    return elementwise, stats
+
+
+def target_logprobs_pass(lora: LoraModel, ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor, routing,
+                         chunk_tokens: int, checkpoint_decoder: bool = False) -> torch.Tensor:
+    """log p(target) at every position and target column, temperature 1, full vocabulary, (B, T, K).
+
+    ``routing``: [(adapter key, row indices)]. The lm_head + log-softmax runs over chunks of real
+    (unpadded) positions, recomputed in the backward pass, so the B x T x V logits tensor never
+    exists at once. ``checkpoint_decoder`` recomputes the decoder layers in the backward pass too
+    (when ``lora.checkpoint_decoder_layers()`` wrapped them).
+    """
+    model = lora.model
+    if getattr(model.config, "final_logit_softcapping", None):
+        # logits post-processed past the head (soft-capping): the plain full-logits path
+        with lora.route(routing), lora.checkpointing_enabled(checkpoint_decoder):
+            logits = model(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits.float()
+        return logits.log_softmax(-1).gather(-1, targets) * mask[..., None]
+    with lora.route(routing), lora.checkpointing_enabled(checkpoint_decoder):
+        hidden = model.get_decoder()(input_ids=ids, attention_mask=mask.long(), use_cache=False).last_hidden_state
+    head = model.get_output_embeddings()
+    flat_hidden, flat_targets = hidden[mask], targets[mask]
+    # the adapter of every real token, for the head's routing
+    token_rows = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)[mask]
+    token_groups = [(key, torch.isin(token_rows, rows).nonzero().squeeze(-1)) for key, rows in routing]
+    pieces = []
+    for start in range(0, flat_hidden.shape[0], chunk_tokens):
+        stop = start + chunk_tokens
+        local = [(k, t[(t >= start) & (t < stop)] - start) for k, t in token_groups]
+        args = (lora, head, flat_hidden[start:stop], flat_targets[start:stop], [(k, t) for k, t in local if t.numel()])
+        pieces.append(checkpoint(_head_logprobs, *args, use_reentrant=False) if torch.is_grad_enabled() else _head_logprobs(*args))
+    out = torch.zeros(targets.shape, dtype=torch.float32, device=ids.device)
+    return out.masked_scatter(mask[..., None].expand_as(targets), torch.cat(pieces)) if pieces else out
+
+
+def columns(arr) -> int:
+    return 1 if arr.ndim == 1 else int(arr.shape[1])
+
+
+def _head_logprobs(lora: LoraModel, head, hidden: torch.Tensor, targets: torch.Tensor, routing) -> torch.Tensor:
+    # Routing is set inside so the backward-pass recomputation routes the same way.
+    with lora.route(routing):
+        logits = head(hidden).float()
+    return target_logprobs(logits, targets)
