@@ -9,6 +9,8 @@ from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
 
+from temper.common.optim import AdamParams  # noqa: F401  (public here: temper.client.AdamParams)
+
 LossFnType = Literal["cross_entropy"]
 StopReason = Literal["stop", "length"]
 
@@ -100,16 +102,6 @@ class Datum:
 
     def __post_init__(self):
         self.loss_fn_inputs = {k: as_tensor_data(v) for k, v in self.loss_fn_inputs.items()}
-
-
-@dataclass
-class AdamParams:
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
 
 
 @dataclass

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from temper.common.errors import FailedPrecondition, InvalidArgument
+from temper.common.optim import AdamParams
 from temper.services.lora.model import AdapterSpec, LoraModel
 from temper.services.models.loading import LoadedModel
 from temper.services.trainer import metrics, numerics
@@ -30,19 +31,8 @@ from temper.services.trainer.settings import TrainerSettings
 if TYPE_CHECKING:
     from temper.services.trainer.numerics import TokenDatum
 
+# AdamParams is checked where it is built from a request (convert.py, common.validation.validate_adam).
 __all__ = ["AdamParams", "ForwardBackwardItem", "ForwardBackwardResult", "OptimStepItem", "TrainerEngine"]
-
-
-@dataclass(frozen=True)
-class AdamParams:
-    """Checked where it is built from a request (convert.py, common.validation.validate_adam)."""
-
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0   # 0: no clipping
 
 
 @dataclass
