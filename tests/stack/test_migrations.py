@@ -21,7 +21,7 @@ from sqlalchemy.pool import NullPool
 
 from temper.scheduler.db import models
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXPECTED_TABLES = {"tenants", "sessions", "training_runs", "checkpoints", "sampling_clients", "requests"}
 
 

@@ -22,7 +22,7 @@ from temper.scheduler.settings import SchedulerSettings
 from temper.services.sampler.settings import SamplerSettings
 from temper.services.trainer.settings import TrainerSettings
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
