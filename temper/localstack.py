@@ -66,14 +66,15 @@ class LocalStack:
         self.num_threads = num_threads
         self.services: list[Service] = []
 
-    def _launch(self, role: str, env: dict[str, str], port: int = 0) -> Service:
-        """Start one process; its gRPC server on ``port`` (0: a free one), its metrics on a free port."""
+    def _launch(self, role: str, env: dict[str, str], port: int = 0, argv: list[str] | None = None) -> Service:
+        """Start one process; its gRPC server on ``port`` (0: a free one), its metrics on a free port.
+        ``argv`` replaces ``python -m <module>`` (e.g. a test's instrumented copy of the service)."""
         log_path = self.data_dir / "logs" / f"{role}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         prefix = f"TEMPER_{role.upper()}_"
         binds = {f"{prefix}BIND": f"127.0.0.1:{port}", f"{prefix}METRICS_BIND": "127.0.0.1:0"}
         process = subprocess.Popen(
-            [sys.executable, "-m", MODULES[role]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            argv or [sys.executable, "-m", MODULES[role]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **env, **binds, **self.extra_env},
         )
         service = Service(role, process, log_path, env)
@@ -119,15 +120,16 @@ class LocalStack:
             raise
         return scheduler.address
 
-    def restart(self, role: str, crash: bool = False, timeout: float = 300.0) -> Service:
+    def restart(self, role: str, crash: bool = False, timeout: float = 300.0, argv: list[str] | None = None) -> Service:
         """Stop ``role`` (SIGKILL when ``crash``, else SIGTERM) and start it again with the same
-        settings and gRPC port, so the other services' addresses stay valid. Returns the new one."""
+        settings and gRPC port, so the other services' addresses stay valid (``argv``: see _launch).
+        Returns the new one."""
         old = self.service(role)
         self.resume(role)  # a stopped process would not act on SIGTERM
         (old.process.kill if crash else old.process.terminate)()
         old.process.wait(timeout=30)
         self.services.remove(old)
-        return self._wait_ready(self._launch(role, old.env, old.port), timeout)
+        return self._wait_ready(self._launch(role, old.env, old.port, argv), timeout)
 
     def restart_scheduler(self, crash: bool = True, timeout: float = 120.0) -> str:
         """Restart the scheduler on the same port, database and backends; returns its address."""

@@ -225,14 +225,22 @@ class Store:
     def finish_requests(self, outcomes: Iterable[tuple[str, int, str, str | None, bytes | None]], trained_tokens: dict[str, int],
                         steps: dict[str, int], next_seq: dict[str, int], result_window: int = 0) -> None:
         """Record (run, seq, status, error, serialized result) outcomes and the runs' counters in one
-        transaction; results older than each run's last ``result_window`` seqs are cleared."""
+        transaction; results older than each run's last ``result_window`` seqs are cleared.
+
+        Safe to call again after an error whose commit may nevertheless have happened (the loop
+        resends it): only requests still queued or running are recorded, and a run's counters move
+        only with them, so a resent call that finds its outcomes recorded counts nothing twice."""
         with self.sessions.begin() as db:
+            counted = set()
             for run_id, seq_id, status, error, result in outcomes:
-                db.execute(
+                changed = db.execute(
                     update(m.RequestRecord)
-                    .where(m.RequestRecord.training_run_id == run_id, m.RequestRecord.seq_id == seq_id)
+                    .where(m.RequestRecord.training_run_id == run_id, m.RequestRecord.seq_id == seq_id,
+                           m.RequestRecord.status.in_(("queued", "running")))
                     .values(status=status, error=error, finished_at=_now(), result=result)
-                )
+                ).rowcount
+                if changed:
+                    counted.add(run_id)
             for run_id, seq in next_seq.items():
                 db.execute(update(m.RequestRecord).where(
                     m.RequestRecord.training_run_id == run_id, m.RequestRecord.seq_id < seq - result_window,
@@ -240,8 +248,8 @@ class Store:
             for run_id, seq in next_seq.items():
                 db.execute(update(m.TrainingRun).where(m.TrainingRun.id == run_id).values(
                     next_seq_id=seq,
-                    tokens_trained=m.TrainingRun.tokens_trained + trained_tokens.get(run_id, 0),
-                    steps=m.TrainingRun.steps + steps.get(run_id, 0),
+                    tokens_trained=m.TrainingRun.tokens_trained + (trained_tokens.get(run_id, 0) if run_id in counted else 0),
+                    steps=m.TrainingRun.steps + (steps.get(run_id, 0) if run_id in counted else 0),
                 ))
 
     # ---- checkpoints --------------------------------------------------------------------------
