@@ -10,13 +10,14 @@ import re
 from dataclasses import dataclass
 
 from temper.common.errors import InvalidArgument
+from temper.common.strings import shown
 from temper.v1 import types_pb2
 
 SCHEME = "tinker://"
 WEIGHT_FILES = ("adapter_config.json", "adapter_model.safetensors")
 KIND_DIRS = {types_pb2.CHECKPOINT_KIND_SAMPLER: "sampler_weights", types_pb2.CHECKPOINT_KIND_TRAINING: "weights"}
 DIR_KINDS = {v: k for k, v in KIND_DIRS.items()}
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 @dataclass(frozen=True)
@@ -38,15 +39,15 @@ class CheckpointPath:
 
 
 def check_name(name: str) -> str:
-    if not _NAME.match(name):
-        raise InvalidArgument(f"checkpoint name {name!r} must match {_NAME.pattern} (no '/')")
+    if not _NAME.fullmatch(name):
+        raise InvalidArgument(f"checkpoint name {shown(name)} must match {_NAME.pattern} (no '/')")
     return name
 
 
 def parse_path(path: str) -> CheckpointPath:
     if not path.startswith(SCHEME):
-        raise InvalidArgument(f"checkpoint path {path!r} must start with {SCHEME}")
+        raise InvalidArgument(f"checkpoint path {shown(path)} must start with {SCHEME}")
     parts = path[len(SCHEME) :].split("/")
     if len(parts) != 3 or parts[1] not in DIR_KINDS or not parts[0]:
-        raise InvalidArgument(f"checkpoint path {path!r} must look like tinker://<run>/(weights|sampler_weights)/<name>")
+        raise InvalidArgument(f"checkpoint path {shown(path)} must look like tinker://<run>/(weights|sampler_weights)/<name>")
     return CheckpointPath(parts[0], DIR_KINDS[parts[1]], check_name(parts[2]))

@@ -6,6 +6,7 @@ little-endian int32 bytes. numpy does the work; torch is imported only by the ``
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
@@ -68,11 +69,13 @@ def decode_array(tensor: types_pb2.Tensor) -> np.ndarray:
     shape = tuple(int(d) for d in tensor.shape)
     if any(d < 0 for d in shape):
         raise InvalidArgument(f"negative dimension in shape {shape}")
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if len(shape) > 8:
+        raise InvalidArgument(f"tensor has {len(shape)} dimensions (at most 8)")
+    count = math.prod(shape)  # Python ints: a shape like [2**62, 4] cannot overflow into a small count
     expected = count * _ITEMSIZE[tensor.dtype]
     if len(tensor.data) != expected:
         raise InvalidArgument(
-            f"tensor of shape {list(shape)} and dtype {dtype_name(tensor.dtype)} needs {expected} bytes, got {len(tensor.data)}"
+            f"tensor of shape {list(shape)[:8]} and dtype {dtype_name(tensor.dtype)} needs {expected} bytes, got {len(tensor.data)}"
         )
     if tensor.dtype == types_pb2.DTYPE_BFLOAT16:
         raw = np.frombuffer(tensor.data, dtype="<u2").astype(np.uint32) << 16

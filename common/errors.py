@@ -86,7 +86,21 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: 
         log.info("%s -> %s: %s", method, exc.code.name, exc.message)
         await context.abort(exc.code, exc.message)
     log.exception("%s failed", method, exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+    # The details stay in this server's log: an exception's text can carry SQL, paths or the caller's input.
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}) in {method}; see the server log")
+
+
+def _check_strings(request) -> None:
+    """Every unary request's strings are checked before a servicer sees them (common/strings.py)."""
+    from google.protobuf.message import Message
+
+    if isinstance(request, Message):
+        from temper.common.strings import check_request_strings
+
+        # A sequenced request (it carries a seq_id) is checked whole by admission, where a rejection
+        # spends its seq; refused here, it would leave a gap its run waits on.
+        sequenced = "seq_id" in request.DESCRIPTOR.fields_by_name
+        check_request_strings(request, only=("training_run_id",) if sequenced else None)
 
 
 def _wrap(behavior, method):
@@ -96,6 +110,7 @@ def _wrap(behavior, method):
     if inspect.isasyncgenfunction(behavior):
         async def stream_wrapper(request, context):
             try:
+                _check_strings(request)
                 async for item in behavior(request, context):
                     yield item
             except (grpc.aio.AbortError, grpc.aio.UsageError):
@@ -107,6 +122,7 @@ def _wrap(behavior, method):
 
     async def wrapper(request, context):
         try:
+            _check_strings(request)
             return await behavior(request, context)
         except (grpc.aio.AbortError, grpc.aio.UsageError):
             raise

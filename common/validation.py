@@ -34,6 +34,9 @@ LOSS_SPECS: dict[str, LossSpec] = {
 }
 
 
+MAX_LOSS_INPUT = 1e6  # weights, advantages, logprobs: beyond this a float32 loss and its gradient are not meaningful
+
+
 @dataclass
 class DecodedDatum:
     tokens: np.ndarray                  # int32 (N,)
@@ -64,6 +67,11 @@ def loss_config_values(loss_fn: str, config: dict[str, types_pb2.LossConfigValue
         if value.WhichOneof("value") != "number" or not np.isfinite(value.number):
             raise InvalidArgument(f"loss_fn_config[{key!r}] must be a finite number")
         values[key] = value.number
+    if "clip_low_threshold" in values and not 0 <= values["clip_low_threshold"] <= values["clip_high_threshold"]:
+        raise InvalidArgument(f"{loss_fn} needs 0 <= clip_low_threshold <= clip_high_threshold, got "
+                              f"{values['clip_low_threshold']} and {values['clip_high_threshold']}")
+    if values.get("beta", 0.0) < 0:
+        raise InvalidArgument(f"{loss_fn} needs beta >= 0, got {values['beta']}")
     return values
 
 
@@ -106,6 +114,9 @@ def validate_forward_backward(
                 raise InvalidArgument(f"datum {i}: {name} has shape {list(arr.shape)} but model_input has {n} tokens (expected {want})")
             if arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
                 raise InvalidArgument(f"datum {i}: {name} contains NaN or infinite values")
+            if arr.dtype.kind == "f" and arr.size and float(np.abs(arr).max()) > MAX_LOSS_INPUT:
+                raise InvalidArgument(f"datum {i}: {name} has values of magnitude {float(np.abs(arr).max()):.3g}; loss inputs "
+                                      f"must be within +-{MAX_LOSS_INPUT:g} (larger ones overflow the loss in float32)")
             inputs[name] = arr
         shapes = {name: arr.shape for name, arr in inputs.items()}
         if len(set(shapes.values())) > 1:

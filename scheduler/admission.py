@@ -20,6 +20,7 @@ from collections import OrderedDict, defaultdict
 from typing import Awaitable, Callable
 
 from temper.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted, TemperError, Unavailable
+from temper.common.strings import check_request_strings
 from temper.scheduler import metrics
 from temper.scheduler.runs import RunInfo, RunRegistry
 from temper.scheduler.settings import SchedulerSettings
@@ -215,6 +216,7 @@ def _digest_and_check(request, check: Check | None, run: RunInfo) -> tuple[str, 
     the trainer's deep check is the other)."""
     sha = hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest()
     try:
+        check_request_strings(request)
         return sha, (check(run) if check is not None else 0), None
     except TemperError as exc:
         return sha, 0, exc

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
+import re
 
 from temper.common.checkpoints import KIND_DIRS, check_name, parse_path
 from temper.common.codec import decode_tokens
 from temper.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from temper.common.logs import request_context
+from temper.common.strings import shown
 from temper.common.validation import check_token_range, model_input_tokens, validate_adam, validate_forward_backward
 from temper.scheduler import metrics
 from temper.scheduler.admission import Admission
@@ -24,9 +27,14 @@ TENANT_METADATA_KEY = "x-temper-tenant"
 MAX_LORA_RANK = 1024
 
 
+_TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,127}")
+
+
 def _tenant(context) -> str:
     for key, value in context.invocation_metadata() or ():
         if key == TENANT_METADATA_KEY and value:
+            if not _TENANT.fullmatch(value):
+                raise InvalidArgument(f"{TENANT_METADATA_KEY} must match {_TENANT.pattern}, got {shown(value)}")
             return value
     return "default"
 
@@ -87,8 +95,8 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
             raise InvalidArgument(f"lora rank must be in [1, {MAX_LORA_RANK}], got {cfg.rank}")
         if not (cfg.train_attn or cfg.train_mlp or cfg.train_unembed):
             raise InvalidArgument("the LoRA config trains nothing: set train_attn, train_mlp or train_unembed")
-        if cfg.alpha < 0 or not 0 <= cfg.dropout < 1:
-            raise InvalidArgument("lora alpha must be >= 0 and dropout in [0, 1)")
+        if not math.isfinite(cfg.alpha) or cfg.alpha < 0 or not 0 <= cfg.dropout < 1:
+            raise InvalidArgument("lora alpha must be a finite number >= 0 and dropout in [0, 1)")
         await asyncio.to_thread(self.store.open_session, request.session_id)
         self.backends.trainer_for(request.base_model, "")  # an unknown model leaves the session untouched
         run_id = await asyncio.to_thread(self.store.next_run_id, request.session_id)
@@ -216,6 +224,8 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
         if tokens.size == 0:
             raise InvalidArgument("prompt is empty")
         check_token_range(tokens, sampler.info.vocab_size, "prompt")
+        if len(tokens) > sampler.info.max_context_length:
+            raise InvalidArgument(f"prompt has {len(tokens)} tokens; the context length is {sampler.info.max_context_length}")
         return sampler, checkpoint_key, tokens
 
     @needs_workers

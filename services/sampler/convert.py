@@ -14,14 +14,17 @@ from temper.services.sampler.backend import ModelDescription, SampleRequest, Sam
 from temper.v1 import sampler_pb2, types_pb2
 
 MAX_TOPK_LOGPROBS = 100
+MIN_TEMPERATURE = 1e-3  # below it logits / temperature overflow float32; use 0 for greedy
 _STOP_REASONS = {"stop": types_pb2.STOP_REASON_STOP, "length": types_pb2.STOP_REASON_LENGTH}
 
 
 def sampling_options_from_pb(p: types_pb2.SamplingParams, vocab_size: int) -> SamplingOptions:
     if p.max_tokens <= 0:
         raise InvalidArgument(f"max_tokens must be positive, got {p.max_tokens}")
-    if p.temperature < 0 or not np.isfinite(p.temperature):
-        raise InvalidArgument(f"temperature must be >= 0, got {p.temperature}")
+    if not np.isfinite(p.temperature) or p.temperature < 0 or 0 < p.temperature < MIN_TEMPERATURE:
+        raise InvalidArgument(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {p.temperature:g}")
+    if any(s == "" for s in p.stop_strings):
+        raise InvalidArgument("stop strings must not be empty (an empty one would stop every sample at once)")
     if not 0 <= p.top_p <= 1:
         raise InvalidArgument(f"top_p must be in [0, 1], got {p.top_p}")
     stop_ids = tuple(int(t) for t in decode_tokens(p.stop_token_ids))

@@ -89,6 +89,8 @@ class TorchSamplerBackend(SamplerBackend):
         vocab = self.loaded.vocab_size
         if int(prompt.min()) < 0 or int(prompt.max()) >= vocab:
             raise InvalidArgument(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt) > self.loaded.max_context_length:
+            raise InvalidArgument(f"prompt has {len(prompt)} tokens; the context length is {self.loaded.max_context_length}")
 
     # ---- numerics -----------------------------------------------------------------------------
 

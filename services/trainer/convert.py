@@ -7,6 +7,8 @@ decoded, checked domain objects only.
 
 from __future__ import annotations
 
+import math
+
 from typing import Iterable
 
 from temper.common.checkpoints import WEIGHT_FILES
@@ -24,6 +26,8 @@ def adapter_from_pb(cfg: types_pb2.LoraConfig, default_alpha: float) -> tuple[Ad
     """The adapter's spec and its initialisation seed (None: random)."""
     if cfg.rank <= 0:
         raise InvalidArgument(f"LoRA rank must be positive, got {cfg.rank}")
+    if not math.isfinite(cfg.alpha) or cfg.alpha < 0:
+        raise InvalidArgument(f"LoRA alpha must be a finite number >= 0, got {cfg.alpha}")
     if not 0.0 <= cfg.dropout < 1.0:
         raise InvalidArgument(f"LoRA dropout must be in [0, 1), got {cfg.dropout}")
     targets = lora_targets(cfg.train_attn, cfg.train_mlp, cfg.train_unembed)

@@ -11,6 +11,7 @@ The adapter of a training run lives under the run's id, in the AdapterHost and i
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -145,9 +146,10 @@ class TrainerEngine:
         groups = [LossGroup(i.run_id, i.data, i.loss_fn, i.loss_config, i.forward_only) for i in items]
         try:
             results = numerics.forward_backward(self.lora, groups, self.pass_options, self.device, _observe_pass)
+            _check_finite(items, results, training)
         except BaseException:
             for run_id, adapter in training.items():
-                adapter.restore_grads(snapshots[run_id])  # an internal failure must not leave half a gradient
+                adapter.restore_grads(snapshots[run_id])  # a failed or rejected pass leaves no half gradient
             raise
         for item, result in zip(items, results):
             tokens = int(result.metrics["num_tokens:sum"])
@@ -161,7 +163,13 @@ class TrainerEngine:
     def optim_step(self, adapter: TrainedAdapter, params: AdamParams) -> dict[str, float]:
         grads = [p for p in adapter.params.values() if p.grad is not None]
         max_norm = params.grad_clip_norm if params.grad_clip_norm > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
+        # error_if_nonfinite raises before any gradient is scaled; passes never accumulate a
+        # non-finite gradient (_check_finite), so this only guards what slips past that.
+        try:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm, error_if_nonfinite=True)) if grads else 0.0
+        except RuntimeError:
+            raise FailedPrecondition(f"the accumulated gradient of run {adapter.run_id} is not finite; the step changed nothing "
+                                     f"(load a checkpoint to go on)") from None
         for group in adapter.optimizer.param_groups:
             group.update(
                 lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps, weight_decay=params.weight_decay
@@ -195,6 +203,19 @@ class TrainerEngine:
 
 def _observe_pass(grad: bool, tokens: int, seconds: float) -> None:
     metrics.PASS_SECONDS.labels("forward_backward" if grad else "forward").observe(seconds)
+
+
+def _check_finite(items: list[ForwardBackwardItem], results: list[ForwardBackwardResult], training: dict) -> None:
+    """A loss or accumulated gradient that is not finite would make the next optim_step turn the
+    adapter into NaN for good: the whole call is refused instead (the caller restores the grads)."""
+    bad = {item.run_id for item, result in zip(items, results) if not math.isfinite(result.metrics["loss:sum"])}
+    for run_id, adapter in training.items():
+        flags = [torch.isfinite(p.grad).all() for p in adapter.params.values() if p.grad is not None]
+        if flags and not bool(torch.stack(flags).all()):  # one device sync per adapter
+            bad.add(run_id)
+    if bad:
+        raise InvalidArgument(f"the loss or gradient of {sorted(bad)} is not finite (inputs too large for float32?); "
+                              f"nothing was changed")
 
 
 def _check_forward_backward(item: ForwardBackwardItem) -> None:

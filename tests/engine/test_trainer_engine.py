@@ -340,3 +340,18 @@ def test_the_servicer_decodes_runs_encodes_and_counts_errors(engine):
     asyncio.run(servicer.CreateAdapter(trainer_pb2.CreateAdapterRequest(
         training_run_id="run-c", lora_config=types_pb2.LoraConfig(rank=2, train_mlp=True)), None))
     assert engine.host.get("run-c").spec == AdapterSpec(rank=2, alpha=32.0, targets=lora_targets(mlp=True))
+
+
+def test_a_pass_whose_loss_or_gradient_is_not_finite_changes_nothing(engine):
+    # Past the wire checks (which bound loss inputs), the engine still refuses a non-finite result:
+    # an optim_step on it would turn the adapter into NaN for good.
+    ce = {"loss_fn": "cross_entropy", "loss_config": {}}
+    engine.run_cycle([fb("run-a", [sft([1, 2, 3, 4], [1, 1, 1])], **ce, seq_id=1)], [])
+    before = adapter_state(engine, "run-a")
+    overflowing = fb("run-a", [sft([5, 6, 7, 8], [3e38, 3e38, 3e38])], **ce, seq_id=2)
+    with pytest.raises(InvalidArgument, match="not finite"):
+        engine.run_cycle([overflowing], [OptimStepItem("run-a", AdamParams(learning_rate=1e-2, eps=1e-8), seq_id=3)])
+    assert_same_state(before, adapter_state(engine, "run-a"))  # weights, pending grads, Adam state, steps
+    _, (metrics,) = engine.run_cycle([], [OptimStepItem("run-a", AdamParams(learning_rate=1e-2, eps=1e-8), seq_id=2)])
+    assert np.isfinite(metrics["grad_norm:mean"]) and metrics["grad_norm:mean"] > 0
+    assert all(bool(torch.isfinite(p).all()) for p in engine.host.get("run-a").params.values())

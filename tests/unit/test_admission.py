@@ -219,3 +219,19 @@ def test_a_dead_loop_fails_waiting_calls_unavailable_turns_health_off_and_exits(
 
     assert app_module.EXIT_LOOP_FAILED != 0
     asyncio.run(main())
+
+
+def test_a_bad_string_in_a_sequenced_request_is_a_rejection_that_spends_its_seq():
+    async def main():
+        s = build()
+        s.store.add_run("r", "alice")
+        api, task = servicer_of(s), await running(s)
+        later = asyncio.create_task(api.ForwardBackward(fb("r", 2), None))
+        bad = fb("r", 1)
+        bad.loss_fn = "cross_entropy\x00"
+        with pytest.raises(InvalidArgument, match="NUL"):
+            await api.ForwardBackward(bad, None)
+        assert (await asyncio.wait_for(later, 5)).metrics["loss:sum"] == 2.0  # no gap left behind
+        task.cancel()
+
+    asyncio.run(main())
