@@ -64,9 +64,11 @@ def test_single_head():
     assert len(heads) == 1, f"alembic has several heads, merge them: {heads}"
 
 
-def test_postgres_url_fixture_is_fresh(postgres_url):
+def test_postgres_database_fixtures_are_fresh(postgres_url, new_postgres_database):
+    # (the session database may already hold the schema: stack tests that ran earlier migrated it)
     assert postgres_url.startswith("postgresql+psycopg2://")
-    assert table_names(postgres_url) == set()
+    url = new_postgres_database()
+    assert url != postgres_url and table_names(url) == set()
 
 
 def test_postgres_upgrade_constraints_downgrade(new_postgres_database, migrate):
