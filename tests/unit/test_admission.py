@@ -4,6 +4,7 @@ dedupe, seq order, limits, honest answers under worker and database faults, gap 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -17,64 +18,63 @@ def servicer_of(s) -> TemperServicer:
     return TemperServicer(s.store, FakeBackends(s.trainer), s.admission.runs, s.admission)
 
 
-async def running(s):
+@contextlib.asynccontextmanager
+async def started(*args, runs: dict[str, str], **kwargs):
+    """A scheduler (fake store and trainer) with ``runs`` (run -> tenant), its servicer, and its loop running."""
+    s = build(*args, **kwargs)
+    for run_id, tenant in runs.items():
+        s.store.add_run(run_id, tenant)
     task = asyncio.create_task(s.loop.run_forever())
     await asyncio.sleep(0)
-    return task
+    try:
+        yield s, servicer_of(s)
+    finally:
+        task.cancel()
 
 
 def test_a_retry_gets_the_first_answer_and_a_different_payload_is_refused():
     async def main():
-        s = build()
-        s.store.add_run("r", "alice")
-        api, task = servicer_of(s), await running(s)
-        first, again = await asyncio.gather(api.ForwardBackward(fb("r", 1), None), api.ForwardBackward(fb("r", 1), None))
-        assert first == again and first.metrics["loss:sum"] == 1.0
-        assert await api.ForwardBackward(fb("r", 1), None) == first  # after it ran: from memory
-        with pytest.raises(AlreadyExists):
-            await api.ForwardBackward(fb("r", 1, tokens=(4, 5)), None)
-        assert s.trainer.applied == [("r", 1)]
-        task.cancel()
+        async with started(runs={"r": "alice"}) as (s, api):
+            first, again = await asyncio.gather(api.ForwardBackward(fb("r", 1), None), api.ForwardBackward(fb("r", 1), None))
+            assert first == again and first.metrics["loss:sum"] == 1.0
+            assert await api.ForwardBackward(fb("r", 1), None) == first  # after it ran: from memory
+            with pytest.raises(AlreadyExists):
+                await api.ForwardBackward(fb("r", 1, tokens=(4, 5)), None)
+            assert s.trainer.applied == [("r", 1)]
 
     asyncio.run(main())
 
 
 def test_bad_input_spends_its_seq_and_writes_nothing():
     async def main():
-        s = build()
-        s.store.add_run("r", "alice")
-        api, task = servicer_of(s), await running(s)
-        later = asyncio.create_task(api.ForwardBackward(fb("r", 2), None))
-        with pytest.raises(InvalidArgument, match="outside the vocabulary"):
-            await api.ForwardBackward(fb("r", 1, tokens=(1, 500)), None)
-        assert (await later).metrics["loss:sum"] == 2.0  # the run went on after the rejected seq
-        assert ("r", 1) not in s.store.requests and s.trainer.applied == [("r", 2)]
-        with pytest.raises(InvalidArgument):  # a retry of the rejected seq hears the same answer
-            await api.ForwardBackward(fb("r", 1, tokens=(1, 500)), None)
-        with pytest.raises(AlreadyExists):  # the seq is spent: another payload cannot take it
-            await api.ForwardBackward(fb("r", 1), None)
-        task.cancel()
+        async with started(runs={"r": "alice"}) as (s, api):
+            later = asyncio.create_task(api.ForwardBackward(fb("r", 2), None))
+            with pytest.raises(InvalidArgument, match="outside the vocabulary"):
+                await api.ForwardBackward(fb("r", 1, tokens=(1, 500)), None)
+            assert (await later).metrics["loss:sum"] == 2.0  # the run went on after the rejected seq
+            assert ("r", 1) not in s.store.requests and s.trainer.applied == [("r", 2)]
+            with pytest.raises(InvalidArgument):  # a retry of the rejected seq hears the same answer
+                await api.ForwardBackward(fb("r", 1, tokens=(1, 500)), None)
+            with pytest.raises(AlreadyExists):  # the seq is spent: another payload cannot take it
+                await api.ForwardBackward(fb("r", 1), None)
 
     asyncio.run(main())
 
 
 def test_a_parked_backlog_counts_against_its_own_run_only():
     async def main():
-        s = build(max_queued_requests=2, max_queued_per_tenant=2, max_queued_per_run=10)
-        s.store.add_run("a", "alice")
-        s.store.add_run("b", "bob")
-        api, task = servicer_of(s), await running(s)
-        parked = [asyncio.create_task(api.ForwardBackward(fb("a", seq), None)) for seq in range(2, 12)]  # behind seq 1
-        await asyncio.sleep(0.2)
-        with pytest.raises(ResourceExhausted, match="run a has 10 queued requests"):
-            await api.ForwardBackward(fb("a", 12), None)
-        # bob is admitted and runs although alice holds 10 requests and the scheduler-wide limit is 2
-        assert (await api.ForwardBackward(fb("b", 1), None)).metrics["loss:sum"] == 1.0
-        assert not any(p.done() for p in parked)
-        assert s.admission.depth_by_tenant()["alice"] == (10, 10)
-        await api.ForwardBackward(fb("a", 1), None)
-        assert [r.metrics["loss:sum"] for r in await asyncio.gather(*parked)] == [float(seq) for seq in range(2, 12)]
-        task.cancel()
+        limits = {"max_queued_requests": 2, "max_queued_per_tenant": 2, "max_queued_per_run": 10}
+        async with started(runs={"a": "alice", "b": "bob"}, **limits) as (s, api):
+            parked = [asyncio.create_task(api.ForwardBackward(fb("a", seq), None)) for seq in range(2, 12)]  # behind seq 1
+            await asyncio.sleep(0.2)
+            with pytest.raises(ResourceExhausted, match="run a has 10 queued requests"):
+                await api.ForwardBackward(fb("a", 12), None)
+            # bob is admitted and runs although alice holds 10 requests and the scheduler-wide limit is 2
+            assert (await api.ForwardBackward(fb("b", 1), None)).metrics["loss:sum"] == 1.0
+            assert not any(p.done() for p in parked)
+            assert s.admission.depth_by_tenant()["alice"] == (10, 10)
+            await api.ForwardBackward(fb("a", 1), None)
+            assert [r.metrics["loss:sum"] for r in await asyncio.gather(*parked)] == [float(seq) for seq in range(2, 12)]
 
     asyncio.run(main())
 
@@ -96,73 +96,62 @@ def test_limits_hold_exactly_under_concurrent_admission():
 
 def test_a_database_outage_at_admission_is_unavailable_and_spends_nothing():
     async def main():
-        s = build()
-        s.store.add_run("r", "alice")
-        api, task = servicer_of(s), await running(s)
-        await api.ForwardBackward(fb("r", 1), None)  # the run is loaded
-        s.store.down = True
-        with pytest.raises(Unavailable):
-            await api.ForwardBackward(fb("r", 2), None)
-        assert ("r", 2) not in s.admission.recent and 2 not in s.admission.queues["r"].pending
-        s.store.down = False
-        assert (await api.ForwardBackward(fb("r", 2), None)).metrics["loss:sum"] == 2.0  # the same seq, resent
-        task.cancel()
+        async with started(runs={"r": "alice"}) as (s, api):
+            await api.ForwardBackward(fb("r", 1), None)  # the run is loaded
+            s.store.down = True
+            with pytest.raises(Unavailable):
+                await api.ForwardBackward(fb("r", 2), None)
+            assert ("r", 2) not in s.admission.recent and 2 not in s.admission.queues["r"].pending
+            s.store.down = False
+            assert (await api.ForwardBackward(fb("r", 2), None)).metrics["loss:sum"] == 2.0  # the same seq, resent
 
     asyncio.run(main())
 
 
 def test_a_database_outage_while_recording_delays_the_answer_and_loses_nothing():
     async def main():
-        s = build(trainer=FakeTrainer(delay=0.2))
-        s.store.add_run("r", "alice")
-        api, task = servicer_of(s), await running(s)
-        call = asyncio.create_task(api.ForwardBackward(fb("r", 1), None))
-        await asyncio.sleep(0.1)  # on the trainer now
-        s.store.down = True
-        await asyncio.sleep(0.5)
-        assert not call.done() and s.trainer.applied == [("r", 1)]  # applied; never answered "failed"
-        s.store.down = False
-        assert (await asyncio.wait_for(call, 10)).metrics["loss:sum"] == 1.0
-        assert s.store.statuses("r") == {1: "done"}
-        task.cancel()
+        async with started(trainer=FakeTrainer(delay=0.2), runs={"r": "alice"}) as (s, api):
+            call = asyncio.create_task(api.ForwardBackward(fb("r", 1), None))
+            await asyncio.sleep(0.1)  # on the trainer now
+            s.store.down = True
+            await asyncio.sleep(0.5)
+            assert not call.done() and s.trainer.applied == [("r", 1)]  # applied; never answered "failed"
+            s.store.down = False
+            assert (await asyncio.wait_for(call, 10)).metrics["loss:sum"] == 1.0
+            assert s.store.statuses("r") == {1: "done"}
 
     asyncio.run(main())
 
 
 def test_an_unanswered_cycle_is_resent_then_answered_unavailable_and_the_retry_gets_the_true_outcome():
     async def main():
-        s = build(trainer=FakeTrainer(unreachable_for=100), dispatch_retry_seconds=0.5)
-        s.store.add_run("r", "alice")
-        api, task = servicer_of(s), await running(s)
-        with pytest.raises(Unavailable, match="whether it was applied is not known"):
-            await api.ForwardBackward(fb("r", 1), None)
-        assert s.trainer.calls >= 2 and s.trainer.applied == [("r", 1)]  # resent, applied once
-        assert s.store.statuses("r") == {1: "running"}  # not "failed": it may have been (and was) applied
-        s.trainer.unreachable_for = 0
-        assert (await api.ForwardBackward(fb("r", 1), None)).metrics["loss:sum"] == 1.0
-        assert s.trainer.applied == [("r", 1)] and s.store.statuses("r") == {1: "done"}
-        task.cancel()
+        unreachable = FakeTrainer(unreachable_for=100)
+        async with started(trainer=unreachable, dispatch_retry_seconds=0.5, runs={"r": "alice"}) as (s, api):
+            with pytest.raises(Unavailable, match="whether it was applied is not known"):
+                await api.ForwardBackward(fb("r", 1), None)
+            assert s.trainer.calls >= 2 and s.trainer.applied == [("r", 1)]  # resent, applied once
+            assert s.store.statuses("r") == {1: "running"}  # not "failed": it may have been (and was) applied
+            s.trainer.unreachable_for = 0
+            assert (await api.ForwardBackward(fb("r", 1), None)).metrics["loss:sum"] == 1.0
+            assert s.trainer.applied == [("r", 1)] and s.store.statuses("r") == {1: "done"}
 
     asyncio.run(main())
 
 
 def test_a_missing_seq_times_out_on_time_under_other_tenants_load():
     async def main():
-        s = build(trainer=FakeTrainer(delay=0.05), seq_gap_timeout_seconds=0.3)
-        s.store.add_run("a", "alice")
-        s.store.add_run("b", "bob")
-        api, task = servicer_of(s), await running(s)
-        parked = asyncio.create_task(api.ForwardBackward(fb("a", 2), None))  # seq 1 never comes
-        started = asyncio.get_running_loop().time()
-        seq = 0
-        while not parked.done():  # bob keeps the loop busy all the time
-            seq += 1
-            await api.ForwardBackward(fb("b", seq), None)
-            assert asyncio.get_running_loop().time() - started < 5, "the gap was never skipped under load"
-        assert parked.result().metrics["loss:sum"] == 2.0
-        with pytest.raises(FailedPrecondition, match="stopped waiting"):
-            await api.ForwardBackward(fb("a", 1), None)
-        task.cancel()
+        busy = FakeTrainer(delay=0.05)
+        async with started(trainer=busy, seq_gap_timeout_seconds=0.3, runs={"a": "alice", "b": "bob"}) as (s, api):
+            parked = asyncio.create_task(api.ForwardBackward(fb("a", 2), None))  # seq 1 never comes
+            since = asyncio.get_running_loop().time()
+            seq = 0
+            while not parked.done():  # bob keeps the loop busy all the time
+                seq += 1
+                await api.ForwardBackward(fb("b", seq), None)
+                assert asyncio.get_running_loop().time() - since < 5, "the gap was never skipped under load"
+            assert parked.result().metrics["loss:sum"] == 2.0
+            with pytest.raises(FailedPrecondition, match="stopped waiting"):
+                await api.ForwardBackward(fb("a", 1), None)
 
     asyncio.run(main())
 
@@ -223,15 +212,12 @@ def test_a_dead_loop_fails_waiting_calls_unavailable_turns_health_off_and_exits(
 
 def test_a_bad_string_in_a_sequenced_request_is_a_rejection_that_spends_its_seq():
     async def main():
-        s = build()
-        s.store.add_run("r", "alice")
-        api, task = servicer_of(s), await running(s)
-        later = asyncio.create_task(api.ForwardBackward(fb("r", 2), None))
-        bad = fb("r", 1)
-        bad.loss_fn = "cross_entropy\x00"
-        with pytest.raises(InvalidArgument, match="NUL"):
-            await api.ForwardBackward(bad, None)
-        assert (await asyncio.wait_for(later, 5)).metrics["loss:sum"] == 2.0  # no gap left behind
-        task.cancel()
+        async with started(runs={"r": "alice"}) as (s, api):
+            later = asyncio.create_task(api.ForwardBackward(fb("r", 2), None))
+            bad = fb("r", 1)
+            bad.loss_fn = "cross_entropy\x00"
+            with pytest.raises(InvalidArgument, match="NUL"):
+                await api.ForwardBackward(bad, None)
+            assert (await asyncio.wait_for(later, 5)).metrics["loss:sum"] == 2.0  # no gap left behind
 
     asyncio.run(main())
