@@ -73,6 +73,8 @@ class Admission:
             if existing.payload_sha256 != sha:
                 raise AlreadyExists(f"seq_id {seq_id} of {run_id} was used by a different request")
             return await asyncio.shield(existing.future)
+        if run.closed:
+            raise FailedPrecondition(f"the session of {run_id} is closed; its runs take no more work")
         if queue.was_skipped(seq_id):
             raise FailedPrecondition(f"seq_id {seq_id} of {run_id} arrived after the scheduler stopped waiting for it "
                                      f"(seq_gap_timeout_seconds); the run's later requests went on without it")

@@ -17,6 +17,7 @@ class RunInfo:
     tenant: str
     base_model: str
     row: m.TrainingRun        # as loaded or created (lora config, metadata); counters there are not kept current
+    closed: bool = False      # its session was closed: the run takes no more work
 
 
 class RunRegistry:
@@ -25,9 +26,14 @@ class RunRegistry:
         self._runs: dict[str, RunInfo] = {}
         self._loading: dict[str, asyncio.Future] = {}
 
-    def add(self, row: m.TrainingRun, tenant: str) -> RunInfo:
-        info = self._runs[row.id] = RunInfo(row.id, row.session_id, tenant, row.base_model, row)
+    def add(self, row: m.TrainingRun, tenant: str, closed: bool = False) -> RunInfo:
+        info = self._runs[row.id] = RunInfo(row.id, row.session_id, tenant, row.base_model, row, closed)
         return info
+
+    def close_session(self, session_id: str) -> None:
+        for info in self._runs.values():
+            if info.session_id == session_id:
+                info.closed = True
 
     async def get(self, run_id: str) -> RunInfo:
         """The run; its first use in this process closes what an earlier process left interrupted on a
@@ -40,11 +46,11 @@ class RunRegistry:
             barriers = [kind.value for kind in WorkKind if kind.is_barrier]
             loading = self._loading[run_id] = asyncio.ensure_future(asyncio.to_thread(self.store.load_run, run_id, barriers))
         try:
-            row, tenant = await asyncio.shield(loading)
+            row, tenant, closed = await asyncio.shield(loading)
         finally:
             if loading.done():
                 self._loading.pop(run_id, None)
-        return self._runs.get(run_id) or self.add(row, tenant)
+        return self._runs.get(run_id) or self.add(row, tenant, closed)
 
     def known(self, run_id: str) -> RunInfo | None:
         return self._runs.get(run_id)

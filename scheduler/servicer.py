@@ -58,6 +58,7 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
         self.runs = runs
         self.admission = admission
         self._samplers: dict[str, m.SamplingClient] = {}
+        self._closed_sessions: set[str] = set()   # closed in this process (sampling clients check it)
 
     # ---- sessions -----------------------------------------------------------------------------
 
@@ -84,6 +85,8 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
         if status not in ("success", "errored", "interrupted"):
             raise InvalidArgument(f"status must be success, errored or interrupted, got {status!r}")
         await asyncio.to_thread(self.store.close_session, request.session_id, status)
+        self.runs.close_session(request.session_id)
+        self._closed_sessions.add(request.session_id)
         return service_pb2.CloseSessionResponse()
 
     # ---- training runs ------------------------------------------------------------------------
@@ -211,7 +214,12 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
     async def _sampling_target(self, sampler_id: str, prompt: types_pb2.ModelInput):
         row = self._samplers.get(sampler_id)
         if row is None:
-            row = self._samplers[sampler_id] = await asyncio.to_thread(self.store.get_sampling_client, sampler_id)
+            row = await asyncio.to_thread(self.store.get_sampling_client, sampler_id)
+            if await asyncio.to_thread(self.store.session_closed, row.session_id):
+                self._closed_sessions.add(row.session_id)
+            self._samplers[sampler_id] = row
+        if row.session_id in self._closed_sessions:
+            raise FailedPrecondition(f"the session of sampling client {sampler_id} is closed")
         sampler = self.backends.sampler_for(row.base_model)
         checkpoint_key = ""
         if row.model_path:

@@ -198,10 +198,20 @@ class Store:
                            .where(m.RequestRecord.training_run_id == run_id, m.RequestRecord.seq_id == seq_id)
                            .values(status="running"))
 
-    def load_run(self, run_id: str, kinds: Iterable[str]) -> tuple[m.TrainingRun, str]:
-        """A run as an earlier process left it (see recover_interrupted) and its tenant."""
+    def load_run(self, run_id: str, kinds: Iterable[str]) -> tuple[m.TrainingRun, str, bool]:
+        """A run as an earlier process left it (see recover_interrupted), its tenant, and whether its
+        session is closed."""
         run = self.recover_interrupted(run_id, kinds)
-        return run, self.tenant_of_session(run.session_id)
+        with self.sessions() as db:
+            closed = db.scalar(select(m.Session.closed_at).where(m.Session.id == run.session_id)) is not None
+        return run, self.tenant_of_session(run.session_id), closed
+
+    def session_closed(self, session_id: str) -> bool:
+        with self.sessions() as db:
+            row = db.get(m.Session, session_id)
+        if row is None:
+            raise NotFound(f"session {session_id!r} not found")
+        return row.closed_at is not None
 
     def recover_interrupted(self, run_id: str, kinds: Iterable[str]) -> m.TrainingRun:
         """Close the requests of ``kinds`` (those a trainer cannot recognise when re-sent) that an

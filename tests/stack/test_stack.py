@@ -267,3 +267,23 @@ def test_trainer_runs_under_the_tuned_host_allocator(stack):
     pid = stack.service("trainer").process.pid  # the same pid after the re-exec
     environ = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in item)
     assert {k: environ.get(k) for k in TUNED_MALLOC_ENV} == TUNED_MALLOC_ENV
+
+
+def test_a_closed_session_stops_its_runs_and_sampling_clients(stack, tiny_model_dir):
+    from temper.client import FailedPrecondition, ServiceClient
+
+    client = ServiceClient(stack.address)
+    run = client.create_lora_training_client(tiny_model_dir, rank=4, seed=0)
+    run.forward_backward([sft_datum(PATTERN)]).result()
+    sampler = client.create_sampling_client(base_model=tiny_model_dir)
+    sampler.sample(ModelInput.from_ints([1, 2, 3]), 1, SamplingParams(max_tokens=2, temperature=0.0)).result()
+    client.close()
+    with ServiceClient(stack.address) as other:  # the same ids, from a new session of the same tenant
+        with pytest.raises(FailedPrecondition, match="closed"):
+            other.training_client(run.model_id).optim_step(ADAM).result()
+        stub = service_pb2_grpc.TemperStub(grpc.insecure_channel(stack.address))
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Sample(service_pb2.SampleRequest(sampler_id=sampler.sampler_id, num_samples=1,
+                                                  prompt=convert.model_input_to_proto(ModelInput.from_ints([1, 2, 3])),
+                                                  sampling_params=convert.sampling_params_to_proto(SamplingParams(max_tokens=2))))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -49,7 +49,7 @@ class FakeStore:
         self._check()
         if run_id not in self.runs:
             raise NotFound(f"training run {run_id!r} not found")
-        return self.runs[run_id], self.tenants[run_id]
+        return self.runs[run_id], self.tenants[run_id], False
 
     def get_request(self, run_id, seq_id):
         self._check()

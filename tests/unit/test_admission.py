@@ -221,3 +221,16 @@ def test_a_bad_string_in_a_sequenced_request_is_a_rejection_that_spends_its_seq(
             assert (await asyncio.wait_for(later, 5)).metrics["loss:sum"] == 2.0  # no gap left behind
 
     asyncio.run(main())
+
+
+def test_a_closed_sessions_run_takes_no_new_work_but_answers_retries():
+    async def main():
+        async with started(runs={"r": "alice"}) as (s, api):
+            first = await api.ForwardBackward(fb("r", 1), None)
+            s.admission.runs.close_session("s-alice")
+            assert await api.ForwardBackward(fb("r", 1), None) == first  # a retry of accepted work
+            with pytest.raises(FailedPrecondition, match="session of r is closed"):
+                await api.ForwardBackward(fb("r", 2), None)
+            assert s.trainer.applied == [("r", 1)]
+
+    asyncio.run(main())
