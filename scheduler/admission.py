@@ -112,11 +112,9 @@ class Admission:
             return  # the request this run's work waits for is always admitted, or the run would deadlock
         limits = [(len(queue), self.settings.max_queued_per_run, f"run {run.run_id}")]
         if queue.extends_chain(seq_id):
-            by_tenant = self.depth_by_tenant()
-            limits += [(by_tenant.get(run.tenant, (0, 0))[0] - by_tenant.get(run.tenant, (0, 0))[1],
-                        self.settings.max_queued_per_tenant, f"tenant {run.tenant!r}"),
-                       (sum(held - parked for held, parked in by_tenant.values()), self.settings.max_queued_requests,
-                        "the scheduler")]
+            unparked = {tenant: held - parked for tenant, (held, parked) in self.depth_by_tenant().items()}
+            limits += [(unparked.get(run.tenant, 0), self.settings.max_queued_per_tenant, f"tenant {run.tenant!r}"),
+                       (sum(unparked.values()), self.settings.max_queued_requests, "the scheduler")]
         for used, limit, who in limits:
             if used >= limit:
                 metrics.ADMISSIONS.labels(kind.value, "RESOURCE_EXHAUSTED").inc()
