@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from typing import Awaitable, Callable
 
 import grpc
 
@@ -49,11 +50,19 @@ class Unavailable(TemperError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class Unauthenticated(TemperError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
 class Internal(TemperError):
     code = grpc.StatusCode.INTERNAL
 
 
-_BY_CODE = {cls.code: cls for cls in (InvalidArgument, NotFound, AlreadyExists, FailedPrecondition, ResourceExhausted, Unavailable)}
+_BY_CODE = {cls.code: cls for cls in (InvalidArgument, NotFound, AlreadyExists, FailedPrecondition, ResourceExhausted, Unavailable,
+                                      Unauthenticated)}
+
+# Who may call: awaited with (method, context) before every handler; raises Unauthenticated to refuse.
+Authenticator = Callable[[str, grpc.aio.ServicerContext], Awaitable[None]]
 
 
 def from_rpc_error(err: grpc.RpcError) -> TemperError:
@@ -67,7 +76,12 @@ def from_rpc_error(err: grpc.RpcError) -> TemperError:
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps exceptions raised by servicers to status codes: TemperError → its code, else INTERNAL."""
+    """Maps exceptions raised by servicers to status codes: TemperError → its code, else INTERNAL.
+    An ``authenticate`` hook runs first inside the same mapping (and the same task, so a context
+    variable it sets is seen by the handler)."""
+
+    def __init__(self, authenticate: Authenticator | None = None):
+        self.authenticate = authenticate
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -77,7 +91,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
             behavior = getattr(handler, kind)
             if behavior:
-                return handler._replace(**{kind: _wrap(behavior, method)})
+                return handler._replace(**{kind: _wrap(behavior, method, self.authenticate)})
         return handler
 
 
@@ -103,14 +117,20 @@ def _check_strings(request) -> None:
         check_request_strings(request, only=("training_run_id",) if sequenced else None)
 
 
-def _wrap(behavior, method):
+async def _admit(request, context, method: str, authenticate: Authenticator | None) -> None:
+    if authenticate is not None:
+        await authenticate(method, context)
+    _check_strings(request)
+
+
+def _wrap(behavior, method, authenticate: Authenticator | None = None):
     """Wrap a handler in one of the same kind: grpc.aio sends an async generator's items itself,
     while a coroutine handler returns its reply or streams with ``context.write`` (grpc_health's
     Watch does), so wrapping a coroutine in a generator breaks it."""
     if inspect.isasyncgenfunction(behavior):
         async def stream_wrapper(request, context):
             try:
-                _check_strings(request)
+                await _admit(request, context, method, authenticate)
                 async for item in behavior(request, context):
                     yield item
             except (grpc.aio.AbortError, grpc.aio.UsageError):
@@ -122,7 +142,7 @@ def _wrap(behavior, method):
 
     async def wrapper(request, context):
         try:
-            _check_strings(request)
+            await _admit(request, context, method, authenticate)
             return await behavior(request, context)
         except (grpc.aio.AbortError, grpc.aio.UsageError):
             raise

@@ -10,7 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from temper.common.errors import ErrorInterceptor
+from temper.common.errors import Authenticator, ErrorInterceptor
 from temper.common.server_options import CHANNEL_OPTIONS
 
 
@@ -18,13 +18,15 @@ from temper.common.server_options import CHANNEL_OPTIONS
 def build_server(
     registrations: list[tuple[Callable[[object, grpc.aio.Server], None], object, str]],
     bind: str,
+    authenticate: Authenticator | None = None,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Create a server with the given (add_fn, servicer, full_service_name) registrations.
 
     Returns the server, the bound port (useful with port 0) and the health servicer; callers mark
-    themselves NOT_SERVING until ready (``mark_serving(..., serving=False)``).
+    themselves NOT_SERVING until ready (``mark_serving(..., serving=False)``). ``authenticate`` is
+    awaited before every call (health and reflection included: it decides which methods are open).
     """
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(interceptors=[ErrorInterceptor(authenticate)], options=CHANNEL_OPTIONS)
     names = []
     for add_fn, servicer, name in registrations:
         add_fn(servicer, server)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 
 from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, LargeBinary, String, Text, UniqueConstraint
+from sqlalchemy import false as sa_false
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -25,6 +26,29 @@ class Tenant(Base):
     name: Mapped[str] = mapped_column(String(128), unique=True)
     weight: Mapped[float] = mapped_column(Float, default=1.0)  # fair-share weight (co-batching scheduler)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # Per-tenant limits (scheduler/quotas.py); NULL: the scheduler's default for that limit, 0: unlimited.
+    max_training_runs: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    max_resident_adapters: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    max_queued_requests: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    train_tokens_per_minute: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    sample_tokens_per_minute: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    max_storage_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+
+
+class ApiKey(Base):
+    """A tenant's API key. Only its SHA-256 is stored (keys are 256-bit random, so a fast hash is
+    enough); the prefix identifies it in listings and logs."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
+    prefix: Mapped[str] = mapped_column(String(16), index=True)
+    key_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    label: Mapped[str] = mapped_column(String(128), default="")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
 class Session(Base):
@@ -74,6 +98,10 @@ class Checkpoint(Base):
     path: Mapped[str] = mapped_column(String(512), unique=True)  # tinker://<run>/<kind_dir>/<name>
     size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    published: Mapped[bool] = mapped_column(Boolean, default=False, server_default=sa_false())  # readable by other tenants
+    ephemeral: Mapped[bool] = mapped_column(Boolean, default=False, server_default=sa_false())  # unlisted sampler snapshot
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)  # by a sampling client
 
 
 class SamplingClient(Base):

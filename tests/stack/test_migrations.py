@@ -22,7 +22,7 @@ from sqlalchemy.pool import NullPool
 from temper.scheduler.db import models
 
 REPO = Path(__file__).resolve().parents[2]
-EXPECTED_TABLES = {"tenants", "sessions", "training_runs", "checkpoints", "sampling_clients", "requests"}
+EXPECTED_TABLES = {"tenants", "sessions", "training_runs", "checkpoints", "sampling_clients", "requests", "api_keys"}
 
 
 def alembic_config() -> Config:

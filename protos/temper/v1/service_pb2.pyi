@@ -162,16 +162,20 @@ class OptimStepResponse(_message.Message):
     def __init__(self, metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class SaveWeightsRequest(_message.Message):
-    __slots__ = ("training_run_id", "seq_id", "name", "kind")
+    __slots__ = ("training_run_id", "seq_id", "name", "kind", "ttl_seconds", "ephemeral")
     TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EPHEMERAL_FIELD_NUMBER: _ClassVar[int]
     training_run_id: str
     seq_id: int
     name: str
     kind: _types_pb2.CheckpointKind
-    def __init__(self, training_run_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., name: _Optional[str] = ..., kind: _Optional[_Union[_types_pb2.CheckpointKind, str]] = ...) -> None: ...
+    ttl_seconds: int
+    ephemeral: bool
+    def __init__(self, training_run_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., name: _Optional[str] = ..., kind: _Optional[_Union[_types_pb2.CheckpointKind, str]] = ..., ttl_seconds: _Optional[int] = ..., ephemeral: _Optional[bool] = ...) -> None: ...
 
 class SaveWeightsResponse(_message.Message):
     __slots__ = ("checkpoint",)
@@ -269,6 +273,28 @@ class DownloadCheckpointRequest(_message.Message):
     path: str
     def __init__(self, path: _Optional[str] = ...) -> None: ...
 
+class UpdateCheckpointRequest(_message.Message):
+    __slots__ = ("path", "published", "ttl_seconds")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    published: bool
+    ttl_seconds: int
+    def __init__(self, path: _Optional[str] = ..., published: _Optional[bool] = ..., ttl_seconds: _Optional[int] = ...) -> None: ...
+
+class DeleteCheckpointRequest(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class DeleteCheckpointResponse(_message.Message):
+    __slots__ = ("freed_bytes",)
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    freed_bytes: int
+    def __init__(self, freed_bytes: _Optional[int] = ...) -> None: ...
+
 class GetUsageRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -292,7 +318,7 @@ class SamplerUsage(_message.Message):
     def __init__(self, sampler_id: _Optional[str] = ..., tokens_sampled: _Optional[int] = ...) -> None: ...
 
 class UsageResponse(_message.Message):
-    __slots__ = ("tenant", "weight", "tokens_trained", "tokens_sampled", "steps", "runs", "samplers")
+    __slots__ = ("tenant", "weight", "tokens_trained", "tokens_sampled", "steps", "runs", "samplers", "storage_bytes", "limits")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_TRAINED_FIELD_NUMBER: _ClassVar[int]
@@ -300,6 +326,8 @@ class UsageResponse(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     RUNS_FIELD_NUMBER: _ClassVar[int]
     SAMPLERS_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     weight: float
     tokens_trained: int
@@ -307,4 +335,18 @@ class UsageResponse(_message.Message):
     steps: int
     runs: _containers.RepeatedCompositeFieldContainer[RunUsage]
     samplers: _containers.RepeatedCompositeFieldContainer[SamplerUsage]
-    def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[float] = ..., tokens_trained: _Optional[int] = ..., tokens_sampled: _Optional[int] = ..., steps: _Optional[int] = ..., runs: _Optional[_Iterable[_Union[RunUsage, _Mapping]]] = ..., samplers: _Optional[_Iterable[_Union[SamplerUsage, _Mapping]]] = ...) -> None: ...
+    storage_bytes: int
+    limits: _containers.RepeatedCompositeFieldContainer[LimitUsage]
+    def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[float] = ..., tokens_trained: _Optional[int] = ..., tokens_sampled: _Optional[int] = ..., steps: _Optional[int] = ..., runs: _Optional[_Iterable[_Union[RunUsage, _Mapping]]] = ..., samplers: _Optional[_Iterable[_Union[SamplerUsage, _Mapping]]] = ..., storage_bytes: _Optional[int] = ..., limits: _Optional[_Iterable[_Union[LimitUsage, _Mapping]]] = ...) -> None: ...
+
+class LimitUsage(_message.Message):
+    __slots__ = ("name", "limit", "used", "wait_seconds")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    USED_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    limit: int
+    used: float
+    wait_seconds: float
+    def __init__(self, name: _Optional[str] = ..., limit: _Optional[int] = ..., used: _Optional[float] = ..., wait_seconds: _Optional[float] = ...) -> None: ...

@@ -105,6 +105,16 @@ class TemperStub:
                 request_serializer=temper_dot_v1_dot_service__pb2.ListCheckpointsRequest.SerializeToString,
                 response_deserializer=temper_dot_v1_dot_service__pb2.ListCheckpointsResponse.FromString,
                 _registered_method=True)
+        self.UpdateCheckpoint = channel.unary_unary(
+                '/temper.v1.Temper/UpdateCheckpoint',
+                request_serializer=temper_dot_v1_dot_service__pb2.UpdateCheckpointRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_types__pb2.Checkpoint.FromString,
+                _registered_method=True)
+        self.DeleteCheckpoint = channel.unary_unary(
+                '/temper.v1.Temper/DeleteCheckpoint',
+                request_serializer=temper_dot_v1_dot_service__pb2.DeleteCheckpointRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_service__pb2.DeleteCheckpointResponse.FromString,
+                _registered_method=True)
         self.DownloadCheckpoint = channel.unary_stream(
                 '/temper.v1.Temper/DownloadCheckpoint',
                 request_serializer=temper_dot_v1_dot_service__pb2.DownloadCheckpointRequest.SerializeToString,
@@ -206,6 +216,20 @@ class TemperServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateCheckpoint(self, request, context):
+        """Publish/unpublish (readable by other tenants) or set the time to live of one of your checkpoints.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteCheckpoint(self, request, context):
+        """Deletes one of your checkpoints: its row, its files on the trainer and any sampler's copy.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DownloadCheckpoint(self, request, context):
         """Streams a checkpoint's files (peft adapter folder; optimizer state for training checkpoints).
         """
@@ -214,7 +238,8 @@ class TemperServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetUsage(self, request, context):
-        """Usage of the calling tenant (x-temper-tenant metadata): tokens trained and sampled, steps.
+        """Usage of the calling tenant (from its API key): tokens trained and sampled, steps, storage, and
+        each limit next to its use.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -292,6 +317,16 @@ def add_TemperServicer_to_server(servicer, server):
                     servicer.ListCheckpoints,
                     request_deserializer=temper_dot_v1_dot_service__pb2.ListCheckpointsRequest.FromString,
                     response_serializer=temper_dot_v1_dot_service__pb2.ListCheckpointsResponse.SerializeToString,
+            ),
+            'UpdateCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateCheckpoint,
+                    request_deserializer=temper_dot_v1_dot_service__pb2.UpdateCheckpointRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_types__pb2.Checkpoint.SerializeToString,
+            ),
+            'DeleteCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteCheckpoint,
+                    request_deserializer=temper_dot_v1_dot_service__pb2.DeleteCheckpointRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_service__pb2.DeleteCheckpointResponse.SerializeToString,
             ),
             'DownloadCheckpoint': grpc.unary_stream_rpc_method_handler(
                     servicer.DownloadCheckpoint,
@@ -682,6 +717,60 @@ class Temper:
             '/temper.v1.Temper/ListCheckpoints',
             temper_dot_v1_dot_service__pb2.ListCheckpointsRequest.SerializeToString,
             temper_dot_v1_dot_service__pb2.ListCheckpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Temper/UpdateCheckpoint',
+            temper_dot_v1_dot_service__pb2.UpdateCheckpointRequest.SerializeToString,
+            temper_dot_v1_dot_types__pb2.Checkpoint.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Temper/DeleteCheckpoint',
+            temper_dot_v1_dot_service__pb2.DeleteCheckpointRequest.SerializeToString,
+            temper_dot_v1_dot_service__pb2.DeleteCheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -148,3 +148,15 @@ class ReadCheckpointRequest(_message.Message):
     checkpoint_key: str
     weights_only: bool
     def __init__(self, checkpoint_key: _Optional[str] = ..., weights_only: _Optional[bool] = ...) -> None: ...
+
+class DeleteCheckpointFilesRequest(_message.Message):
+    __slots__ = ("checkpoint_key",)
+    CHECKPOINT_KEY_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_key: str
+    def __init__(self, checkpoint_key: _Optional[str] = ...) -> None: ...
+
+class DeleteCheckpointFilesResponse(_message.Message):
+    __slots__ = ("freed_bytes",)
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    freed_bytes: int
+    def __init__(self, freed_bytes: _Optional[int] = ...) -> None: ...

@@ -70,6 +70,11 @@ class TrainerStub:
                 request_serializer=temper_dot_v1_dot_trainer__pb2.ReadCheckpointRequest.SerializeToString,
                 response_deserializer=temper_dot_v1_dot_types__pb2.FileChunk.FromString,
                 _registered_method=True)
+        self.DeleteCheckpoint = channel.unary_unary(
+                '/temper.v1.Trainer/DeleteCheckpoint',
+                request_serializer=temper_dot_v1_dot_trainer__pb2.DeleteCheckpointFilesRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_trainer__pb2.DeleteCheckpointFilesResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServicer:
@@ -121,6 +126,12 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteCheckpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +169,11 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.ReadCheckpoint,
                     request_deserializer=temper_dot_v1_dot_trainer__pb2.ReadCheckpointRequest.FromString,
                     response_serializer=temper_dot_v1_dot_types__pb2.FileChunk.SerializeToString,
+            ),
+            'DeleteCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteCheckpoint,
+                    request_deserializer=temper_dot_v1_dot_trainer__pb2.DeleteCheckpointFilesRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_trainer__pb2.DeleteCheckpointFilesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -349,6 +365,33 @@ class Trainer:
             '/temper.v1.Trainer/ReadCheckpoint',
             temper_dot_v1_dot_trainer__pb2.ReadCheckpointRequest.SerializeToString,
             temper_dot_v1_dot_types__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Trainer/DeleteCheckpoint',
+            temper_dot_v1_dot_trainer__pb2.DeleteCheckpointFilesRequest.SerializeToString,
+            temper_dot_v1_dot_trainer__pb2.DeleteCheckpointFilesResponse.FromString,
             options,
             channel_credentials,
             insecure,
