@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise stack_box["error"]
             from temper.client import Datum, ModelInput, ServiceClient
 
-            client = ServiceClient(stack_box["address"])
+            client = ServiceClient(stack_box["address"], api_key=stack.api_key)
             tc = client.create_lora_training_client(args.model, rank=RANK, seed=0, train_mlp=True, train_attn=True,
                                                     train_unembed=False)
             client_data = [Datum(model_input=ModelInput.from_ints(s[:-1].tolist()),

@@ -49,7 +49,8 @@ def main(argv=None) -> int:
         prepare_smollm2()
     started = time.monotonic()
     with LocalStack(args.base_model, Path(tempfile.mkdtemp(prefix="parity-")), num_threads=args.threads) as stack:
-        with ServiceClient(stack.start()) as client:
+        stack.start()
+        with stack.client() as client:
             tc = client.create_lora_training_client(args.base_model, rank=16, seed=0)
             tokenizer = tc.get_tokenizer()
             prompts = []

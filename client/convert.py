@@ -121,7 +121,8 @@ def checkpoint_from_proto(message: types_pb2.Checkpoint) -> t.Checkpoint:
     return t.Checkpoint(
         checkpoint_id=message.checkpoint_id, checkpoint_type=kind,
         time=datetime.fromtimestamp(message.created_unix_ms / 1000, tz=timezone.utc), tinker_path=message.path,
-        training_run_id=message.training_run_id, size_bytes=message.size_bytes,
+        training_run_id=message.training_run_id, size_bytes=message.size_bytes, public=message.published,
+        expires_at=datetime.fromtimestamp(message.expires_unix_ms / 1000, tz=timezone.utc) if message.expires_unix_ms else None,
     )
 
 

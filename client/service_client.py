@@ -9,7 +9,7 @@ from pathlib import Path
 
 from temper.client import convert
 from temper.client import types as t
-from temper.client.runtime import Runtime
+from temper.client.runtime import Runtime, resolve_target
 from temper.client.sampling_client import SamplingClient
 from temper.client.training_client import TrainingClient
 from temper.v1 import service_pb2
@@ -19,12 +19,17 @@ HEARTBEAT_SECONDS = 10.0
 
 
 class ServiceClient:
-    def __init__(self, base_url: str | None = None, tenant: str | None = None, tags: list[str] | None = None,
-                 user_metadata: dict[str, str] | None = None, timeout: float | None = None):
-        target = (base_url or os.environ.get("TEMPER_BASE_URL") or DEFAULT_BASE_URL).removeprefix("grpc://")
-        tenant = tenant or os.environ.get("TEMPER_TENANT")
-        metadata = [("x-temper-tenant", tenant)] if tenant else []
-        self.runtime = Runtime(target, metadata, timeout=timeout)
+    def __init__(self, base_url: str | None = None, api_key: str | None = None, tags: list[str] | None = None,
+                 user_metadata: dict[str, str] | None = None, timeout: float | None = None,
+                 root_certificates: bytes | None = None):
+        """``base_url``: ``host:port`` or ``grpc://host:port`` (plaintext), ``grpcs://host:port`` (TLS);
+        TLS checks the server against ``root_certificates`` (PEM), else TEMPER_TLS_CA_FILE, else the
+        system's roots (runtime.resolve_target). ``api_key``: else TEMPER_API_KEY, else TINKER_API_KEY."""
+        target, credentials = resolve_target(base_url or os.environ.get("TEMPER_BASE_URL") or DEFAULT_BASE_URL, root_certificates)
+        # The key says who you are (the server has no other notion of a tenant).
+        api_key = api_key or os.environ.get("TEMPER_API_KEY") or os.environ.get("TINKER_API_KEY")
+        metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
+        self.runtime = Runtime(target, metadata, timeout=timeout, credentials=credentials)
         request = service_pb2.CreateSessionRequest(tags=tags or [], user_metadata=user_metadata or {})
         self.session_id = self.runtime.rpc("CreateSession", request).result().session_id
         self._closed = threading.Event()
@@ -80,12 +85,31 @@ class ServiceClient:
         return {
             "tenant": r.tenant, "weight": r.weight, "tokens_trained": r.tokens_trained, "tokens_sampled": r.tokens_sampled,
             "steps": r.steps, "runs": {u.training_run_id: {"tokens_trained": u.tokens_trained, "steps": u.steps} for u in r.runs},
-            "samplers": {u.sampler_id: u.tokens_sampled for u in r.samplers},
+            "samplers": {u.sampler_id: u.tokens_sampled for u in r.samplers}, "storage_bytes": r.storage_bytes,
+            "limits": {u.name: {"limit": u.limit, "used": u.used, "wait_seconds": u.wait_seconds} for u in r.limits},
         }
 
-    def list_checkpoints(self, training_run_id: str) -> list[t.Checkpoint]:
-        r = self.runtime.rpc("ListCheckpoints", service_pb2.ListCheckpointsRequest(training_run_id=training_run_id)).result()
+    def list_checkpoints(self, training_run_id: str | None = None) -> list[t.Checkpoint]:
+        """A run's checkpoints, or (no run given) every checkpoint of yours."""
+        r = self.runtime.rpc("ListCheckpoints", service_pb2.ListCheckpointsRequest(training_run_id=training_run_id or "")).result()
         return [convert.checkpoint_from_proto(c) for c in r.checkpoints]
+
+    def publish_checkpoint(self, path: str, published: bool = True) -> t.Checkpoint:
+        """Make one of your checkpoints readable by other tenants (load, sample, download), or private again."""
+        request = service_pb2.UpdateCheckpointRequest(path=path, published=published)
+        return convert.checkpoint_from_proto(self.runtime.rpc("UpdateCheckpoint", request).result())
+
+    def unpublish_checkpoint(self, path: str) -> t.Checkpoint:
+        return self.publish_checkpoint(path, published=False)
+
+    def set_checkpoint_ttl(self, path: str, ttl_seconds: int | None) -> t.Checkpoint:
+        """Delete the checkpoint ``ttl_seconds`` from now (None: keep it until deleted)."""
+        request = service_pb2.UpdateCheckpointRequest(path=path, ttl_seconds=ttl_seconds or 0)
+        return convert.checkpoint_from_proto(self.runtime.rpc("UpdateCheckpoint", request).result())
+
+    def delete_checkpoint(self, path: str) -> int:
+        """Delete one of your checkpoints; returns the bytes freed."""
+        return self.runtime.rpc("DeleteCheckpoint", service_pb2.DeleteCheckpointRequest(path=path)).result().freed_bytes
 
     def download_checkpoint(self, path: str, destination: str | os.PathLike) -> Path:
         """Stream a checkpoint's files into ``destination`` (a peft adapter folder)."""

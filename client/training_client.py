@@ -129,26 +129,36 @@ class TrainingClient:
 
     # ---- checkpoints --------------------------------------------------------------------------
 
-    def _save(self, name: str, kind: int):
-        request = service_pb2.SaveWeightsRequest(training_run_id=self.model_id, seq_id=self._next_seq(), name=name, kind=kind)
+    def _save(self, name: str, kind: int, ttl_seconds: int | None = None, ephemeral: bool = False):
+        request = service_pb2.SaveWeightsRequest(training_run_id=self.model_id, seq_id=self._next_seq(), name=name, kind=kind,
+                                                 ttl_seconds=ttl_seconds or 0, ephemeral=ephemeral)
         return self._runtime.rpc("SaveWeights", request)
 
-    def save_state(self, name: str) -> APIFuture[t.SaveWeightsResponse]:
-        """Adapter weights + optimizer state: resumable with load_state_with_optimizer."""
+    def save_state(self, name: str, ttl_seconds: int | None = None) -> APIFuture[t.SaveWeightsResponse]:
+        """Adapter weights + optimizer state: resumable with load_state_with_optimizer. ``ttl_seconds``:
+        deleted that long after saving (None: kept until deleted)."""
         def done(r):
             return t.SaveWeightsResponse(path=r.checkpoint.path, checkpoint=convert.checkpoint_from_proto(r.checkpoint))
 
-        return APIFuture(self._save(name, types_pb2.CHECKPOINT_KIND_TRAINING), done)
+        return APIFuture(self._save(name, types_pb2.CHECKPOINT_KIND_TRAINING, ttl_seconds), done)
 
-    def save_weights_for_sampler(self, name: str) -> APIFuture[t.SaveWeightsForSamplerResponse]:
+    def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None) -> APIFuture[t.SaveWeightsForSamplerResponse]:
         """Adapter weights only (peft format), pushed to the samplers."""
+        return self._save_for_sampler(name, ttl_seconds)
+
+    def _save_for_sampler(self, name: str, ttl_seconds: int | None = None, ephemeral: bool = False):
         def done(r):
             return t.SaveWeightsForSamplerResponse(path=r.checkpoint.path, checkpoint=convert.checkpoint_from_proto(r.checkpoint))
 
-        return APIFuture(self._save(name, types_pb2.CHECKPOINT_KIND_SAMPLER), done)
+        return APIFuture(self._save(name, types_pb2.CHECKPOINT_KIND_SAMPLER, ttl_seconds, ephemeral), done)
 
     def save_weights_and_get_sampling_client(self, name: str | None = None) -> "SamplingClient":
-        path = self.save_weights_for_sampler(name or f"snapshot-{uuid.uuid4().hex[:12]}").result().path
+        """Without a name the weights are an unlisted snapshot, deleted once no sampling client has used
+        it for a while (TEMPER_SCHEDULER_SNAPSHOT_IDLE_SECONDS) and a newer one exists."""
+        if name is None:
+            path = self._save_for_sampler(f"snapshot-{uuid.uuid4().hex[:12]}", ephemeral=True).result().path
+        else:
+            path = self.save_weights_for_sampler(name).result().path
         return self.service.create_sampling_client(model_path=path)
 
     def load_state(self, path: str) -> APIFuture[t.LoadWeightsResponse]:

@@ -168,6 +168,8 @@ class Checkpoint:
     tinker_path: str
     training_run_id: str
     size_bytes: int | None = None
+    public: bool = False                # published: readable by other tenants (Tinker's name)
+    expires_at: datetime | None = None  # deleted then (a TTL); None: kept until deleted
 
 
 @dataclass

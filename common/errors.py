@@ -42,6 +42,23 @@ class FailedPrecondition(TemperError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class AdapterNotLoaded(FailedPrecondition):
+    """A sampler does not hold the adapter a call names (evicted, never pushed, or the sampler
+    restarted): the caller pushes it again. On the wire: FAILED_PRECONDITION whose details start
+    with ``PREFIX`` (``matches`` recognises it after ``from_rpc_error``)."""
+
+    PREFIX = "ADAPTER_NOT_LOADED: "
+
+    def __init__(self, checkpoint_key: str):
+        super().__init__(f"{self.PREFIX}checkpoint {checkpoint_key} is not loaded on this sampler")
+        self.checkpoint_key = checkpoint_key
+
+    @classmethod
+    def matches(cls, exc: BaseException) -> bool:
+        return (isinstance(exc, TemperError) and exc.code == grpc.StatusCode.FAILED_PRECONDITION
+                and exc.message.startswith(cls.PREFIX))
+
+
 class ResourceExhausted(TemperError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 

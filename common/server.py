@@ -19,12 +19,14 @@ def build_server(
     registrations: list[tuple[Callable[[object, grpc.aio.Server], None], object, str]],
     bind: str,
     authenticate: Authenticator | None = None,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Create a server with the given (add_fn, servicer, full_service_name) registrations.
 
     Returns the server, the bound port (useful with port 0) and the health servicer; callers mark
     themselves NOT_SERVING until ready (``mark_serving(..., serving=False)``). ``authenticate`` is
     awaited before every call (health and reflection included: it decides which methods are open).
+    With ``credentials`` (``common.tls.server_credentials``) the port serves TLS only.
     """
     server = grpc.aio.server(interceptors=[ErrorInterceptor(authenticate)], options=CHANNEL_OPTIONS)
     names = []
@@ -34,7 +36,7 @@ def build_server(
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(bind)
+    port = server.add_secure_port(bind, credentials) if credentials is not None else server.add_insecure_port(bind)
     if port == 0:
         raise RuntimeError(f"could not bind {bind}")
     return server, port, health_servicer

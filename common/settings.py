@@ -4,9 +4,10 @@ TEMPER_SAMPLER_)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
@@ -21,10 +22,37 @@ class ProcessSettings(BaseSettings):
         "", description="host:port of the Prometheus /metrics HTTP endpoint (port 0 picks a free one); empty: no endpoint.")
     log_level: LogLevel = Field("INFO", description="Python logging level.")
     log_format: LogFormat = Field("text", description="text: one human-readable line per record; json: one JSON object per line.")
+    tls_cert_file: Path | None = Field(
+        None, description="PEM certificate chain of the gRPC server; with tls_key_file the port serves TLS only (common/tls.py).")
+    tls_key_file: Path | None = Field(None, description="PEM private key of tls_cert_file.")
+    tls_client_ca_file: Path | None = Field(
+        None, description="PEM CA bundle; set, every client must present a certificate it signed (mutual TLS).")
+
+    @model_validator(mode="after")
+    def _tls_pair(self):
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file are set together (or neither)")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file (mutual TLS is TLS)")
+        return self
 
 
-class ModelServiceSettings(ProcessSettings):
-    """Processes that load the base model (trainer, sampler)."""
+class InternalTokenSettings(BaseModel):
+    """The shared secret the scheduler presents to its trainers and samplers
+    (``authorization: Bearer <token>``; common/internal_auth.py)."""
+
+    internal_token: SecretStr | None = Field(None, description="Shared secret between the scheduler and its trainers and samplers.")
+    internal_token_file: Path | None = Field(
+        None, description="File holding internal_token (a compose or Kubernetes secret); set one of the two.")
+
+
+class ModelServiceSettings(ProcessSettings, InternalTokenSettings):
+    """Processes that load the base model (trainer, sampler). They answer the scheduler only: calls
+    must carry internal_token, and without one they refuse to start unless internal_auth is disabled."""
+
+    internal_auth: Literal["token", "disabled"] = Field(
+        "token", description="token: every call but health and reflection needs internal_token; disabled: the port "
+                             "answers anyone who reaches it (only behind a network that admits the scheduler alone).")
 
     base_model: str = Field("HuggingFaceTB/SmolLM2-135M-Instruct", description="Base model name, local folder or hub id.")
     device: str = Field("cpu", description="torch device, e.g. cpu or cuda.")

@@ -39,7 +39,7 @@ def add_common_args(p: argparse.ArgumentParser, name: str, steps: int, learning_
 @contextlib.contextmanager
 def local_client(args: argparse.Namespace) -> Iterator[ServiceClient]:
     """Start scheduler, trainer and sampler on loopback (as the demo does) and yield a client;
-    with ``--address``, connect to that scheduler instead."""
+    with ``--address``, connect to that scheduler instead (its API key from TEMPER_API_KEY)."""
     from temper.localstack import LocalStack
 
     if args.address:
@@ -56,8 +56,8 @@ def local_client(args: argparse.Namespace) -> Iterator[ServiceClient]:
         prepare_smollm2()  # cached after the first time
     with LocalStack(args.base_model, args.data_dir / time.strftime("%Y%m%d-%H%M%S"), num_threads=args.threads) as stack:
         print("starting scheduler, trainer and sampler ...", file=sys.stderr)
-        address = stack.start()
-        with ServiceClient(address) as client:
+        stack.start()
+        with stack.client() as client:  # the stack made a local API key for it
             yield client
 
 

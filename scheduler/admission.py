@@ -22,6 +22,7 @@ from typing import Awaitable, Callable
 from temper.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted, TemperError, Unavailable
 from temper.common.strings import check_request_strings
 from temper.scheduler import metrics
+from temper.scheduler.quotas import Quotas
 from temper.scheduler.runs import RunInfo, RunRegistry
 from temper.scheduler.settings import SchedulerSettings
 from temper.scheduler.work import RunQueue, Work, WorkKind, WorkState
@@ -38,10 +39,11 @@ AsyncCheck = Callable[[RunInfo], Awaitable[None]]  # validation that needs the d
 
 
 class Admission:
-    def __init__(self, store, runs: RunRegistry, settings: SchedulerSettings):
+    def __init__(self, store, runs: RunRegistry, settings: SchedulerSettings, quotas: Quotas | None = None):
         self.store = store
         self.runs = runs
         self.settings = settings
+        self.quotas = quotas if quotas is not None else Quotas(store, settings)
         self.queues: dict[str, RunQueue] = {}
         self.recent: OrderedDict[tuple[str, int], Work] = OrderedDict()  # claimed work, answers retried (run, seq)
         self.wake = asyncio.Event()
@@ -50,8 +52,10 @@ class Admission:
     # ---- the request path ---------------------------------------------------------------------
 
     async def submit(self, run_id: str, seq_id: int, kind: WorkKind, request, check: Check | None = None,
-                     check_async: AsyncCheck | None = None):
-        run = await self.runs.get(run_id)
+                     check_async: AsyncCheck | None = None, tenant: str | None = None):
+        """``tenant``: the caller; another tenant's run answers NotFound before anything is looked at."""
+        run = await self.runs.get(run_id, tenant)
+        await self.quotas.limits(run.tenant)  # fresh in the cache for the capacity check below
         if seq_id < 1:
             raise InvalidArgument(f"seq_id must be >= 1, got {seq_id}")
         sha, tokens, invalid = await asyncio.to_thread(_digest_and_check, request, check, run)
@@ -113,10 +117,10 @@ class Admission:
         limits = [(len(queue), self.settings.max_queued_per_run, f"run {run.run_id}")]
         if queue.extends_chain(seq_id):
             unparked = {tenant: held - parked for tenant, (held, parked) in self.depth_by_tenant().items()}
-            limits += [(unparked.get(run.tenant, 0), self.settings.max_queued_per_tenant, f"tenant {run.tenant!r}"),
+            limits += [(unparked.get(run.tenant, 0), self.quotas.cached(run.tenant).max_queued_requests, f"tenant {run.tenant!r}"),
                        (sum(unparked.values()), self.settings.max_queued_requests, "the scheduler")]
         for used, limit, who in limits:
-            if used >= limit:
+            if limit and used >= limit:
                 metrics.ADMISSIONS.labels(kind.value, "RESOURCE_EXHAUSTED").inc()
                 raise ResourceExhausted(f"{who} has {used} queued requests (limit {limit}); retry with backoff")
 
@@ -146,13 +150,17 @@ class Admission:
     # ---- the loop's side ----------------------------------------------------------------------
 
     def ready(self) -> dict[str, list[Work]]:
+        """Each run's work that may go now; a tenant over its train_tokens_per_minute waits."""
         ready = {run_id: q.ready() for run_id, q in self.queues.items()}
+        ready = {run_id: works for run_id, works in ready.items() if works and self.quotas.train_wait(works[0].tenant) <= 0}
         # Oldest head first, so a run that has waited longest is served first.
         return dict(sorted(((r, w) for r, w in ready.items() if w), key=lambda item: item[1][0].submitted_at))
 
     def take(self, works: list[Work]) -> None:
         for work in works:
             self.queues[work.run_id].take(work)
+            if work.kind.is_pass:
+                self.quotas.trained.record(work.tenant, work.num_tokens)
 
     def release(self, works: list[Work], error: Unavailable) -> None:
         """Taken work whose outcome is unknown (a worker did not answer): answered UNAVAILABLE and
@@ -174,9 +182,12 @@ class Admission:
     async def wait_for_work(self) -> None:
         """Until work arrives or a run's missing seq has waited for long enough."""
         gaps = [since for q in self.queues.values() if (since := q.gap_since()) is not None]
-        timeout = None
+        waits = []
         if gaps and self.settings.seq_gap_timeout_seconds > 0:
-            timeout = max(0.0, min(gaps) + self.settings.seq_gap_timeout_seconds - time.monotonic())
+            waits.append(max(0.0, min(gaps) + self.settings.seq_gap_timeout_seconds - time.monotonic()))
+        throttled = {w[0].tenant for q in self.queues.values() if (w := q.ready())}
+        waits += [wait for tenant in throttled if (wait := self.quotas.train_wait(tenant)) > 0]
+        timeout = min(waits) if waits else None
         try:
             await asyncio.wait_for(self.wake.wait(), timeout)
         except asyncio.TimeoutError:

@@ -9,8 +9,11 @@ import logging
 from temper.common.errors import Unavailable
 from temper.common.metrics import ready_line, serve_metrics
 from temper.common.server import build_server, mark_serving
+from temper.common.tls import settings_server_credentials
 from temper.scheduler.admission import Admission
+from temper.scheduler.auth import LOCAL_TENANT, ApiKeyAuth
 from temper.scheduler.backends import Backends
+from temper.scheduler.checkpoint_verbs import CheckpointCollector
 from temper.scheduler.db.store import Store, upgrade_schema
 from temper.scheduler.loop import SchedulerLoop
 from temper.scheduler.policy import FairShare
@@ -33,6 +36,8 @@ class SchedulerApp:
         self.admission = Admission(self.store, self.runs, settings)
         self.loop = SchedulerLoop(self.admission, self.backends, self.store, self.runs, settings)
         self.servicer = TemperServicer(self.store, self.backends, self.runs, self.admission)
+        self.auth = ApiKeyAuth(self.store, settings.auth, settings.key_cache_seconds)
+        self.collector = CheckpointCollector(self.store, self.backends, self.runs, settings)
         self.server = self.health = None
         self.port = self.metrics_port = None
 
@@ -41,7 +46,10 @@ class SchedulerApp:
         self.loop.share = FairShare(weights=await asyncio.to_thread(self.store.tenant_weights),
                                     quantum=self.settings.fair_share_quantum_tokens)
         registration = (service_pb2_grpc.add_TemperServicer_to_server, self.servicer, SERVICE)
-        self.server, self.port, self.health = build_server([registration], self.settings.bind)
+        self.server, self.port, self.health = build_server(
+            [registration], self.settings.bind, authenticate=self.auth, credentials=settings_server_credentials(self.settings))
+        if self.settings.auth == "disabled":
+            log.warning("TEMPER_SCHEDULER_AUTH=disabled: no API keys; every caller is tenant %r", LOCAL_TENANT)
         await mark_serving(self.health, [SERVICE], serving=False)  # until the trainers and samplers answer
         await self.server.start()
         self.metrics_port = serve_metrics(self.settings.metrics_bind)
@@ -52,6 +60,7 @@ class SchedulerApp:
         connecting = asyncio.create_task(self._connect(), name="scheduler-connect")
         loop_task = asyncio.create_task(self.loop.run_forever(), name="scheduler-loop")
         stopped = asyncio.create_task(self.server.wait_for_termination(), name="scheduler-server")
+        collecting = asyncio.create_task(self.collector.run_forever(), name="scheduler-checkpoint-collector")
         try:
             await asyncio.wait([loop_task, stopped], return_when=asyncio.FIRST_COMPLETED)
             if loop_task.done():
@@ -62,7 +71,7 @@ class SchedulerApp:
                 return EXIT_LOOP_FAILED
             return 0
         finally:
-            for task in (connecting, loop_task, stopped):
+            for task in (connecting, loop_task, stopped, collecting):
                 task.cancel()
             await self.backends.close()
 

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
+from datetime import timezone
 
 from temper.common.checkpoints import CheckpointPath, KIND_DIRS, parse_path
 from temper.common.errors import AlreadyExists, TemperError, Unavailable
@@ -146,13 +147,15 @@ class SchedulerLoop:
                 raise
             # The first attempt wrote it (its answer was lost); nothing of the run has run since.
             size = sum([len(chunk.data) async for chunk in trainer.read_checkpoint(path.key)])
-        row = await self._persist(self.store.add_or_get_checkpoint, work.run_id, KIND_NAMES[request.kind], request.name, str(path), size)
+        row = await self._persist(self.store.add_or_get_checkpoint, work.run_id, KIND_NAMES[request.kind], request.name, str(path), size,
+                                  request.ephemeral, request.ttl_seconds)
         if request.kind == types_pb2.CHECKPOINT_KIND_SAMPLER:
             # Pushed now so a sampling client starts without waiting; if the sampler is down, the first
             # sampling client on this checkpoint pushes it instead.
             try:
                 sampler = self.backends.sampler_for(self.runs.known(work.run_id).base_model)
-                await self.backends.push_checkpoint(trainer, sampler, path.key)
+                limit = self.admission.quotas.cached(work.tenant).max_resident_adapters
+                await self.backends.push_checkpoint(trainer, sampler, path.key, tenant=work.tenant, max_resident=limit)
             except TemperError as exc:
                 log.warning("could not push %s to a sampler now: %s", path.key, exc.message)
         return service_pb2.SaveWeightsResponse(checkpoint=checkpoint_message(row))
@@ -212,5 +215,12 @@ def checkpoint_message(row) -> types_pb2.Checkpoint:
     kind = {v: k for k, v in KIND_NAMES.items()}[row.kind]
     return types_pb2.Checkpoint(
         checkpoint_id=f"{KIND_DIRS[kind]}/{row.name}", kind=kind, path=row.path, training_run_id=row.training_run_id,
-        size_bytes=row.size_bytes, created_unix_ms=int(row.created_at.timestamp() * 1000),
+        size_bytes=row.size_bytes, created_unix_ms=_unix_ms(row.created_at), published=bool(row.published),
+        expires_unix_ms=_unix_ms(row.expires_at) if row.expires_at is not None else 0,
     )
+
+
+def _unix_ms(value) -> int:
+    if value.tzinfo is None:  # SQLite hands back naive UTC
+        value = value.replace(tzinfo=timezone.utc)
+    return int(value.timestamp() * 1000)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from temper.common.errors import NotFound
 from temper.scheduler.db import models as m
 from temper.scheduler.work import WorkKind
 
@@ -35,22 +36,30 @@ class RunRegistry:
             if info.session_id == session_id:
                 info.closed = True
 
-    async def get(self, run_id: str) -> RunInfo:
-        """The run; its first use in this process closes what an earlier process left interrupted on a
-        trainer (Store.recover_interrupted). Concurrent first uses share that one load."""
+    async def get(self, run_id: str, tenant: str | None = None) -> RunInfo:
+        """The run (with ``tenant``: only if it is that tenant's, else the same NotFound as a run that
+        does not exist). Its first use in this process closes what an earlier process left interrupted
+        on a trainer (Store.recover_interrupted). Concurrent first uses share that one load."""
         info = self._runs.get(run_id)
-        if info is not None:
+        if info is None and tenant is not None:
+            # The owner is checked before the first load: another tenant's call must not even recover the run.
+            if await asyncio.to_thread(self.store.run_owner, run_id) != tenant:
+                raise NotFound(f"training run {run_id!r} not found")
+        elif info is not None:
+            if tenant is not None and info.tenant != tenant:
+                raise NotFound(f"training run {run_id!r} not found")
             return info
         loading = self._loading.get(run_id)
         if loading is None:
             barriers = [kind.value for kind in WorkKind if kind.is_barrier]
             loading = self._loading[run_id] = asyncio.ensure_future(asyncio.to_thread(self.store.load_run, run_id, barriers))
         try:
-            row, tenant, closed = await asyncio.shield(loading)
+            row, owner, closed = await asyncio.shield(loading)
         finally:
             if loading.done():
                 self._loading.pop(run_id, None)
-        return self._runs.get(run_id) or self.add(row, tenant, closed)
+        info = self._runs.get(run_id) or self.add(row, owner, closed)
+        return info
 
     def known(self, run_id: str) -> RunInfo | None:
         return self._runs.get(run_id)

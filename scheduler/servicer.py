@@ -1,42 +1,33 @@
 """The public Temper API: each verb checks its input and hands sequenced work to admission;
-sampling is forwarded to a sampler. Errors are raised, never returned (one interceptor maps them)."""
+sampling (sampling_verbs.py) is forwarded to a sampler; checkpoints are in checkpoint_verbs.py.
+Every verb acts for ``caller()``, the tenant of the call's API key, and sees only that tenant's
+objects (another tenant's id answers NOT_FOUND). Errors are raised, never returned (one
+interceptor maps them)."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import math
-import re
+from collections import defaultdict
 
 from temper.common.checkpoints import KIND_DIRS, check_name, parse_path
-from temper.common.codec import decode_tokens
 from temper.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from temper.common.logs import request_context
-from temper.common.strings import shown
-from temper.common.validation import check_token_range, model_input_tokens, validate_adam, validate_forward_backward
-from temper.scheduler import metrics
+from temper.common.validation import validate_adam, validate_forward_backward
 from temper.scheduler.admission import Admission
+from temper.scheduler.auth import caller
 from temper.scheduler.backends import Backends
+from temper.scheduler.checkpoint_verbs import CheckpointVerbs, check_ttl
 from temper.scheduler.db import models as m
-from temper.scheduler.loop import KIND_NAMES, checkpoint_message
+from temper.scheduler.loop import KIND_NAMES
+from temper.scheduler.quotas import check_hard_limit
 from temper.scheduler.runs import RunInfo, RunRegistry
+from temper.scheduler.sampling_verbs import SamplingVerbs
 from temper.scheduler.work import WorkKind
-from temper.v1 import sampler_pb2, service_pb2, service_pb2_grpc, trainer_pb2, types_pb2
+from temper.v1 import service_pb2, service_pb2_grpc, trainer_pb2, types_pb2
 
-TENANT_METADATA_KEY = "x-temper-tenant"
 MAX_LORA_RANK = 1024
-
-
-_TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,127}")
-
-
-def _tenant(context) -> str:
-    for key, value in context.invocation_metadata() or ():
-        if key == TENANT_METADATA_KEY and value:
-            if not _TENANT.fullmatch(value):
-                raise InvalidArgument(f"{TENANT_METADATA_KEY} must match {_TENANT.pattern}, got {shown(value)}")
-            return value
-    return "default"
 
 
 def needs_workers(method):
@@ -51,14 +42,15 @@ def needs_workers(method):
     return wrapper
 
 
-class TemperServicer(service_pb2_grpc.TemperServicer):
+class TemperServicer(SamplingVerbs, CheckpointVerbs, service_pb2_grpc.TemperServicer):
     def __init__(self, store, backends: Backends, runs: RunRegistry, admission: Admission):
         self.store = store
         self.backends = backends
         self.runs = runs
         self.admission = admission
-        self._samplers: dict[str, m.SamplingClient] = {}
         self._closed_sessions: set[str] = set()   # closed in this process (sampling clients check it)
+        self._creating_runs: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)  # per tenant: the run limit holds exactly
+        self._init_sampling()
 
     # ---- sessions -----------------------------------------------------------------------------
 
@@ -73,18 +65,18 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
         return response
 
     async def CreateSession(self, request, context):
-        row = await asyncio.to_thread(self.store.create_session, _tenant(context), list(request.tags), dict(request.user_metadata))
+        row = await asyncio.to_thread(self.store.create_session, caller(), list(request.tags), dict(request.user_metadata))
         return service_pb2.Session(session_id=row.id)
 
     async def Heartbeat(self, request, context):
-        await asyncio.to_thread(self.store.heartbeat, request.session_id)
+        await asyncio.to_thread(self.store.heartbeat, request.session_id, caller())
         return service_pb2.HeartbeatResponse()
 
     async def CloseSession(self, request, context):
         status = request.status or "success"
         if status not in ("success", "errored", "interrupted"):
             raise InvalidArgument(f"status must be success, errored or interrupted, got {status!r}")
-        await asyncio.to_thread(self.store.close_session, request.session_id, status)
+        await asyncio.to_thread(self.store.close_session, request.session_id, status, caller())
         self.runs.close_session(request.session_id)
         self._closed_sessions.add(request.session_id)
         return service_pb2.CloseSessionResponse()
@@ -100,8 +92,17 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
             raise InvalidArgument("the LoRA config trains nothing: set train_attn, train_mlp or train_unembed")
         if not math.isfinite(cfg.alpha) or cfg.alpha < 0 or not 0 <= cfg.dropout < 1:
             raise InvalidArgument("lora alpha must be a finite number >= 0 and dropout in [0, 1)")
-        await asyncio.to_thread(self.store.open_session, request.session_id)
+        tenant = caller()
+        await asyncio.to_thread(self.store.open_session, request.session_id, tenant)
         self.backends.trainer_for(request.base_model, "")  # an unknown model leaves the session untouched
+        async with self._creating_runs[tenant]:
+            limit = (await self.admission.quotas.limits(tenant)).max_training_runs
+            if limit:
+                check_hard_limit("max_training_runs", limit, await asyncio.to_thread(self.store.open_training_runs, tenant))
+            return await self._create_run(request, tenant)
+
+    async def _create_run(self, request, tenant: str) -> service_pb2.TrainingRunInfo:
+        cfg = request.lora_config
         run_id = await asyncio.to_thread(self.store.next_run_id, request.session_id)
         trainer = self.backends.trainer_for(request.base_model, run_id)
         await trainer.call("CreateAdapter", trainer_pb2.CreateAdapterRequest(training_run_id=run_id, lora_config=cfg))
@@ -112,12 +113,11 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
             user_metadata=dict(request.user_metadata), next_seq_id=1,
         )
         await asyncio.to_thread(self.store.add_training_run, row)
-        tenant = await asyncio.to_thread(self.store.tenant_of_session, row.session_id)
         return self._run_info(self.runs.add(row, tenant))
 
     @needs_workers
     async def GetInfo(self, request, context):
-        return self._run_info(await self.runs.get(request.training_run_id))
+        return self._run_info(await self.runs.get(request.training_run_id, caller()))
 
     def _run_info(self, run: RunInfo) -> service_pb2.TrainingRunInfo:
         trainer, row = self.backends.trainer_for(run.base_model, run.run_id), run.row
@@ -136,7 +136,8 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
     async def _submit(self, request, kind: WorkKind, check=None, check_async=None):
         await self.backends.wait_ready()
         with request_context(run=request.training_run_id, seq=request.seq_id, verb=kind.value):
-            return await self.admission.submit(request.training_run_id, request.seq_id, kind, request, check, check_async)
+            return await self.admission.submit(request.training_run_id, request.seq_id, kind, request, check, check_async,
+                                               tenant=caller())
 
     async def ForwardBackward(self, request, context):
         def check(run: RunInfo) -> int:
@@ -160,12 +161,18 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
         def check(run: RunInfo) -> int:
             if request.kind not in KIND_DIRS:
                 raise InvalidArgument("kind must be CHECKPOINT_KIND_SAMPLER or CHECKPOINT_KIND_TRAINING")
+            if request.ephemeral and request.kind != types_pb2.CHECKPOINT_KIND_SAMPLER:
+                raise InvalidArgument("only sampler checkpoints can be ephemeral")
+            check_ttl(request.ttl_seconds)
             check_name(request.name)
             return 0
 
         async def not_taken(run: RunInfo) -> None:
             if await asyncio.to_thread(self.store.checkpoint_exists, run.run_id, KIND_NAMES[request.kind], request.name):
                 raise AlreadyExists(f"checkpoint {KIND_DIRS[request.kind]}/{request.name} already exists for {run.run_id}")
+            limit = (await self.admission.quotas.limits(run.tenant)).max_storage_bytes
+            if limit and not request.ephemeral:  # snapshots are collected by themselves; named saves are what fills storage
+                check_hard_limit("max_storage_bytes", limit, await asyncio.to_thread(self.store.storage_bytes, run.tenant), adding=1)
 
         return await self._submit(request, WorkKind.SAVE_WEIGHTS, check, not_taken)
 
@@ -177,7 +184,8 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
             return 0
 
         async def loadable(run: RunInfo) -> None:
-            checkpoint = await asyncio.to_thread(self.store.get_checkpoint, str(parse_path(request.path)))
+            # Yours, or published by its owner (loading copies it into your run; the source is never written).
+            checkpoint = await asyncio.to_thread(self.store.readable_checkpoint, str(parse_path(request.path)), run.tenant)
             source = await self.runs.get(checkpoint.training_run_id)
             if source.base_model != run.base_model:
                 raise FailedPrecondition(f"checkpoint is for {source.base_model}, run {run.run_id} uses {run.base_model}")
@@ -186,81 +194,10 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
 
         return await self._submit(request, WorkKind.LOAD_WEIGHTS, check, loadable)
 
-    # ---- sampling -----------------------------------------------------------------------------
-
-    @needs_workers
-    async def CreateSamplingClient(self, request, context):
-        await asyncio.to_thread(self.store.open_session, request.session_id)
-        source = request.WhichOneof("source")
-        if source == "model_path":
-            path = parse_path(request.model_path)
-            checkpoint = await asyncio.to_thread(self.store.get_checkpoint, str(path))
-            run = await self.runs.get(checkpoint.training_run_id)
-            base_model, model_path = run.base_model, str(path)
-            sampler = self.backends.sampler_for(base_model)
-            await self.backends.push_checkpoint(self.backends.trainer_for(base_model, run.run_id), sampler, path.key)
-        elif source == "base_model":
-            base_model, model_path = request.base_model, None
-            sampler = self.backends.sampler_for(base_model)
-        else:
-            raise InvalidArgument("give base_model or model_path")
-        row = await asyncio.to_thread(self.store.add_sampling_client, request.session_id, base_model, model_path)
-        self._samplers[row.id] = row
-        return service_pb2.SamplingClientInfo(
-            sampler_id=row.id, base_model=base_model, model_path=model_path or "", tokenizer_id=sampler.info.tokenizer_id,
-            vocab_size=sampler.info.vocab_size,
-        )
-
-    async def _sampling_target(self, sampler_id: str, prompt: types_pb2.ModelInput):
-        row = self._samplers.get(sampler_id)
-        if row is None:
-            row = await asyncio.to_thread(self.store.get_sampling_client, sampler_id)
-            if await asyncio.to_thread(self.store.session_closed, row.session_id):
-                self._closed_sessions.add(row.session_id)
-            self._samplers[sampler_id] = row
-        if row.session_id in self._closed_sessions:
-            raise FailedPrecondition(f"the session of sampling client {sampler_id} is closed")
-        sampler = self.backends.sampler_for(row.base_model)
-        checkpoint_key = ""
-        if row.model_path:
-            path = parse_path(row.model_path)
-            checkpoint_key = path.key
-            if checkpoint_key not in sampler.loaded:  # e.g. after a sampler restart
-                run = await self.runs.get(path.training_run_id)
-                await self.backends.push_checkpoint(self.backends.trainer_for(run.base_model, run.run_id), sampler, checkpoint_key)
-        tokens = model_input_tokens(prompt)
-        if tokens.size == 0:
-            raise InvalidArgument("prompt is empty")
-        check_token_range(tokens, sampler.info.vocab_size, "prompt")
-        if len(tokens) > sampler.info.max_context_length:
-            raise InvalidArgument(f"prompt has {len(tokens)} tokens; the context length is {sampler.info.max_context_length}")
-        return sampler, checkpoint_key, tokens
-
-    @needs_workers
-    async def Sample(self, request, context):
-        sampler, checkpoint_key, tokens = await self._sampling_target(request.sampler_id, request.prompt)
-        if request.num_samples < 1:
-            raise InvalidArgument(f"num_samples must be >= 1, got {request.num_samples}")
-        check_token_range(decode_tokens(request.sampling_params.stop_token_ids), sampler.info.vocab_size, "stop token ids")
-        response = await sampler.call("Sample", sampler_pb2.SamplerSampleRequest(
-            checkpoint_key=checkpoint_key, prompt_tokens=tokens.astype("<i4").tobytes(), num_samples=request.num_samples,
-            sampling_params=request.sampling_params, include_prompt_logprobs=request.include_prompt_logprobs,
-            topk_logprobs=request.topk_logprobs,
-        ))
-        generated = sum(len(s.tokens) // 4 for s in response.sequences)
-        await asyncio.to_thread(self.store.add_sampled_tokens, request.sampler_id, generated)
-        metrics.TOKENS_SAMPLED.labels(_tenant(context)).inc(generated)
-        return response
-
-    @needs_workers
-    async def ComputeLogprobs(self, request, context):
-        sampler, checkpoint_key, tokens = await self._sampling_target(request.sampler_id, request.prompt)
-        response = await sampler.call("ComputeLogprobs", sampler_pb2.SamplerLogprobsRequest(
-            checkpoint_key=checkpoint_key, prompt_tokens=tokens.astype("<i4").tobytes()))
-        return service_pb2.ComputeLogprobsResponse(logprobs=response.logprobs)
+    # ---- usage --------------------------------------------------------------------------------
 
     async def GetUsage(self, request, context):
-        tenant = _tenant(context)
+        tenant = caller()
         weight, runs, samplers = await asyncio.to_thread(self.store.usage, tenant)
         response = service_pb2.UsageResponse(tenant=tenant, weight=weight)
         for run in runs:
@@ -270,18 +207,18 @@ class TemperServicer(service_pb2_grpc.TemperServicer):
         response.tokens_trained = sum(r.tokens_trained for r in runs)
         response.steps = sum(r.steps for r in runs)
         response.tokens_sampled = sum(s.tokens_sampled for s in samplers)
+        response.storage_bytes = await asyncio.to_thread(self.store.storage_bytes, tenant)
+        limits, quotas = await self.admission.quotas.limits(tenant), self.admission.quotas
+        held, parked = self.admission.depth_by_tenant().get(tenant, (0, 0))
+        resident = max((sum(1 for owner in s.loaded.values() if owner == tenant) for s in self.backends.samplers), default=0)
+        for name, limit, used, wait in (
+            ("max_training_runs", limits.max_training_runs, await asyncio.to_thread(self.store.open_training_runs, tenant), 0.0),
+            ("max_resident_adapters", limits.max_resident_adapters, resident, 0.0),
+            ("max_queued_requests", limits.max_queued_requests, held - parked, 0.0),
+            ("train_tokens_per_minute", limits.train_tokens_per_minute, quotas.trained.used(tenant), quotas.train_wait(tenant)),
+            ("sample_tokens_per_minute", limits.sample_tokens_per_minute, quotas.sampled.used(tenant),
+             quotas.sampled.wait_seconds(tenant, limits.sample_tokens_per_minute)),
+            ("max_storage_bytes", limits.max_storage_bytes, response.storage_bytes, 0.0),
+        ):
+            response.limits.add(name=name, limit=limit, used=used, wait_seconds=wait)
         return response
-
-    # ---- checkpoints --------------------------------------------------------------------------
-
-    async def ListCheckpoints(self, request, context):
-        rows = await asyncio.to_thread(self.store.list_checkpoints, request.training_run_id)
-        return service_pb2.ListCheckpointsResponse(checkpoints=[checkpoint_message(r) for r in rows])
-
-    async def DownloadCheckpoint(self, request, context):
-        await self.backends.wait_ready()
-        path = parse_path(request.path)
-        await asyncio.to_thread(self.store.get_checkpoint, str(path))
-        run = await self.runs.get(path.training_run_id)
-        async for chunk in self.backends.trainer_for(run.base_model, run.run_id).read_checkpoint(path.key):
-            yield chunk

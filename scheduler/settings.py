@@ -9,19 +9,23 @@ import json
 import os
 import typing
 import warnings
-from typing import Annotated, Any
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
-from temper.common.settings import ProcessSettings
+from temper.common.settings import InternalTokenSettings, ProcessSettings
 
 ENV_PREFIX = "TEMPER_SCHEDULER_"
 LEGACY_PREFIX = "TEMPER_"
 
 
-class SchedulerSettings(ProcessSettings):
+class SchedulerSettings(ProcessSettings, InternalTokenSettings):
+    """internal_token / internal_token_file (InternalTokenSettings): the secret sent to every trainer and
+    sampler. tls_* (ProcessSettings) are the public port's; internal_tls_* the channels to the workers."""
+
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX)
 
     bind: str = Field("127.0.0.1:50051", description="host:port of the public API (port 0 picks a free one).")
@@ -57,7 +61,31 @@ class SchedulerSettings(ProcessSettings):
     dispatch_retry_seconds: float = Field(
         10.0, description="How long the loop resends a cycle whose trainer is unreachable (the trainer answers a resent "
                           "seq from memory) before answering UNAVAILABLE; the client's retry then resends it again.")
+    # channels to the workers (common/tls.py): TLS when a CA is set, mutual TLS with a client certificate too
+    internal_tls_ca_file: Path | None = Field(
+        None, description="PEM CA that signed the trainers' and samplers' certificates; set: the channels use TLS.")
+    internal_tls_cert_file: Path | None = Field(
+        None, description="PEM client certificate the scheduler presents to workers that require one (mutual TLS).")
+    internal_tls_key_file: Path | None = Field(None, description="PEM private key of internal_tls_cert_file.")
+    internal_tls_server_name: str = Field(
+        "", description="Host name the workers' certificates are checked against instead of the address's host.")
     auto_migrate: bool = Field(True, description="Run `alembic upgrade head` at start-up.")
+    # tenancy
+    auth: Literal["api_key", "disabled"] = Field(
+        "api_key", description="api_key: every public call needs `authorization: Bearer <key>` and its tenant is the key's. "
+                               "disabled: no keys, one tenant ('default') — for a single-user laptop only.")
+    key_cache_seconds: float = Field(10.0, description="How long a looked-up API key is trusted; a revoked key stops working within it.")
+    default_max_training_runs: int = Field(0, description="Open training runs per tenant (sessions not closed); 0: unlimited. "
+                                                          "The admin command's set-quota overrides it per tenant.")
+    default_max_resident_adapters: int = Field(0, description="A tenant's adapters held by one sampler; loading one more drops "
+                                                              "the tenant's least recently used; 0: unlimited.")
+    default_train_tokens_per_minute: int = Field(0, description="Tokens a tenant trains per minute before its work waits; 0: unlimited.")
+    default_sample_tokens_per_minute: int = Field(0, description="Tokens a tenant samples per minute before its sampling waits; 0: unlimited.")
+    default_max_storage_bytes: int = Field(0, description="Bytes of checkpoints per tenant before saves are refused; 0: unlimited.")
+    snapshot_idle_seconds: float = Field(
+        600.0, description="An ephemeral sampler snapshot (save_weights_and_get_sampling_client) no sampling client used for "
+                           "this long, and not its run's newest, is deleted.")
+    checkpoint_gc_interval_seconds: float = Field(30.0, description="How often expired checkpoints and idle snapshots are collected.")
 
     @field_validator("trainer_addresses", "sampler_addresses", mode="before")
     @classmethod
@@ -65,6 +93,14 @@ class SchedulerSettings(ProcessSettings):
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+    @model_validator(mode="after")
+    def _internal_tls(self):
+        if (self.internal_tls_cert_file is None) != (self.internal_tls_key_file is None):
+            raise ValueError("internal_tls_cert_file and internal_tls_key_file are set together (or neither)")
+        if self.internal_tls_cert_file is not None and self.internal_tls_ca_file is None:
+            raise ValueError("internal_tls_cert_file (mutual TLS) needs internal_tls_ca_file")
+        return self
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import queue
+import secrets
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 READY_PREFIX = "TEMPER_READY "
+LOCAL_TENANT = "local"
 MODULES = {"scheduler": "temper.scheduler", "trainer": "temper.services.trainer", "sampler": "temper.services.sampler"}
 
 
@@ -65,6 +67,10 @@ class LocalStack:
         self.extra_env = extra_env or {}
         self.num_threads = num_threads
         self.services: list[Service] = []
+        self._keys: dict[str, str] = {}
+        self.api_key: str | None = None  # the LOCAL_TENANT's key, once started
+        # The scheduler's credential to its trainer and sampler (common/internal_auth.py), new per stack.
+        self.internal_token = secrets.token_urlsafe(32)
 
     def _launch(self, role: str, env: dict[str, str], port: int = 0, argv: list[str] | None = None) -> Service:
         """Start one process; its gRPC server on ``port`` (0: a free one), its metrics on a free port.
@@ -105,7 +111,7 @@ class LocalStack:
         for role, (setting, folder) in folders.items():
             prefix = f"TEMPER_{role.upper()}_"
             self._launch(role, {f"{prefix}BASE_MODEL": self.base_model, f"{prefix}NUM_THREADS": str(self.num_threads),
-                                f"{prefix}{setting}": str(self.data_dir / folder)})
+                                f"{prefix}{setting}": str(self.data_dir / folder), f"{prefix}INTERNAL_TOKEN": self.internal_token})
         try:
             self._wait_ready(self.service("trainer"), timeout)
             self._wait_ready(self.service("sampler"), timeout)
@@ -113,12 +119,28 @@ class LocalStack:
                 "TEMPER_SCHEDULER_DATABASE_URL": self.database_url,
                 "TEMPER_SCHEDULER_TRAINER_ADDRESSES": self.service("trainer").address,
                 "TEMPER_SCHEDULER_SAMPLER_ADDRESSES": self.service("sampler").address,
+                "TEMPER_SCHEDULER_INTERNAL_TOKEN": self.internal_token,
             })
             self._wait_ready(scheduler, timeout)
+            self.api_key = self.key_for(LOCAL_TENANT)
         except BaseException:
             self.stop()
             raise
         return scheduler.address
+
+    def key_for(self, tenant: str) -> str:
+        """An API key of ``tenant`` on this stack's database (one per tenant and stack)."""
+        if tenant not in self._keys:
+            from temper.scheduler.admin import create_key
+
+            self._keys[tenant] = create_key(self.database_url, tenant, label="localstack")
+        return self._keys[tenant]
+
+    def client(self, tenant: str = LOCAL_TENANT, **kwargs):
+        """A ServiceClient of ``tenant`` on this stack (its key made on first use)."""
+        from temper.client import ServiceClient
+
+        return ServiceClient(self.service("scheduler").address, api_key=self.key_for(tenant), **kwargs)
 
     def restart(self, role: str, crash: bool = False, timeout: float = 300.0, argv: list[str] | None = None) -> Service:
         """Stop ``role`` (SIGKILL when ``crash``, else SIGTERM) and start it again with the same

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import grpc
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 from sqlalchemy import create_engine, text
 
-from temper.client import Datum, ModelInput, ServiceClient
+from temper.client import Datum, ModelInput
+from temper.v1 import service_pb2_grpc
 
 
 @pytest.fixture(scope="session")
@@ -27,9 +29,31 @@ def stack(tiny_model_dir, postgres_url, tmp_path_factory):
         yield local
 
 
+class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds ``authorization: Bearer <key>`` to every call of a raw channel."""
+
+    def __init__(self, key: str):
+        self.metadata = ("authorization", f"Bearer {key}")
+
+    def _with_key(self, details):
+        return details._replace(metadata=[*(details.metadata or ()), self.metadata])
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with_key(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._with_key(details), request)
+
+
+def raw_stub(stack, tenant: str = "local") -> service_pb2_grpc.TemperStub:
+    """A raw stub on the stack's scheduler, calling as ``tenant`` (with its API key)."""
+    channel = grpc.intercept_channel(grpc.insecure_channel(stack.address), _Bearer(stack.key_for(tenant)))
+    return service_pb2_grpc.TemperStub(channel)
+
+
 @pytest.fixture
 def service_client(stack):
-    client = ServiceClient(stack.address)
+    client = stack.client()
     yield client
     client.close()
 

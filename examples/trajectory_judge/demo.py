@@ -83,8 +83,8 @@ def main(argv=None) -> int:
 
     with LocalStack(base_model, args.data_dir / time.strftime("%Y%m%d-%H%M%S"), num_threads=args.threads) as stack:
         print("starting scheduler, trainer and sampler ...", file=sys.stderr)
-        address = stack.start()
-        with ServiceClient(address) as client:
+        stack.start()
+        with stack.client() as client:
             training = client.create_lora_training_client(base_model, rank=args.rank, seed=args.seed)
             tokenizer = training.get_tokenizer()
             base_sampler = client.create_sampling_client(base_model=base_model)

@@ -6,47 +6,19 @@ The async servicer calls them through ``asyncio.to_thread``. Rows come back deta
 
 from __future__ import annotations
 
-import functools
 import uuid
-from datetime import datetime, timezone
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Iterable
 
 from sqlalchemy import create_engine, event, select, update
-from sqlalchemy import exc as sa_exc
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
-from temper.common.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
+from temper.common.errors import AlreadyExists, FailedPrecondition, NotFound
 from temper.scheduler.db import models as m
-
-# Errors of a database that is down, restarting or unreachable: the call may be retried.
-TRANSIENT_ERRORS = (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError, sa_exc.TimeoutError)
-
-
-def _database_errors(cls):
-    """Every public method answers a database outage as Unavailable (retryable), never driver text
-    as INTERNAL. Which statement failed stays in the log, not in the client's message."""
-
-    def wrap(fn):
-        @functools.wraps(fn)
-        def method(*args, **kwargs):
-            try:
-                return fn(*args, **kwargs)
-            except TRANSIENT_ERRORS as exc:
-                raise Unavailable(f"the database is unavailable ({type(getattr(exc, 'orig', None) or exc).__name__}); retry") from exc
-            except sa_exc.DBAPIError as exc:
-                if exc.connection_invalidated:
-                    raise Unavailable("the database connection was lost; retry") from exc
-                raise
-
-        return method
-
-    for name, value in list(vars(cls).items()):
-        if callable(value) and not name.startswith("_"):
-            setattr(cls, name, wrap(value))
-    return cls
-
+from temper.scheduler.db.outage import database_errors, now
+from temper.scheduler.db.tenancy import TenancyStore
 
 def make_engine(url: str):
     if url.startswith("sqlite"):
@@ -81,8 +53,8 @@ def upgrade_schema(url: str) -> None:
     command.upgrade(cfg, "head")
 
 
-@_database_errors
-class Store:
+@database_errors
+class Store(TenancyStore):
     def __init__(self, url: str):
         if url.startswith("sqlite:///"):
             Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
@@ -131,22 +103,25 @@ class Store:
             db.add(row)
             return row
 
-    def open_session(self, session_id: str) -> m.Session:
+    def open_session(self, session_id: str, tenant: str | None = None) -> m.Session:
+        """The open session; NotFound when it does not exist or (``tenant`` given) is another tenant's."""
         with self.sessions() as db:
-            row = db.get(m.Session, session_id)
-        if row is None:
+            found = db.execute(select(m.Session, m.Tenant.name).join(m.Tenant, m.Tenant.id == m.Session.tenant_id)
+                               .where(m.Session.id == session_id)).first()
+        if found is None or (tenant is not None and found[1] != tenant):
             raise NotFound(f"session {session_id!r} not found")
+        row = found[0]
         if row.closed_at is not None:
             raise FailedPrecondition(f"session {session_id} is closed")
         return row
 
-    def heartbeat(self, session_id: str) -> None:
-        self.open_session(session_id)
+    def heartbeat(self, session_id: str, tenant: str | None = None) -> None:
+        self.open_session(session_id, tenant)
         with self.sessions.begin() as db:
             db.execute(update(m.Session).where(m.Session.id == session_id).values(last_heartbeat_at=_now()))
 
-    def close_session(self, session_id: str, status: str) -> None:
-        self.open_session(session_id)
+    def close_session(self, session_id: str, status: str, tenant: str | None = None) -> None:
+        self.open_session(session_id, tenant)
         with self.sessions.begin() as db:
             db.execute(update(m.Session).where(m.Session.id == session_id).values(closed_at=_now(), close_status=status))
 
@@ -269,19 +244,23 @@ class Store:
             return db.scalar(select(m.Checkpoint.id).where(
                 m.Checkpoint.training_run_id == run_id, m.Checkpoint.kind == kind, m.Checkpoint.name == name)) is not None
 
-    def add_checkpoint(self, run_id: str, kind: str, name: str, path: str, size_bytes: int) -> m.Checkpoint:
+    def add_checkpoint(self, run_id: str, kind: str, name: str, path: str, size_bytes: int, ephemeral: bool = False,
+                       ttl_seconds: int = 0) -> m.Checkpoint:
+        expires_at = _now() + timedelta(seconds=ttl_seconds) if ttl_seconds > 0 else None
         try:
             with self.sessions.begin() as db:
-                row = m.Checkpoint(training_run_id=run_id, kind=kind, name=name, path=path, size_bytes=size_bytes)
+                row = m.Checkpoint(training_run_id=run_id, kind=kind, name=name, path=path, size_bytes=size_bytes,
+                                   ephemeral=ephemeral, expires_at=expires_at)
                 db.add(row)
                 return row
         except IntegrityError:
             raise AlreadyExists(f"checkpoint {path} already exists") from None
 
-    def add_or_get_checkpoint(self, run_id: str, kind: str, name: str, path: str, size_bytes: int) -> m.Checkpoint:
+    def add_or_get_checkpoint(self, run_id: str, kind: str, name: str, path: str, size_bytes: int, ephemeral: bool = False,
+                              ttl_seconds: int = 0) -> m.Checkpoint:
         """add_checkpoint, or the row an earlier attempt of the same save wrote (its answer was lost)."""
         try:
-            return self.add_checkpoint(run_id, kind, name, path, size_bytes)
+            return self.add_checkpoint(run_id, kind, name, path, size_bytes, ephemeral, ttl_seconds)
         except AlreadyExists:
             return self.get_checkpoint(path)
 
@@ -295,7 +274,8 @@ class Store:
     def list_checkpoints(self, run_id: str) -> list[m.Checkpoint]:
         self.get_training_run(run_id)
         with self.sessions() as db:
-            return list(db.scalars(select(m.Checkpoint).where(m.Checkpoint.training_run_id == run_id).order_by(m.Checkpoint.id)))
+            return list(db.scalars(select(m.Checkpoint).where(m.Checkpoint.training_run_id == run_id,
+                                                              m.Checkpoint.ephemeral.is_(False)).order_by(m.Checkpoint.id)))
 
     # ---- sampling clients ---------------------------------------------------------------------
 
@@ -324,13 +304,16 @@ class Store:
             samplers = list(db.scalars(select(m.SamplingClient).where(m.SamplingClient.session_id.in_(sessions)).order_by(m.SamplingClient.created_at)))
             return row.weight, runs, samplers
 
-    def get_sampling_client(self, sampler_id: str) -> m.SamplingClient:
+    def get_sampling_client(self, sampler_id: str, tenant: str | None = None) -> tuple[m.SamplingClient, str, bool]:
+        """The sampling client, its tenant and whether its session is closed; NotFound for another tenant's."""
         with self.sessions() as db:
-            row = db.get(m.SamplingClient, sampler_id)
-        if row is None:
+            found = db.execute(select(m.SamplingClient, m.Tenant.name, m.Session.closed_at)
+                               .join(m.Session, m.Session.id == m.SamplingClient.session_id)
+                               .join(m.Tenant, m.Tenant.id == m.Session.tenant_id).where(m.SamplingClient.id == sampler_id)).first()
+        if found is None or (tenant is not None and found[1] != tenant):
             raise NotFound(f"sampling client {sampler_id!r} not found")
-        return row
+        return found[0], found[1], found[2] is not None
 
 
 def _now() -> datetime:
-    return datetime.now(timezone.utc)
+    return now()

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 
+from temper.common.errors import Authenticator
+from temper.common.internal_auth import InternalAuthConfigError, worker_authenticator
 from temper.common.logs import configure_logging
 from temper.common.metrics import ready_line, serve_metrics
 from temper.common.server import build_server, mark_serving
+from temper.common.tls import settings_server_credentials
 from temper.services.models.loading import load_model
 from temper.services.sampler.servicer import SamplerServicer
 from temper.services.sampler.settings import SamplerSettings
@@ -16,13 +20,20 @@ from temper.v1 import sampler_pb2, sampler_pb2_grpc
 
 log = logging.getLogger("temper.sampler")
 SERVICE = sampler_pb2.DESCRIPTOR.services_by_name["Sampler"].full_name
+PREFIX = SamplerSettings.model_config["env_prefix"].upper()
 
 
-async def serve(settings: SamplerSettings) -> None:
+async def serve(settings: SamplerSettings, authenticate: Authenticator | None) -> None:
+    """``authenticate``: ``worker_authenticator(settings, ...)``; None only with internal_auth=disabled."""
+    if authenticate is None:
+        log.warning("TEMPER_SAMPLER_INTERNAL_AUTH=disabled: anyone who reaches port %s can call this sampler", settings.bind)
+    credentials = settings_server_credentials(settings)  # before the model: a bad file fails fast
     loaded = load_model(settings.base_model, settings.device, settings.dtype, settings.num_threads)
     backend = TorchSamplerBackend(loaded, settings.device)
-    servicer = SamplerServicer(backend, settings.adapter_dir, settings.max_num_samples)
-    server, port, health = build_server([(sampler_pb2_grpc.add_SamplerServicer_to_server, servicer, SERVICE)], settings.bind)
+    servicer = SamplerServicer(backend, settings.adapter_dir, settings.max_num_samples,
+                               max_adapters=settings.max_adapters, max_adapter_bytes=settings.max_adapter_bytes)
+    registration = (sampler_pb2_grpc.add_SamplerServicer_to_server, servicer, SERVICE)
+    server, port, health = build_server([registration], settings.bind, authenticate, credentials)
     metrics_port = serve_metrics(settings.metrics_bind)
     await server.start()
     await mark_serving(health, [SERVICE])
@@ -33,9 +44,13 @@ async def serve(settings: SamplerSettings) -> None:
 
 def main() -> None:
     settings = SamplerSettings()
+    try:  # without a token the sampler refuses to start
+        authenticate = worker_authenticator(settings, PREFIX)
+    except InternalAuthConfigError as exc:
+        sys.exit(f"temper sampler: {exc}")
     configure_logging(settings.log_level, settings.log_format)
     log.info("settings: %s", settings.model_dump_json())
-    asyncio.run(serve(settings))
+    asyncio.run(serve(settings, authenticate))
 
 
 if __name__ == "__main__":

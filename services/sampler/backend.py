@@ -72,7 +72,8 @@ class SamplerBackend(abc.ABC):
         """Load (or replace) the peft adapter folder of a checkpoint under ``checkpoint_key``."""
 
     @abc.abstractmethod
-    def drop_adapter(self, checkpoint_key: str) -> None: ...
+    def drop_adapter(self, checkpoint_key: str) -> None:
+        """AdapterNotLoaded if it is not loaded (so do ``sample`` and ``compute_logprobs``)."""
 
     @abc.abstractmethod
     def sample(

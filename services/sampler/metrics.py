@@ -10,4 +10,6 @@ TOKENS_SAMPLED = Counter("temper_sampler_tokens_sampled", "Tokens generated, ove
 SAMPLE_SECONDS = Histogram("temper_sampler_sample_seconds", "Latency of one Sample request, queueing included.",
                            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120))
 RESIDENT_ADAPTERS = Gauge("temper_sampler_resident_adapters", "Checkpoints whose LoRA weights are loaded.")
+RESIDENT_ADAPTER_BYTES = Gauge("temper_sampler_resident_adapter_bytes", "Bytes of the loaded adapters' pushed files.")
+EVICTIONS = Counter("temper_sampler_adapter_evictions", "Adapters dropped to make room (least recently used first).")
 ERRORS = Counter("temper_sampler_errors", "Failed RPCs by gRPC status code.", ["rpc", "code"])

@@ -1,10 +1,17 @@
 """gRPC face of the sampler: checkpoints' adapters arrive as streams of file chunks; requests are
-decoded by ``convert`` and sampled on one compute thread, batched with whatever else is waiting."""
+decoded by ``convert`` and sampled on one compute thread, batched with whatever else is waiting.
+
+At most ``max_adapters`` adapters (and ``max_adapter_bytes`` of pushed files, when set) stay loaded;
+a push evicts the least recently used ones that no request is using (``residency.py``). A request
+for an adapter that is not here answers AdapterNotLoaded (FAILED_PRECONDITION, details starting
+"ADAPTER_NOT_LOADED: "): the scheduler pushes it again and retries."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import logging
 import shutil
 import tempfile
 import time
@@ -12,10 +19,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from temper.common.checkpoints import WEIGHT_FILES
-from temper.common.errors import InvalidArgument, TemperError
+from temper.common.errors import AdapterNotLoaded, InvalidArgument, TemperError
 from temper.services.sampler import convert, metrics
 from temper.services.sampler.backend import SampleRequest, SampleResult, SamplerBackend
+from temper.services.sampler.residency import Residency
 from temper.v1 import sampler_pb2, sampler_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 
 def _counted(method):
@@ -33,8 +43,14 @@ def _counted(method):
 
 
 class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
-    def __init__(self, backend: SamplerBackend, adapter_dir: Path, max_num_samples: int, max_batch_sequences: int = 64):
+    def __init__(self, backend: SamplerBackend, adapter_dir: Path, max_num_samples: int, max_batch_sequences: int = 64,
+                 max_adapters: int = 16, max_adapter_bytes: int = 0):
         self.backend = backend
+        self.residency = Residency(max_adapters, max_adapter_bytes)
+        for key in backend.describe().loaded_checkpoints:  # loaded before this servicer (tests); 0 bytes
+            self.residency.adopt(key)
+        self._unpin_waiters: dict[str, list[asyncio.Future]] = {}
+        self._drops: dict[str, asyncio.Task] = {}
         self.max_batch_sequences = max_batch_sequences
         self._pending: list[tuple[SampleRequest, asyncio.Future]] = []
         self._batcher: asyncio.Task | None = None
@@ -73,7 +89,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
             missing = [n for n in WEIGHT_FILES if not (staging / n).is_file()]
             if missing:
                 raise InvalidArgument(f"adapter push is missing {missing}")
-            await self._run(self.backend.load_adapter, checkpoint_key, staging)
+            await self._run(self._install, checkpoint_key, staging, received)
         finally:
             for fh in handles.values():
                 fh.close()
@@ -82,22 +98,72 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
             self._count_adapters()
         return sampler_pb2.PushAdapterResponse(bytes_received=received)
 
+    def _install(self, key: str, folder: Path, size: int) -> None:
+        """On the compute thread (so loads never interleave): make room, then load."""
+        for victim in self.residency.reserve(key, size):
+            with contextlib.suppress(AdapterNotLoaded):
+                self.backend.drop_adapter(victim)
+            metrics.EVICTIONS.inc()
+            log.info("evicted adapter %s (least recently used) to load %s", victim, key)
+        try:
+            self.backend.load_adapter(key, folder)
+        except BaseException:
+            self.residency.forget(key)  # a failed push leaves the key not loaded (a replaced one too)
+            with contextlib.suppress(AdapterNotLoaded):
+                self.backend.drop_adapter(key)
+            raise
+        self.residency.loaded(key)
+
     @_counted
     async def DropAdapter(self, request, context):
-        try:
-            await self._run(self.backend.drop_adapter, request.checkpoint_key)
-        finally:
-            self._count_adapters()
+        """Once the requests already using it are done (new ones get AdapterNotLoaded meanwhile)."""
+        key = request.checkpoint_key
+        self.residency.retire(key)
+        task = self._drops.get(key)
+        if task is None or task.done():
+            task = self._drops[key] = asyncio.create_task(self._drop_when_unused(key))
+        await asyncio.shield(task)  # a caller that gives up does not leave the adapter half-dropped
         return sampler_pb2.SamplerDropAdapterResponse()
+
+    async def _drop_when_unused(self, key: str) -> None:
+        try:
+            while self.residency.pins(key) > 0:
+                waiter = asyncio.get_running_loop().create_future()
+                self._unpin_waiters.setdefault(key, []).append(waiter)
+                await waiter
+            await self._run(self._remove, key)
+        finally:
+            if self._drops.get(key) is asyncio.current_task():
+                del self._drops[key]
+            self._count_adapters()
+
+    def _remove(self, key: str) -> None:
+        self.residency.forget(key)
+        with contextlib.suppress(AdapterNotLoaded):
+            self.backend.drop_adapter(key)
+
+    @contextlib.contextmanager
+    def _pinned(self, key: str | None):
+        """Keep ``key``'s adapter loaded while a request uses it; AdapterNotLoaded if it is not here."""
+        pin = self.residency.use(key) if key else None
+        try:
+            yield
+        finally:
+            if pin is not None and self.residency.release(pin) == 0:
+                for waiter in self._unpin_waiters.pop(key, ()):
+                    if not waiter.done():
+                        waiter.set_result(None)
 
     def _count_adapters(self) -> None:
         metrics.RESIDENT_ADAPTERS.set(len(self.backend.describe().loaded_checkpoints))
+        metrics.RESIDENT_ADAPTER_BYTES.set(self.residency.total_bytes)
 
     @_counted
     async def Sample(self, request, context):
         start = time.perf_counter()
         sample = convert.sample_request_from_pb(request, self.backend.describe().vocab_size, self.max_num_samples)
-        result = await self._submit(sample)
+        with self._pinned(sample.checkpoint_key):
+            result = await self._submit(sample)
         metrics.SAMPLE_SECONDS.observe(time.perf_counter() - start)
         return convert.sample_result_to_pb(result, request.topk_logprobs)
 
@@ -114,8 +180,12 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
             batch, rows = [], 0
             while self._pending and (not batch or rows + self._pending[0][0].num_samples <= self.max_batch_sequences):
                 item = self._pending.pop(0)
+                if item[1].done():  # its caller gave up (and its adapter may be gone)
+                    continue
                 batch.append(item)
                 rows += item[0].num_samples
+            if not batch:
+                continue
             try:
                 results = await self._sample([r for r, _ in batch])
             except Exception:  # noqa: BLE001 - retry alone so one bad request fails only itself
@@ -140,4 +210,5 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
     @_counted
     async def ComputeLogprobs(self, request, context):
         checkpoint_key, prompt = convert.logprobs_request_from_pb(request)
-        return convert.logprobs_to_pb(await self._run(self.backend.compute_logprobs, checkpoint_key, prompt))
+        with self._pinned(checkpoint_key):
+            return convert.logprobs_to_pb(await self._run(self.backend.compute_logprobs, checkpoint_key, prompt))

@@ -21,3 +21,7 @@ class SamplerSettings(ModelServiceSettings):
     backend: Literal["torch"] = Field("torch", description="Sampling backend; 'sglang' arrives with the GPU work.")
     adapter_dir: Path = Field(Path("data/sampler-adapters"), description="Where pushed adapters are unpacked.")
     max_num_samples: int = Field(64, description="Upper bound on num_samples per request.")
+    max_adapters: int = Field(16, ge=1, description="Adapters kept loaded at once; loading one more evicts the least "
+                                                     "recently used one that no request is using.")
+    max_adapter_bytes: int = Field(0, ge=0, description="Bytes of pushed adapter files kept loaded at once (0: no "
+                                                         "bound); evicts like max_adapters.")

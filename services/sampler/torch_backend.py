@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from temper.common.errors import InvalidArgument, NotFound
+from temper.common.errors import AdapterNotLoaded, InvalidArgument
 from temper.services.lora.model import LoraModel
 from temper.services.models.loading import LoadedModel
 from temper.services.sampler.backend import (
@@ -78,12 +78,12 @@ class TorchSamplerBackend(SamplerBackend):
 
     def drop_adapter(self, checkpoint_key: str) -> None:
         if checkpoint_key not in self.lora.adapters:
-            raise NotFound(f"checkpoint {checkpoint_key} is not loaded on this sampler")
+            raise AdapterNotLoaded(checkpoint_key)
         self.lora.remove(checkpoint_key)
 
     def _check(self, checkpoint_key: str | None, prompt: np.ndarray) -> None:
         if checkpoint_key and checkpoint_key not in self.lora.adapters:
-            raise NotFound(f"checkpoint {checkpoint_key} is not loaded on this sampler")
+            raise AdapterNotLoaded(checkpoint_key)
         if prompt.size == 0:
             raise InvalidArgument("prompt is empty")
         vocab = self.loaded.vocab_size

@@ -4,27 +4,36 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 
+from temper.common.errors import Authenticator
 from temper.common.host_allocator import reexec_with_tuned_allocator
+from temper.common.internal_auth import InternalAuthConfigError, worker_authenticator
 from temper.services.trainer.settings import TrainerSettings
 
 log = logging.getLogger("temper.trainer")
+PREFIX = TrainerSettings.model_config["env_prefix"].upper()
 
 
-async def serve(settings: TrainerSettings) -> None:
+async def serve(settings: TrainerSettings, authenticate: Authenticator | None) -> None:
+    """``authenticate``: ``worker_authenticator(settings, ...)``; None only with internal_auth=disabled."""
     # imported here, after the allocator re-exec: torch is a few seconds to import
     from temper.common.metrics import ready_line, serve_metrics
     from temper.common.server import build_server, mark_serving
+    from temper.common.tls import settings_server_credentials
     from temper.services.models.loading import load_model
     from temper.services.trainer.engine import TrainerEngine
     from temper.services.trainer.servicer import TrainerServicer
     from temper.v1 import trainer_pb2, trainer_pb2_grpc
 
     service = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
+    if authenticate is None:
+        log.warning("TEMPER_TRAINER_INTERNAL_AUTH=disabled: anyone who reaches port %s can call this trainer", settings.bind)
+    credentials = settings_server_credentials(settings)  # before the model: a bad file fails fast
     loaded = load_model(settings.base_model, settings.device, settings.dtype, settings.num_threads)
     engine = TrainerEngine(loaded, settings)
     registration = (trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(engine), service)
-    server, port, health = build_server([registration], settings.bind)
+    server, port, health = build_server([registration], settings.bind, authenticate, credentials)
     metrics_port = serve_metrics(settings.metrics_bind)
     await server.start()
     await mark_serving(health, [service])
@@ -35,12 +44,16 @@ async def serve(settings: TrainerSettings) -> None:
 
 def main() -> None:
     settings = TrainerSettings()
+    try:  # before the re-exec and torch: without a token the trainer refuses to start, at once
+        authenticate = worker_authenticator(settings, PREFIX)
+    except InternalAuthConfigError as exc:
+        sys.exit(f"temper trainer: {exc}")
     reexec_with_tuned_allocator(settings.tune_host_allocator)
     from temper.common.logs import configure_logging
 
     configure_logging(settings.log_level, settings.log_format)
     log.info("settings: %s", settings.model_dump_json())
-    asyncio.run(serve(settings))
+    asyncio.run(serve(settings, authenticate))
 
 
 if __name__ == "__main__":

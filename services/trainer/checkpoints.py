@@ -1,7 +1,8 @@
 """Checkpoint folders on local disk, addressed by key ("<run>/<kind>/<name>").
 
 Writes go to a temporary sibling and are renamed into place, so a reader never sees half a
-checkpoint. Durable object storage can replace this class behind the same three methods.
+checkpoint; deletes rename the folder away to a hidden sibling first, then remove that. Durable
+object storage can replace this class behind the same methods.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import re
 import shutil
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Iterator, NamedTuple, Sequence
 
@@ -53,6 +55,21 @@ class CheckpointStore:
 
     def discard(self, staging: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
+
+    def delete(self, key: str) -> int:
+        """Remove the checkpoint's folder; the bytes freed, 0 if there was none (deleting twice is
+        fine). The folder leaves its key in one rename: a reader that opens it later finds it whole or not at all."""
+        final = self.path(key)
+        if not final.is_dir():
+            return 0
+        doomed = final.with_name(f".{final.name}.deleted-{uuid.uuid4().hex}")
+        try:
+            final.rename(doomed)
+        except FileNotFoundError:  # deleted meanwhile
+            return 0
+        freed = sum(f.stat().st_size for f in doomed.rglob("*") if f.is_file() and not f.is_symlink())
+        shutil.rmtree(doomed, ignore_errors=True)
+        return freed
 
     def existing(self, key: str) -> Path:
         path = self.path(key)

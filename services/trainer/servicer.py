@@ -59,6 +59,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                         request.with_optimizer)
         return trainer_pb2.LoadAdapterResponse()
 
+    async def DeleteCheckpoint(self, request, context):
+        # on the compute thread: never while a save or load of the same folder is under way
+        freed = await self._run("DeleteCheckpoint", self.engine.store.delete, request.checkpoint_key)
+        return trainer_pb2.DeleteCheckpointFilesResponse(freed_bytes=freed)
+
     async def ReadCheckpoint(self, request, context):
         key, names = convert.checkpoint_files(request)
         try:

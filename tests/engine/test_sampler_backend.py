@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from temper.common.codec import decode_array, decode_floats, decode_tokens, encode_tokens
-from temper.common.errors import InvalidArgument, NotFound
+from temper.common.errors import AdapterNotLoaded, InvalidArgument
 from temper.services.sampler import convert
 from temper.services.sampler.servicer import SamplerServicer
 from temper.v1 import sampler_pb2, types_pb2
@@ -87,8 +87,10 @@ def test_seed_reproducibility_top_k_and_stop_tokens(backend):
 
 
 def test_unknown_adapter_and_bad_prompt(backend):
-    with pytest.raises(NotFound):
+    with pytest.raises(AdapterNotLoaded, match="^ADAPTER_NOT_LOADED: checkpoint nope is not loaded"):
         backend.sample("nope", np.array([1, 2], dtype=np.int32), 1, GREEDY, False)
+    with pytest.raises(AdapterNotLoaded):
+        backend.drop_adapter("nope")
     with pytest.raises(InvalidArgument):
         backend.compute_logprobs(None, np.array([1, 99999], dtype=np.int32))
 

@@ -342,6 +342,23 @@ def test_the_servicer_decodes_runs_encodes_and_counts_errors(engine):
     assert engine.host.get("run-c").spec == AdapterSpec(rank=2, alpha=32.0, targets=lora_targets(mlp=True))
 
 
+def test_the_servicer_deletes_a_checkpoint_once_and_reports_its_bytes(engine):
+    import asyncio
+
+    from temper.services.trainer.servicer import TrainerServicer
+
+    servicer = TrainerServicer(engine)
+    saved = asyncio.run(servicer.SaveAdapter(trainer_pb2.SaveAdapterRequest(
+        training_run_id="run-a", checkpoint_key="run-a/weights/d1", include_optimizer=True), None))
+    delete = trainer_pb2.DeleteCheckpointFilesRequest(checkpoint_key="run-a/weights/d1")
+    assert saved.size_bytes > 0 and asyncio.run(servicer.DeleteCheckpoint(delete, None)).freed_bytes == saved.size_bytes
+    assert asyncio.run(servicer.DeleteCheckpoint(delete, None)).freed_bytes == 0
+    with pytest.raises(NotFound):
+        engine.load("run-a", "run-a/weights/d1", with_optimizer=False)
+    with pytest.raises(InvalidArgument, match="bad checkpoint key"):
+        asyncio.run(servicer.DeleteCheckpoint(trainer_pb2.DeleteCheckpointFilesRequest(checkpoint_key="../../etc"), None))
+
+
 def test_a_pass_whose_loss_or_gradient_is_not_finite_changes_nothing(engine):
     # Past the wire checks (which bound loss inputs), the engine still refuses a non-finite result:
     # an optim_step on it would turn the adapter into NaN for good.

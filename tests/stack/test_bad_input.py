@@ -8,7 +8,7 @@ import grpc
 import numpy as np
 import pytest
 
-from fixtures_stack import adapter_weights, assert_same_weights, request_rows, sft_datum
+from fixtures_stack import adapter_weights, assert_same_weights, request_rows, sft_datum, raw_stub
 from temper.client import AdamParams, Datum, ModelInput, convert
 from temper.v1 import service_pb2, service_pb2_grpc, types_pb2
 
@@ -18,9 +18,7 @@ NUL = "a\x00b"
 
 @pytest.fixture
 def raw(stack):
-    channel = grpc.insecure_channel(stack.address)
-    yield service_pb2_grpc.TemperStub(channel)
-    channel.close()
+    yield raw_stub(stack)
 
 
 def refused(call, *args, code=grpc.StatusCode.INVALID_ARGUMENT, metadata=None) -> str:
@@ -37,7 +35,7 @@ def fb(run_id: str, seq: int, datum=None, loss_fn="cross_entropy", config=None) 
                                               loss_fn=loss_fn, loss_fn_config=config or {})
 
 
-def test_ids_paths_and_tenants_are_checked_before_they_reach_sql(raw, service_client, tiny_model_dir, postgres_url):
+def test_ids_paths_and_keys_are_checked_before_they_reach_sql(raw, stack, service_client, tiny_model_dir, postgres_url):
     run = service_client.create_lora_training_client(tiny_model_dir, rank=4, seed=1)
     rows = request_rows(postgres_url, run.model_id)
     refused(raw.GetInfo, service_pb2.GetInfoRequest(training_run_id=NUL))
@@ -53,8 +51,11 @@ def test_ids_paths_and_tenants_are_checked_before_they_reach_sql(raw, service_cl
     assert "100" in details or "characters" in details
     refused(raw.CreateSession, service_pb2.CreateSessionRequest(user_metadata={"k": NUL}))
     refused(raw.CreateSession, service_pb2.CreateSessionRequest(tags=["t"] * 1000))
-    refused(raw.CreateSession, service_pb2.CreateSessionRequest(), metadata=[("x-temper-tenant", "t" * 200)])
-    refused(raw.CreateSession, service_pb2.CreateSessionRequest(), metadata=[("x-temper-tenant", "a b")])
+    keyless = service_pb2_grpc.TemperStub(grpc.insecure_channel(stack.address))
+    for key in ("tml-" + "t" * 5000, "tml-a b", "not-a-key", ""):
+        details = refused(keyless.CreateSession, service_pb2.CreateSessionRequest(), code=grpc.StatusCode.UNAUTHENTICATED,
+                          metadata=[("authorization", f"Bearer {key}")])
+        assert "t" * 100 not in details
     assert request_rows(postgres_url, run.model_id) == rows
 
 

@@ -294,7 +294,7 @@ def test_a_database_outage_mid_stream_loses_nothing_and_applies_nothing_twice(ti
     with FlakyProxy(tcp_upstream(real_url)) as proxy, \
             start_stack(tiny_model_dir, proxy.url(real_url), tmp_path / "stack") as local:
         tenants = ("a", "b")
-        clients = {t: ServiceClient(local.address, tenant=t) for t in tenants}
+        clients = {t: local.client(t) for t in tenants}
         runs = {t: clients[t].create_lora_training_client(tiny_model_dir, rank=4, seed=20 + i).model_id
                 for i, t in enumerate(tenants)}
         sent: dict[str, list] = {t: [] for t in tenants}          # request protos in seq order
@@ -410,7 +410,7 @@ def test_a_recorded_outcome_whose_commit_acknowledgement_was_lost_is_counted_onc
     real_url = new_postgres_database("temper_faults")
     with FlakyProxy(tcp_upstream(real_url)) as proxy, \
             start_stack(tiny_model_dir, proxy.url(real_url), tmp_path / "stack") as local:
-        client = ServiceClient(local.address)
+        client = local.client()
         run = client.create_lora_training_client(tiny_model_dir, rank=4, seed=51)
         run.forward_backward([sft_datum(ROUNDS[0])]).result(timeout=60)
         run.optim_step(ADAM).result(timeout=60)
@@ -439,7 +439,7 @@ def test_a_scheduler_restarted_while_its_trainer_is_frozen_answers_the_resent_wo
                                                                                         tmp_path):
     url = new_postgres_database("temper_faults")
     with start_stack(tiny_model_dir, url, tmp_path / "stack") as local:
-        client = ServiceClient(local.address)
+        client = local.client()
         run = client.create_lora_training_client(tiny_model_dir, rank=4, seed=31)
         twin = client.create_lora_training_client(tiny_model_dir, rank=4, seed=31)
         run.forward_backward([sft_datum(ROUNDS[0])]).result(timeout=60)
@@ -507,7 +507,7 @@ def test_a_dead_loop_fails_waiting_requests_unavailable_and_exits_and_a_restart_
     url = new_postgres_database("temper_faults")
     marker = tmp_path / "fail-plan-cycle"
     with start_stack(tiny_model_dir, url, tmp_path / "stack") as local:
-        client = ServiceClient(local.address)
+        client = local.client()
         run = client.create_lora_training_client(tiny_model_dir, rank=4, seed=41)
         twin = client.create_lora_training_client(tiny_model_dir, rank=4, seed=41)
         run.forward_backward([sft_datum(ROUNDS[0])]).result(timeout=60)

@@ -7,6 +7,7 @@ update path (datums → importance_sampling / ppo → optim_step) runs too."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,12 +19,13 @@ REPO = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def run_recipe(name: str, tiny_model_dir: str, tmp_path: Path, *extra: str) -> tuple[dict, Path]:
+def run_recipe(name: str, tiny_model_dir: str, tmp_path: Path, *extra: str, api_key: str | None = None) -> tuple[dict, Path]:
     out = tmp_path / f"out-{name}"
+    env = {**os.environ, "TEMPER_API_KEY": api_key} if api_key else None
     proc = subprocess.run(
         [sys.executable, "-m", f"recipes.{name}", "--base-model", tiny_model_dir, "--steps", "2", "--threads", "1",
          "--out-dir", str(out), "--data-dir", str(tmp_path / f"data-{name}"), *extra],
-        cwd=REPO, capture_output=True, text=True, timeout=240,
+        cwd=REPO, capture_output=True, text=True, timeout=240, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -213,11 +215,11 @@ def test_distill_from_a_checkpoint_teacher_on_a_running_stack(tiny_model_dir, tm
 
     with LocalStack(tiny_model_dir, tmp_path / "stack", num_threads=1) as stack:
         address = stack.start()
-        with ServiceClient(address) as client:
+        with stack.client() as client:
             teacher = client.create_lora_training_client(tiny_model_dir, rank=4, seed=1)
             path = teacher.save_weights_for_sampler("teacher").result().path
         summary, out = run_recipe("distill", tiny_model_dir, tmp_path, "--address", address, "--teacher-path", path,
                                   "--batch-prompts", "2", "--group-size", "2", "--heldout", "2", "--eval-samples", "1",
-                                  "--eval-every", "2", "--max-tokens", "3")
+                                  "--eval-every", "2", "--max-tokens", "3", api_key=stack.api_key)
     assert summary["teacher"] == path and summary["teacher_context"] == "plain"
     check_png(out / "distill.png")

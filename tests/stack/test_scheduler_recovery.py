@@ -66,7 +66,7 @@ def crash_while_running(stack: LocalStack, url: str, run_id: str, seq: int) -> N
 
 
 def test_queued_request_survives_a_scheduler_crash_and_runs_once(own_stack, tiny_model_dir, postgres_url, tmp_path):
-    client = ServiceClient(own_stack.address)
+    client = own_stack.client()
     crashed = client.create_lora_training_client(tiny_model_dir, rank=4, seed=3)
     twin = client.create_lora_training_client(tiny_model_dir, rank=4, seed=3)
 
@@ -100,7 +100,7 @@ def test_queued_request_survives_a_scheduler_crash_and_runs_once(own_stack, tiny
 
 
 def test_work_that_reached_the_trainer_before_a_crash_is_answered_once(own_stack, tiny_model_dir, postgres_url, tmp_path):
-    client = ServiceClient(own_stack.address)
+    client = own_stack.client()
     run = client.create_lora_training_client(tiny_model_dir, rank=4, seed=4)
     twin = client.create_lora_training_client(tiny_model_dir, rank=4, seed=4)
     stub = service_pb2_grpc.TemperStub(grpc.insecure_channel(own_stack.address))
@@ -124,7 +124,7 @@ def test_work_that_reached_the_trainer_before_a_crash_is_answered_once(own_stack
 
 
 def test_an_interrupted_save_is_reported_and_the_run_goes_on(own_stack, tiny_model_dir, postgres_url):
-    client = ServiceClient(own_stack.address)
+    client = own_stack.client()
     run = client.create_lora_training_client(tiny_model_dir, rank=4, seed=7)
     run.forward_backward([sft_datum(FIRST)]).result()
     run.save_weights_for_sampler("maybe").result()
@@ -147,7 +147,7 @@ def test_an_interrupted_save_is_reported_and_the_run_goes_on(own_stack, tiny_mod
 
 def test_a_seq_that_never_arrives_is_skipped_after_the_gap_timeout(tiny_model_dir, postgres_url, tmp_path):
     with start_stack(tiny_model_dir, postgres_url, tmp_path / "stack", TEMPER_SCHEDULER_SEQ_GAP_TIMEOUT_SECONDS="1") as local:
-        client = ServiceClient(local.address)
+        client = local.client()
         run = client.create_lora_training_client(tiny_model_dir, rank=4, seed=5)
         never_sent = run._next_seq()  # a client that took seq 1 and died before sending it
         started = time.monotonic()
@@ -166,7 +166,7 @@ def test_a_seq_that_never_arrives_is_skipped_after_the_gap_timeout(tiny_model_di
 def test_completed_requests_are_answered_again_after_a_restart_within_the_result_window(tiny_model_dir, postgres_url,
                                                                                          tmp_path):
     with start_stack(tiny_model_dir, postgres_url, tmp_path / "stack", TEMPER_SCHEDULER_DURABLE_RESULTS_PER_RUN="2") as local:
-        client = ServiceClient(local.address)
+        client = local.client()
         run = client.create_lora_training_client(tiny_model_dir, rank=4, seed=6)
         stub = service_pb2_grpc.TemperStub(grpc.insecure_channel(local.address))
         requests = {

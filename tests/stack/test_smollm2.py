@@ -14,12 +14,12 @@ def smollm2_stack(tmp_path_factory):
 
     prepare_smollm2()
     with LocalStack(SMOLLM2_NAME, tmp_path_factory.mktemp("smol"), num_threads=2) as stack:
-        address = stack.start()
-        yield address
+        stack.start()
+        yield stack
 
 
 def test_base_model_answers_through_the_stack(smollm2_stack):
-    with ServiceClient(smollm2_stack) as client:
+    with smollm2_stack.client() as client:
         sampler = client.create_sampling_client(base_model=SMOLLM2_NAME)
         tokenizer = sampler.get_tokenizer()
         messages = [{"role": "user", "content": "What is the capital of France?"}]
@@ -37,7 +37,7 @@ def test_lora_training_step_on_smollm2(smollm2_stack):
 
     from temper.client import AdamParams, Datum
 
-    with ServiceClient(smollm2_stack) as client:
+    with smollm2_stack.client() as client:
         tc = client.create_lora_training_client(SMOLLM2_NAME, rank=8, seed=0)
         tokens = tc.get_tokenizer().encode("Temper trains LoRA adapters for many tenants on one base model.")
         datum = Datum(model_input=ModelInput.from_ints(tokens[:-1]),

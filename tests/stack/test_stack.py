@@ -7,7 +7,7 @@ import grpc
 import numpy as np
 import pytest
 
-from fixtures_stack import adapter_weights, assert_same_weights, request_rows, sft_datum
+from fixtures_stack import adapter_weights, assert_same_weights, request_rows, sft_datum, raw_stub
 from temper.client import AdamParams, AlreadyExists, InvalidArgument, ModelInput, NotFound, SamplingParams
 from temper.client import convert
 from temper.v1 import service_pb2, service_pb2_grpc
@@ -59,7 +59,7 @@ def test_sft_trains_saves_and_samples_the_trained_adapter(service_client, tiny_m
 
 
 def test_retried_seq_returns_first_result_and_runs_once(service_client, stack, tiny_model_dir, postgres_url, tmp_path):
-    stub = service_pb2_grpc.TemperStub(grpc.insecure_channel(stack.address))
+    stub = raw_stub(stack)
     twin_a = service_client.create_lora_training_client(tiny_model_dir, rank=4, seed=11)
     twin_b = service_client.create_lora_training_client(tiny_model_dir, rank=4, seed=11)
     datum = convert.datum_to_proto(sft_datum(PATTERN))
@@ -133,7 +133,7 @@ def test_bad_input_gets_the_right_status_and_changes_nothing(service_client, tin
 
 
 def test_unknown_run_and_base_model_are_not_found(stack):
-    stub = service_pb2_grpc.TemperStub(grpc.insecure_channel(stack.address))
+    stub = raw_stub(stack)
     with pytest.raises(grpc.RpcError) as err:
         stub.OptimStep(service_pb2.OptimStepRequest(training_run_id="nope:train:0", seq_id=1))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
@@ -272,16 +272,16 @@ def test_trainer_runs_under_the_tuned_host_allocator(stack):
 def test_a_closed_session_stops_its_runs_and_sampling_clients(stack, tiny_model_dir):
     from temper.client import FailedPrecondition, ServiceClient
 
-    client = ServiceClient(stack.address)
+    client = stack.client()
     run = client.create_lora_training_client(tiny_model_dir, rank=4, seed=0)
     run.forward_backward([sft_datum(PATTERN)]).result()
     sampler = client.create_sampling_client(base_model=tiny_model_dir)
     sampler.sample(ModelInput.from_ints([1, 2, 3]), 1, SamplingParams(max_tokens=2, temperature=0.0)).result()
     client.close()
-    with ServiceClient(stack.address) as other:  # the same ids, from a new session of the same tenant
+    with stack.client() as other:  # the same ids, from a new session of the same tenant
         with pytest.raises(FailedPrecondition, match="closed"):
             other.training_client(run.model_id).optim_step(ADAM).result()
-        stub = service_pb2_grpc.TemperStub(grpc.insecure_channel(stack.address))
+        stub = raw_stub(stack)
         with pytest.raises(grpc.RpcError) as err:
             stub.Sample(service_pb2.SampleRequest(sampler_id=sampler.sampler_id, num_samples=1,
                                                   prompt=convert.model_input_to_proto(ModelInput.from_ints([1, 2, 3])),

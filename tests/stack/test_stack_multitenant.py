@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from fixtures_stack import request_rows, sft_datum
+from fixtures_stack import request_rows, sft_datum, raw_stub
 from temper.client import AdamParams, ModelInput, SamplingParams, ServiceClient, convert
 from temper.v1 import service_pb2, service_pb2_grpc
 
@@ -25,7 +25,7 @@ def data_for(seed):
 
 
 def test_runs_trained_interleaved_end_where_they_end_alone(stack, tiny_model_dir, tmp_path):
-    alice, bob = ServiceClient(stack.address, tenant="alice"), ServiceClient(stack.address, tenant="bob")
+    alice, bob = stack.client("alice"), stack.client("bob")
     try:
         configs = {"a": (alice, 21, dict(rank=4)), "b": (bob, 22, dict(rank=8, train_mlp=False, train_unembed=False))}
         together = {k: c.create_lora_training_client(tiny_model_dir, seed=s, **kw) for k, (c, s, kw) in configs.items()}
@@ -76,10 +76,10 @@ def tight_stack(tiny_model_dir, postgres_url, tmp_path_factory):
 
 
 def test_full_queue_answers_resource_exhausted_and_the_client_retries(tight_stack, tiny_model_dir, postgres_url):
-    with ServiceClient(tight_stack.address, tenant="alice") as client:
+    with tight_stack.client("alice") as client:
         assert client.get_usage()["weight"] == 2.0
         run = client.create_lora_training_client(tiny_model_dir, rank=4, seed=1)
-        stub = service_pb2_grpc.TemperStub(grpc.insecure_channel(tight_stack.address))
+        stub = raw_stub(tight_stack, "alice")
         data = [convert.datum_to_proto(sft_datum(list(range(1, 40))))]
 
         def fb(seq):
@@ -99,7 +99,7 @@ def test_full_queue_answers_resource_exhausted_and_the_client_retries(tight_stac
         assert not any(f.done() for f in waiting)
 
         # Another tenant is not locked out by alice's parked backlog: its request is admitted and runs.
-        with ServiceClient(tight_stack.address, tenant="bob") as bob:
+        with tight_stack.client("bob") as bob:
             other = bob.create_lora_training_client(tiny_model_dir, rank=4, seed=1)
             assert other.forward_backward([sft_datum(list(range(1, 40)))]).result(timeout=60).metrics["loss:sum"] > 0
         assert not any(f.done() for f in waiting)

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from temper.common.errors import NotFound, Unavailable
+from temper.common.errors import Unauthenticated, NotFound, Unavailable
 from temper.scheduler.admission import Admission
 from temper.scheduler.loop import SchedulerLoop
 from temper.scheduler.runs import RunRegistry
@@ -28,6 +28,7 @@ class FakeStore:
         self.requests: dict[tuple[str, int], SimpleNamespace] = {}
         self.down = False
         self.add_delay = add_delay
+        self.limits: dict[str, dict[str, int]] = {}  # tenant -> its own limits (tenant_limits)
         self.lock = threading.Lock()
 
     def _check(self):
@@ -50,6 +51,26 @@ class FakeStore:
         if run_id not in self.runs:
             raise NotFound(f"training run {run_id!r} not found")
         return self.runs[run_id], self.tenants[run_id], False
+
+    def run_owner(self, run_id):
+        self._check()
+        if run_id not in self.runs:
+            raise NotFound(f"training run {run_id!r} not found")
+        return self.tenants[run_id]
+
+    def key_of(self, tenant: str) -> str:
+        return f"tml-fake-key-of-{tenant}"
+
+    def tenant_for_key(self, key):
+        self._check()
+        tenant = key.removeprefix("tml-fake-key-of-")
+        if tenant == key or tenant not in self.tenants.values():
+            raise Unauthenticated("unknown API key")
+        return tenant
+
+    def tenant_limits(self, tenant):
+        self._check()
+        return self.limits.get(tenant, {})
 
     def get_request(self, run_id, seq_id):
         self._check()

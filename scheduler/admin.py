@@ -1,0 +1,101 @@
+"""Operator commands on the scheduler's database: tenants' API keys and limits.
+
+    python -m temper.scheduler.admin create-key --tenant alice     # prints the new key alone on stdout
+    python -m temper.scheduler.admin list-keys [--tenant alice]
+    python -m temper.scheduler.admin revoke-key tml-AbCdEfGh         # by prefix, id or whole key
+    python -m temper.scheduler.admin set-quota --tenant alice --max-training-runs 4 --train-tokens-per-minute 200000
+    python -m temper.scheduler.admin show-quota --tenant alice
+
+The database is the scheduler's (TEMPER_SCHEDULER_DATABASE_URL, or --database-url). A running
+scheduler sees a revoked key within its key cache time and new limits within seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from temper.scheduler.db.store import Store, upgrade_schema
+from temper.scheduler.db.tenancy import LIMIT_COLUMNS
+from temper.scheduler.settings import SchedulerSettings
+
+
+def open_store(database_url: str | None = None) -> Store:
+    settings = SchedulerSettings()
+    url = database_url or settings.database_url
+    if settings.auto_migrate:
+        upgrade_schema(url)
+    return Store(url)
+
+
+def create_key(database_url: str, tenant: str, label: str = "") -> str:
+    """A new API key for ``tenant`` (LocalStack and tests use this; people use the command)."""
+    store = open_store(database_url)
+    try:
+        return store.create_api_key(tenant, label)[0]
+    finally:
+        store.engine.dispose()
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m temper.scheduler.admin", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--database-url", help="default: TEMPER_SCHEDULER_DATABASE_URL")
+    commands = parser.add_subparsers(dest="command", required=True)
+    create = commands.add_parser("create-key", help="create an API key; prints it (shown only this once)")
+    create.add_argument("--tenant", required=True)
+    create.add_argument("--label", default="", help="a note to tell keys apart")
+    listing = commands.add_parser("list-keys", help="keys with prefix, tenant, created, last used, revoked")
+    listing.add_argument("--tenant")
+    revoke = commands.add_parser("revoke-key", help="revoke a key by its prefix, id or the whole key")
+    revoke.add_argument("key")
+    quota = commands.add_parser("set-quota", help="set a tenant's limits (0: unlimited; 'default': the scheduler's default)")
+    quota.add_argument("--tenant", required=True)
+    for name in LIMIT_COLUMNS:
+        quota.add_argument(f"--{name.replace('_', '-')}", dest=name, type=_limit, default=argparse.SUPPRESS)
+    show = commands.add_parser("show-quota", help="a tenant's own limits (unset: the scheduler's default)")
+    show.add_argument("--tenant", required=True)
+    return parser
+
+
+def _limit(text: str) -> int | None:
+    return None if text == "default" else int(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    store = open_store(args.database_url)
+    try:
+        if args.command == "create-key":
+            print(store.create_api_key(args.tenant, args.label)[0])
+        elif args.command == "list-keys":
+            print(f"{'id':>4}  {'prefix':<13} {'tenant':<20} {'created':<20} {'last used':<20} {'revoked':<20} label")
+            for row, tenant in store.list_api_keys(args.tenant):
+                times = [_when(t) for t in (row.created_at, row.last_used_at, row.revoked_at)]
+                print(f"{row.id:>4}  {row.prefix:<13} {tenant:<20} {times[0]:<20} {times[1]:<20} {times[2]:<20} {row.label}")
+        elif args.command == "revoke-key":
+            row = store.revoke_api_key(args.key)
+            print(f"revoked {row.prefix}… (id {row.id})", file=sys.stderr)
+        elif args.command == "set-quota":
+            _print_limits(store.set_limits(args.tenant, {n: getattr(args, n) for n in LIMIT_COLUMNS if hasattr(args, n)}))
+        elif args.command == "show-quota":
+            _print_limits(store.tenant_limits(args.tenant))
+    except Exception as exc:  # noqa: BLE001 - a command-line tool answers with a message and a status
+        message = getattr(exc, "message", None) or str(exc)
+        print(f"error: {message}", file=sys.stderr)
+        return 1
+    finally:
+        store.engine.dispose()
+    return 0
+
+
+def _print_limits(limits: dict[str, int | None]) -> None:
+    for name, value in limits.items():
+        print(f"{name} = {'default' if value is None else value}")
+
+
+def _when(value) -> str:
+    return "-" if value is None else value.strftime("%Y-%m-%d %H:%M:%S")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

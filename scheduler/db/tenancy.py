@@ -1,0 +1,197 @@
+"""What belongs to whom: API keys, per-tenant limits, and checkpoints seen through their owner.
+
+A mixin of ``Store`` (same engine, same one-transaction-per-method rule). Lookups of another
+tenant's objects raise the same NotFound as objects that do not exist: a caller never learns that
+someone else's id is real.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+from sqlalchemy import func, select, update
+
+from temper.common.errors import InvalidArgument, NotFound, Unauthenticated
+from temper.scheduler import keys
+from temper.scheduler.db import models as m
+from temper.scheduler.db.outage import database_errors, now
+
+LIMIT_COLUMNS = ("max_training_runs", "max_resident_adapters", "max_queued_requests", "train_tokens_per_minute",
+                 "sample_tokens_per_minute", "max_storage_bytes")
+LAST_USED_RESOLUTION = timedelta(seconds=60)  # last_used_at is written at most this often per key
+
+
+@database_errors
+class TenancyStore:
+    sessions = None  # sessionmaker, set by Store
+
+    # ---- API keys -----------------------------------------------------------------------------
+
+    def create_api_key(self, tenant: str, label: str = "") -> tuple[str, m.ApiKey]:
+        """A new key for ``tenant`` (created if new). The key itself is returned once and never stored."""
+        tenant_id = self.ensure_tenant(tenant)
+        key = keys.new_key()
+        with self.sessions.begin() as db:
+            row = m.ApiKey(tenant_id=tenant_id, prefix=keys.prefix(key), key_sha256=keys.digest(key), label=label)
+            db.add(row)
+        return key, row
+
+    def list_api_keys(self, tenant: str | None = None) -> list[tuple[m.ApiKey, str]]:
+        with self.sessions() as db:
+            query = select(m.ApiKey, m.Tenant.name).join(m.Tenant, m.Tenant.id == m.ApiKey.tenant_id).order_by(m.ApiKey.id)
+            if tenant is not None:
+                query = query.where(m.Tenant.name == tenant)
+            return [(row, name) for row, name in db.execute(query).all()]
+
+    def revoke_api_key(self, key_ref: str) -> m.ApiKey:
+        """Revoke by the key's id or its prefix (as list-keys shows them), or by the whole key."""
+        with self.sessions.begin() as db:
+            if key_ref.isdigit():
+                rows = [db.get(m.ApiKey, int(key_ref))]
+            elif key_ref.startswith(keys.PREFIX) and len(key_ref) > keys.PREFIX_LENGTH:
+                rows = list(db.scalars(select(m.ApiKey).where(m.ApiKey.key_sha256 == keys.digest(key_ref))))
+            else:
+                rows = list(db.scalars(select(m.ApiKey).where(m.ApiKey.prefix == key_ref)))
+            rows = [r for r in rows if r is not None]
+            if not rows:
+                raise NotFound(f"no API key {key_ref!r}")
+            if len(rows) > 1:
+                raise InvalidArgument(f"{len(rows)} keys have the prefix {key_ref!r}; revoke by id")
+            rows[0].revoked_at = rows[0].revoked_at or now()
+            return rows[0]
+
+    def tenant_for_key(self, key: str) -> str:
+        """The tenant of a valid key (and its last use recorded); Unauthenticated otherwise."""
+        with self.sessions.begin() as db:
+            found = db.execute(select(m.ApiKey, m.Tenant.name).join(m.Tenant, m.Tenant.id == m.ApiKey.tenant_id)
+                               .where(m.ApiKey.key_sha256 == keys.digest(key))).first()
+            if found is None:
+                raise Unauthenticated("unknown API key")
+            row, tenant = found
+            if row.revoked_at is not None:
+                raise Unauthenticated(f"API key {row.prefix}… was revoked")
+            if row.last_used_at is None or now() - row.last_used_at > LAST_USED_RESOLUTION:
+                row.last_used_at = now()
+            return tenant
+
+    # ---- limits -------------------------------------------------------------------------------
+
+    def set_limits(self, tenant: str, limits: dict[str, int | None]) -> dict[str, int | None]:
+        """Set (an int, 0 = unlimited) or reset to the scheduler's default (None) some of a tenant's limits."""
+        unknown = set(limits) - set(LIMIT_COLUMNS)
+        if unknown:
+            raise InvalidArgument(f"unknown limits {sorted(unknown)}; known: {list(LIMIT_COLUMNS)}")
+        if any(v is not None and v < 0 for v in limits.values()):
+            raise InvalidArgument("limits are >= 0 (0: unlimited)")
+        self.ensure_tenant(tenant)
+        with self.sessions.begin() as db:
+            db.execute(update(m.Tenant).where(m.Tenant.name == tenant).values(**limits))
+        return self.tenant_limits(tenant)
+
+    def tenant_limits(self, tenant: str) -> dict[str, int | None]:
+        """The tenant's own limits (None: the scheduler's default applies)."""
+        with self.sessions() as db:
+            row = db.scalar(select(m.Tenant).where(m.Tenant.name == tenant))
+        return {name: (getattr(row, name) if row is not None else None) for name in LIMIT_COLUMNS}
+
+    def open_training_runs(self, tenant: str) -> int:
+        """Training runs of the tenant whose session is open (what max_training_runs bounds)."""
+        with self.sessions() as db:
+            return db.scalar(select(func.count(m.TrainingRun.id)).join(m.Session, m.Session.id == m.TrainingRun.session_id)
+                             .join(m.Tenant, m.Tenant.id == m.Session.tenant_id)
+                             .where(m.Tenant.name == tenant, m.Session.closed_at.is_(None))) or 0
+
+    def storage_bytes(self, tenant: str) -> int:
+        with self.sessions() as db:
+            return int(db.scalar(select(func.coalesce(func.sum(m.Checkpoint.size_bytes), 0)).select_from(m.Checkpoint)
+                                 .join(m.TrainingRun, m.TrainingRun.id == m.Checkpoint.training_run_id)
+                                 .join(m.Session, m.Session.id == m.TrainingRun.session_id)
+                                 .join(m.Tenant, m.Tenant.id == m.Session.tenant_id).where(m.Tenant.name == tenant)) or 0)
+
+    # ---- ownership ----------------------------------------------------------------------------
+
+    def run_owner(self, run_id: str) -> str:
+        with self.sessions() as db:
+            name = db.scalar(select(m.Tenant.name).join(m.Session, m.Session.tenant_id == m.Tenant.id)
+                             .join(m.TrainingRun, m.TrainingRun.session_id == m.Session.id).where(m.TrainingRun.id == run_id))
+        if name is None:
+            raise NotFound(f"training run {run_id!r} not found")
+        return name
+
+    def _checkpoint_and_owner(self, path: str) -> tuple[m.Checkpoint, str]:
+        with self.sessions() as db:
+            found = db.execute(select(m.Checkpoint, m.Tenant.name)
+                               .join(m.TrainingRun, m.TrainingRun.id == m.Checkpoint.training_run_id)
+                               .join(m.Session, m.Session.id == m.TrainingRun.session_id)
+                               .join(m.Tenant, m.Tenant.id == m.Session.tenant_id).where(m.Checkpoint.path == path)).first()
+        if found is None or (found[0].expires_at is not None and _aware(found[0].expires_at) <= now()):
+            raise NotFound(f"checkpoint {path} not found")
+        return found[0], found[1]
+
+    def readable_checkpoint(self, path: str, tenant: str) -> m.Checkpoint:
+        """The checkpoint if ``tenant`` owns it or its owner published it."""
+        row, owner = self._checkpoint_and_owner(path)
+        if owner != tenant and not row.published:
+            raise NotFound(f"checkpoint {path} not found")
+        return row
+
+    def owned_checkpoint(self, path: str, tenant: str) -> m.Checkpoint:
+        row, owner = self._checkpoint_and_owner(path)
+        if owner != tenant:
+            raise NotFound(f"checkpoint {path} not found")
+        return row
+
+    # ---- checkpoint lifecycle -----------------------------------------------------------------
+
+    def update_checkpoint(self, path: str, tenant: str, published: bool | None, expires_at: datetime | None | bool) -> m.Checkpoint:
+        """``expires_at``: a time, None to clear, False to leave as it is."""
+        row = self.owned_checkpoint(path, tenant)
+        values = {}
+        if published is not None:
+            values["published"] = published
+        if expires_at is not False:
+            values["expires_at"] = expires_at
+        if values:
+            with self.sessions.begin() as db:
+                db.execute(update(m.Checkpoint).where(m.Checkpoint.id == row.id).values(**values))
+        return self.owned_checkpoint(path, tenant)
+
+    def delete_checkpoint_row(self, checkpoint_id: int) -> None:
+        with self.sessions.begin() as db:
+            row = db.get(m.Checkpoint, checkpoint_id)
+            if row is not None:
+                db.delete(row)
+
+    def touch_checkpoint(self, path: str) -> None:
+        with self.sessions.begin() as db:
+            db.execute(update(m.Checkpoint).where(m.Checkpoint.path == path).values(last_used_at=now()))
+
+    def tenant_checkpoints(self, tenant: str) -> list[m.Checkpoint]:
+        """Every listed (not ephemeral) checkpoint of the tenant, oldest first."""
+        with self.sessions() as db:
+            return list(db.scalars(select(m.Checkpoint).join(m.TrainingRun, m.TrainingRun.id == m.Checkpoint.training_run_id)
+                                   .join(m.Session, m.Session.id == m.TrainingRun.session_id)
+                                   .join(m.Tenant, m.Tenant.id == m.Session.tenant_id)
+                                   .where(m.Tenant.name == tenant, m.Checkpoint.ephemeral.is_(False)).order_by(m.Checkpoint.id)))
+
+    def collectable_checkpoints(self, idle: timedelta) -> list[m.Checkpoint]:
+        """Checkpoints past their TTL, and ephemeral snapshots no sampling client used for ``idle``
+        except each open run's newest (its client is about to use it)."""
+        cutoff = now() - idle
+        with self.sessions() as db:
+            expired = list(db.scalars(select(m.Checkpoint).where(m.Checkpoint.expires_at.is_not(None),
+                                                                 m.Checkpoint.expires_at <= now())))
+            snapshots = db.execute(select(m.Checkpoint, m.Session.closed_at)
+                                   .join(m.TrainingRun, m.TrainingRun.id == m.Checkpoint.training_run_id)
+                                   .join(m.Session, m.Session.id == m.TrainingRun.session_id)
+                                   .where(m.Checkpoint.ephemeral.is_(True)).order_by(m.Checkpoint.id)).all()
+        newest = {row.training_run_id: row.id for row, closed in snapshots if closed is None}
+        idle_snapshots = [row for row, closed in snapshots
+                          if _aware(max(filter(None, (row.created_at, row.last_used_at)), key=_aware)) <= cutoff
+                          and newest.get(row.training_run_id) != row.id]
+        return expired + [row for row in idle_snapshots if row.id not in {e.id for e in expired}]
+
+
+def _aware(value: datetime) -> datetime:
+    """SQLite returns naive datetimes (stored as UTC)."""
+    return value if value.tzinfo is not None else value.replace(tzinfo=timezone.utc)
