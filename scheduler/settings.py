@@ -20,6 +20,11 @@ from temper.common.settings import InternalTokenSettings, ProcessSettings
 
 ENV_PREFIX = "TEMPER_SCHEDULER_"
 LEGACY_PREFIX = "TEMPER_"
+# Only the names this process had in 0.1 keep their old TEMPER_<FIELD> spelling: a newer field read
+# from a generic name (TEMPER_TLS_CERT_FILE, TEMPER_INTERNAL_TOKEN) could pick up another process's value.
+LEGACY_FIELDS = ("bind", "database_url", "trainer_addresses", "sampler_addresses", "max_queued_requests", "seq_gap_timeout_seconds",
+                 "result_cache_size", "durable_results_per_run", "cycle_token_budget", "fair_share_quantum_tokens",
+                 "tenant_weights", "auto_migrate")
 
 
 class SchedulerSettings(ProcessSettings, InternalTokenSettings):
@@ -116,6 +121,8 @@ class _LegacyEnvSource(PydanticBaseSettingsSource):
     def __call__(self) -> dict[str, Any]:
         values = {}
         for name, field in self.settings_cls.model_fields.items():
+            if name not in LEGACY_FIELDS:
+                continue
             legacy, current = f"{LEGACY_PREFIX}{name}".upper(), f"{ENV_PREFIX}{name}".upper()
             if legacy in os.environ and current not in os.environ:
                 warnings.warn(f"{legacy} is deprecated; use {current}", DeprecationWarning, stacklevel=2)
