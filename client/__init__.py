@@ -24,11 +24,12 @@ from temper.common.errors import (
     NotFound,
     ResourceExhausted,
     TemperError,
+    Unauthenticated,
     Unavailable,
 )
 
 __all__ = [
     "APIFuture", "AdamParams", "AlreadyExists", "Datum", "EncodedTextChunk", "FailedPrecondition", "InvalidArgument",
     "LoraConfig", "ModelInput", "NotFound", "ResourceExhausted", "SamplingClient", "SamplingParams", "ServiceClient",
-    "TemperError", "TensorData", "TrainingClient", "Unavailable", "types",
+    "TemperError", "TensorData", "TrainingClient", "Unauthenticated", "Unavailable", "types",
 ]

@@ -11,7 +11,7 @@ from typing import Any, Awaitable, Callable
 
 import grpc
 
-from temper.common.errors import from_rpc_error
+from temper.common.errors import from_rpc_error, is_hard_limit
 from temper.common.server_options import CHANNEL_OPTIONS
 from temper.common.tls import channel_credentials
 from temper.v1 import service_pb2_grpc
@@ -81,7 +81,7 @@ class Runtime:
                 # resend for as long as it takes. Unavailability is retried a bounded number of times.
                 if err.code() == grpc.StatusCode.UNAVAILABLE:
                     failures += 1
-                if err.code() not in RETRY_CODES or failures > self.max_retries:
+                if err.code() not in RETRY_CODES or failures > self.max_retries or is_hard_limit(err.code(), err.details()):
                     raise from_rpc_error(err) from None
             await asyncio.sleep(delay * (1 + random.random()))
             delay = min(delay * 2, 2.0)

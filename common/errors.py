@@ -63,6 +63,15 @@ class ResourceExhausted(TemperError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+# A RESOURCE_EXHAUSTED whose details start with this is a tenant's hard limit (runs, storage): waiting
+# does not help, so clients raise it at once; any other RESOURCE_EXHAUSTED is backpressure to retry.
+HARD_LIMIT_PREFIX = "limit "
+
+
+def is_hard_limit(code: grpc.StatusCode, details: str | None) -> bool:
+    return code == grpc.StatusCode.RESOURCE_EXHAUSTED and (details or "").startswith(HARD_LIMIT_PREFIX)
+
+
 class Unavailable(TemperError):
     code = grpc.StatusCode.UNAVAILABLE
 

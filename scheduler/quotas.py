@@ -13,7 +13,7 @@ import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, fields
 
-from temper.common.errors import ResourceExhausted
+from temper.common.errors import HARD_LIMIT_PREFIX, ResourceExhausted
 from temper.scheduler.settings import SchedulerSettings
 
 WINDOW_SECONDS = 60.0
@@ -41,7 +41,7 @@ def default_limits(settings: SchedulerSettings) -> Limits:
 
 def check_hard_limit(name: str, limit: int, used: int, adding: int = 1) -> None:
     if limit and used + adding > limit:
-        raise ResourceExhausted(f"limit {name} = {limit} reached (in use: {used}); "
+        raise ResourceExhausted(f"{HARD_LIMIT_PREFIX}{name} = {limit} reached (in use: {used}); "
                                 f"free some or ask the operator to raise it (GetUsage lists every limit)")
 
 

@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from fixtures_stack import adapter_weights, assert_same_weights, raw_stub, request_rows, sft_datum
-from temper.client import AdamParams, ModelInput, NotFound, SamplingParams, convert
+from temper.client import AdamParams, ModelInput, NotFound, ResourceExhausted, SamplingParams, convert
 from temper.v1 import service_pb2, service_pb2_grpc, types_pb2
 
 REPO = Path(__file__).resolve().parents[2]
@@ -201,6 +201,8 @@ def test_hard_limits_answer_resource_exhausted_naming_the_limit(tenancy_stack, t
         code, details = code_of(stub.CreateTrainingRun, service_pb2.CreateTrainingRunRequest(
             session_id=gina.session_id, base_model=tiny_model_dir, lora_config={"rank": 4, "train_mlp": True}))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_training_runs = 1" in details and "in use: 1" in details
+        with pytest.raises(ResourceExhausted, match="max_training_runs"):  # a hard limit: the client does not retry it
+            gina.create_lora_training_client(tiny_model_dir, rank=4, seed=1)
         run.save_weights_for_sampler("first").result()  # 0 bytes used before it
         code, details = code_of(stub.SaveWeights, service_pb2.SaveWeightsRequest(
             training_run_id=run.model_id, seq_id=2, name="second", kind=types_pb2.CHECKPOINT_KIND_SAMPLER))
