@@ -114,8 +114,6 @@ def test_another_tenant_sees_nothing_and_changes_nothing(tenancy_stack, tiny_mod
                   "requests": request_rows(url, run.model_id),
                   "checkpoints": rows(url, "select path, size_bytes, published from checkpoints order by id"),
                   "sessions": rows(url, f"select id, closed_at from sessions where id = '{alice.session_id}'")}
-        next_seq = alice.training_client(run.model_id).get_info().model_data  # reattaching reads the run's next seq
-        del next_seq
 
         bob = raw_stub(tenancy_stack, "bob")
         bob_session = bob.CreateSession(service_pb2.CreateSessionRequest()).session_id
@@ -152,6 +150,13 @@ def test_another_tenant_sees_nothing_and_changes_nothing(tenancy_stack, tiny_mod
         assert code == grpc.StatusCode.NOT_FOUND and details == f"checkpoint {state} not found"
         missing = state.replace("/weights/state", "/weights/never")
         assert code_of(bob.DownloadCheckpoint, service_pb2.DownloadCheckpointRequest(path=missing))[1] == f"checkpoint {missing} not found"
+        with tenancy_stack.client("bob") as bob_client:  # the same through the client
+            for attempt in (lambda: bob_client.training_client(run.model_id), lambda: bob_client.list_checkpoints(run.model_id),
+                            lambda: bob_client.create_sampling_client(model_path=weights),
+                            lambda: bob_client.download_checkpoint(state, tmp_path / "stolen"),
+                            lambda: bob_client.publish_checkpoint(weights), lambda: bob_client.delete_checkpoint(state)):
+                with pytest.raises(NotFound):
+                    attempt()
         usage = bob.GetUsage(service_pb2.GetUsageRequest())
         assert usage.tenant == "bob" and [r.training_run_id for r in usage.runs] == [bob_run]
         assert [c.path for c in bob.ListCheckpoints(service_pb2.ListCheckpointsRequest()).checkpoints] == []
