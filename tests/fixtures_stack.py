@@ -45,10 +45,14 @@ class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIntercepto
         return continuation(self._with_key(details), request)
 
 
+def keyed_channel(stack, tenant: str = "local") -> grpc.Channel:
+    """A channel to the stack's scheduler whose calls carry ``tenant``'s API key."""
+    return grpc.intercept_channel(grpc.insecure_channel(stack.address), _Bearer(stack.key_for(tenant)))
+
+
 def raw_stub(stack, tenant: str = "local") -> service_pb2_grpc.TemperStub:
-    """A raw stub on the stack's scheduler, calling as ``tenant`` (with its API key)."""
-    channel = grpc.intercept_channel(grpc.insecure_channel(stack.address), _Bearer(stack.key_for(tenant)))
-    return service_pb2_grpc.TemperStub(channel)
+    """A raw stub on the stack's scheduler, calling as ``tenant``."""
+    return service_pb2_grpc.TemperStub(keyed_channel(stack, tenant))
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-from fixtures_stack import adapter_weights, assert_same_weights, request_rows, sft_datum
+from fixtures_stack import adapter_weights, assert_same_weights, keyed_channel, request_rows, sft_datum
 from temper.client import AdamParams, ServiceClient, convert
 from temper.common.errors import TemperError, Unavailable
 from temper.localstack import LocalStack
@@ -514,7 +514,7 @@ def test_a_dead_loop_fails_waiting_requests_unavailable_and_exits_and_a_restart_
         run.optim_step(ADAM).result(timeout=60)
 
         faulty = local.restart("scheduler", argv=[sys.executable, "-c", FAULTY_SCHEDULER.format(marker=str(marker))], timeout=120)
-        channel = grpc.insecure_channel(local.address)
+        channel = keyed_channel(local)
         stub = service_pb2_grpc.TemperStub(channel)
         health = health_pb2_grpc.HealthStub(channel)
         wait_until(lambda: health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING, 60,

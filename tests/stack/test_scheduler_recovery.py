@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from sqlalchemy import create_engine, text
 
-from fixtures_stack import adapter_weights, request_rows, sft_datum
+from fixtures_stack import adapter_weights, request_rows, sft_datum, raw_stub
 from temper.client import AdamParams, ServiceClient, convert
 from temper.localstack import LocalStack
 from temper.v1 import service_pb2, service_pb2_grpc
@@ -77,7 +77,7 @@ def test_queued_request_survives_a_scheduler_crash_and_runs_once(own_stack, tiny
     own_stack.restart_scheduler(crash=True)
     # The client resends seq 2 to the new process by itself (UNAVAILABLE is retried); the row says it
     # never reached a trainer, so it is queued again and runs once seq 1 arrives.
-    stub = service_pb2_grpc.TemperStub(grpc.insecure_channel(own_stack.address))
+    stub = raw_stub(own_stack)
     first = stub.ForwardBackward(fb_request(crashed.model_id, held_back, FIRST))
     second = pending.result(timeout=120)
     crashed.optim_step(ADAM).result()
@@ -103,7 +103,7 @@ def test_work_that_reached_the_trainer_before_a_crash_is_answered_once(own_stack
     client = own_stack.client()
     run = client.create_lora_training_client(tiny_model_dir, rank=4, seed=4)
     twin = client.create_lora_training_client(tiny_model_dir, rank=4, seed=4)
-    stub = service_pb2_grpc.TemperStub(grpc.insecure_channel(own_stack.address))
+    stub = raw_stub(own_stack)
     step = service_pb2.OptimStepRequest(training_run_id=run.model_id, seq_id=2, adam_params=convert.adam_to_proto(ADAM))
     stub.ForwardBackward(fb_request(run.model_id, 1, FIRST))
     first_answer = stub.OptimStep(step)
@@ -111,7 +111,7 @@ def test_work_that_reached_the_trainer_before_a_crash_is_answered_once(own_stack
     twin.optim_step(ADAM).result()
     crash_while_running(own_stack, postgres_url, run.model_id, 2)
 
-    stub = service_pb2_grpc.TemperStub(grpc.insecure_channel(own_stack.address))
+    stub = raw_stub(own_stack)
     assert stub.OptimStep(step) == first_answer  # re-sent; the trainer answers from memory, no second step
     saved = stub.SaveWeights(service_pb2.SaveWeightsRequest(training_run_id=run.model_id, seq_id=3, name="after", kind=1))
     a = adapter_weights(client, saved.checkpoint.path, tmp_path)
@@ -131,7 +131,7 @@ def test_an_interrupted_save_is_reported_and_the_run_goes_on(own_stack, tiny_mod
     # A save is a barrier the trainer cannot recognise when re-sent: left running, it is closed as failed.
     crash_while_running(own_stack, postgres_url, run.model_id, 2)
 
-    stub = service_pb2_grpc.TemperStub(grpc.insecure_channel(own_stack.address))
+    stub = raw_stub(own_stack)
     retry = service_pb2.SaveWeightsRequest(training_run_id=run.model_id, seq_id=2, name="maybe", kind=1)
     with pytest.raises(grpc.RpcError) as err:
         stub.SaveWeights(retry)  # not run a second time: whether the first one completed is unknown
@@ -154,7 +154,7 @@ def test_a_seq_that_never_arrives_is_skipped_after_the_gap_timeout(tiny_model_di
         out = run.forward_backward([sft_datum(SECOND)]).result(timeout=60)
         assert time.monotonic() - started >= 1.0  # it waited for seq 1 first
         assert np.isfinite(out.metrics["loss:sum"])
-        stub = service_pb2_grpc.TemperStub(grpc.insecure_channel(local.address))
+        stub = raw_stub(local)
         with pytest.raises(grpc.RpcError) as err:
             stub.ForwardBackward(fb_request(run.model_id, never_sent, FIRST))  # too late: order already given up
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -168,7 +168,7 @@ def test_completed_requests_are_answered_again_after_a_restart_within_the_result
     with start_stack(tiny_model_dir, postgres_url, tmp_path / "stack", TEMPER_SCHEDULER_DURABLE_RESULTS_PER_RUN="2") as local:
         client = local.client()
         run = client.create_lora_training_client(tiny_model_dir, rank=4, seed=6)
-        stub = service_pb2_grpc.TemperStub(grpc.insecure_channel(local.address))
+        stub = raw_stub(local)
         requests = {
             "ForwardBackward": fb_request(run.model_id, 1, FIRST),
             "OptimStep": service_pb2.OptimStepRequest(training_run_id=run.model_id, seq_id=2, adam_params=convert.adam_to_proto(ADAM)),
@@ -177,7 +177,7 @@ def test_completed_requests_are_answered_again_after_a_restart_within_the_result
         answers = {verb: getattr(stub, verb)(request) for verb, request in requests.items()}
         local.restart_scheduler(crash=True)
 
-        stub = service_pb2_grpc.TemperStub(grpc.insecure_channel(local.address))
+        stub = raw_stub(local)
         # seq 1 fell out of the 2-request window: its answer is gone, and it is not run again
         with pytest.raises(grpc.RpcError) as err:
             stub.ForwardBackward(requests["ForwardBackward"])

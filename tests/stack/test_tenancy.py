@@ -25,11 +25,12 @@ ADAM = AdamParams(learning_rate=1e-2)
 
 @pytest.fixture(scope="module")
 def tenancy_stack(tiny_model_dir, new_postgres_database, tmp_path_factory):
-    """Its own database; keys trusted for 0.5 s, checkpoints collected every 0.5 s, snapshots idle after 2 s."""
+    """Its own database; keys trusted for 0.5 s, checkpoints collected every 0.5 s, snapshots idle after
+    2 s, and a sampler that holds 2 adapters."""
     from temper.localstack import LocalStack
 
     env = {"TEMPER_SCHEDULER_KEY_CACHE_SECONDS": "0.5", "TEMPER_SCHEDULER_CHECKPOINT_GC_INTERVAL_SECONDS": "0.5",
-           "TEMPER_SCHEDULER_SNAPSHOT_IDLE_SECONDS": "2"}
+           "TEMPER_SCHEDULER_SNAPSHOT_IDLE_SECONDS": "2", "TEMPER_SAMPLER_MAX_ADAPTERS": "2"}
     url = new_postgres_database("temper_tenancy")
     with LocalStack(tiny_model_dir, tmp_path_factory.mktemp("tenancy"), database_url=url, extra_env=env, num_threads=1) as local:
         local.address = local.start()
@@ -248,3 +249,39 @@ def test_delete_ttl_and_snapshot_collection(tenancy_stack, tiny_model_dir):
         assert len(tokens.sequences[0].tokens) == 2
         with pytest.raises(NotFound):
             snapshots[0].sample(ModelInput.from_ints([1, 2, 3]), 1, SamplingParams(max_tokens=2)).result()
+
+
+def _trained_versions(client, tiny_model_dir, versions: int):
+    run = client.create_lora_training_client(tiny_model_dir, rank=4, seed=1)
+    samplers = []
+    for i in range(versions):
+        run.forward_backward([sft_datum(PATTERN)]).result()
+        run.optim_step(ADAM).result()
+        samplers.append(run.save_weights_and_get_sampling_client(f"v{i}"))
+    return samplers
+
+
+def test_the_sampler_evicts_and_reloads_adapters_on_demand_with_the_same_answers(tenancy_stack, tiny_model_dir):
+    import urllib.request
+
+    prompt = ModelInput.from_ints(PATTERN)
+    with tenancy_stack.client("ivan") as ivan:
+        samplers = _trained_versions(ivan, tiny_model_dir, 4)  # 4 versions, a sampler that holds 2
+        first = [s.compute_logprobs(prompt).result()[1:] for s in samplers]
+        again = [s.compute_logprobs(prompt).result()[1:] for s in reversed(samplers)][::-1]
+    assert first == again  # every reload answers exactly as before
+    assert len({tuple(values) for values in first}) == 4  # and each is its own version
+    metrics = urllib.request.urlopen(tenancy_stack.service("sampler").metrics_url, timeout=30).read().decode()
+    evictions = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("temper_sampler_adapter_evictions_total")]
+    assert evictions and evictions[0] >= 4
+
+
+def test_a_tenants_resident_adapters_are_bounded_by_its_own_limit(tenancy_stack, tiny_model_dir):
+    assert admin(tenancy_stack, "set-quota", "--tenant", "judy", "--max-resident-adapters", "1").returncode == 0
+    prompt = ModelInput.from_ints(PATTERN)
+    with tenancy_stack.client("judy") as judy:
+        a, b = _trained_versions(judy, tiny_model_dir, 2)
+        answers = [s.compute_logprobs(prompt).result()[1:] for s in (a, b, a, b)]
+        usage = judy.get_usage()["limits"]["max_resident_adapters"]
+    assert answers[0] == answers[2] and answers[1] == answers[3] and answers[0] != answers[1]
+    assert usage["limit"] == 1 and usage["used"] == 1.0

@@ -148,3 +148,22 @@ def test_work_over_a_tenants_rate_waits_in_the_queue_while_others_run():
             task.cancel()
 
     asyncio.run(main())
+
+
+def test_sampling_over_a_tenants_rate_waits_until_its_minute_is_under_the_limit():
+    async def main():
+        store = FakeStore()
+        store.limits["alice"] = {"sample_tokens_per_minute": 10}
+        quotas = build(store).admission.quotas
+        clock = Clock()
+        quotas.sampled.clock = clock
+        await quotas.wait_to_sample("alice")  # under the limit: no wait
+        quotas.sampled.record("alice", 10)
+        await quotas.wait_to_sample("bob")  # others are not held up
+        waiting = asyncio.ensure_future(quotas.wait_to_sample("alice"))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        clock.now += 60
+        await asyncio.wait_for(waiting, 5)
+
+    asyncio.run(main())
