@@ -82,7 +82,11 @@ def run_cycle(engine, items: list) -> list:
 
     request = trainer_pb2.CycleRequest(forward_backward=items)
     forward_backward, optim_step = convert.cycle_from_pb(request, engine.loaded.vocab_size, engine.loaded.max_context_length)
-    return engine.run_cycle(forward_backward, optim_step)[0]
+    results = engine.run_cycle(forward_backward, optim_step)[0]
+    for result in results:
+        if isinstance(result, Exception):  # a refused item: the benchmark's input is wrong
+            raise result
+    return results
 
 
 def build_engine(args, checkpoint_dir: Path, adapters: int):

@@ -95,8 +95,22 @@ def from_rpc_error(err: grpc.RpcError) -> TemperError:
     """Map a failed call (from a client stub or a downstream service) back to a domain error."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
-    cls = _BY_CODE.get(code, Internal)
-    exc = cls(details or code.name)
+    return _error(code, details)
+
+
+def status_number(exc: TemperError) -> int:
+    """The error's gRPC status code as a number (for a status carried inside a message)."""
+    return exc.code.value[0]
+
+
+def from_status_number(number: int, message: str) -> TemperError:
+    """The domain error of a status carried inside a message (``status_number``'s inverse)."""
+    code = next((c for c in grpc.StatusCode if c.value[0] == number), grpc.StatusCode.UNKNOWN)
+    return _error(code, message)
+
+
+def _error(code: grpc.StatusCode, details: str | None) -> TemperError:
+    exc = _BY_CODE.get(code, Internal)(details or code.name)
     exc.code = code
     return exc
 

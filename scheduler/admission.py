@@ -46,7 +46,7 @@ class Admission:
         self.quotas = quotas if quotas is not None else Quotas(store, settings)
         self.queues: dict[str, RunQueue] = {}
         self.recent: OrderedDict[tuple[str, int], Work] = OrderedDict()  # claimed work, answers retried (run, seq)
-        self.wake = asyncio.Event()
+        self.wake = Wakeup()
         metrics.watch_queues(self)
 
     # ---- the request path ---------------------------------------------------------------------
@@ -179,8 +179,9 @@ class Admission:
         for work in [*self.recent.values(), *(w for q in self.queues.values() for w in q.pending.values())]:
             work.fail(error)
 
-    async def wait_for_work(self) -> None:
+    async def wait_for_work(self, waiter: asyncio.Event | None = None) -> None:
         """Until work arrives or a run's missing seq has waited for long enough."""
+        waiter = waiter if waiter is not None else self.wake.default
         gaps = [since for q in self.queues.values() if (since := q.gap_since()) is not None]
         waits = []
         if gaps and self.settings.seq_gap_timeout_seconds > 0:
@@ -189,10 +190,10 @@ class Admission:
         waits += [wait for tenant in throttled if (wait := self.quotas.train_wait(tenant)) > 0]
         timeout = min(waits) if waits else None
         try:
-            await asyncio.wait_for(self.wake.wait(), timeout)
+            await asyncio.wait_for(waiter.wait(), timeout)
         except asyncio.TimeoutError:
             pass
-        self.wake.clear()
+        waiter.clear()
         self.skip_expired_gaps()
 
     def skip_expired_gaps(self) -> None:
@@ -244,3 +245,22 @@ def _answer_from_record(record, sha: str, kind: WorkKind):
     detail = f": {record.error}" if record.error else ""
     raise FailedPrecondition(f"seq_id {record.seq_id} of {record.training_run_id} already ran ({record.status}{detail}); "
                              f"its result is no longer held")
+
+
+class Wakeup:
+    """"Work may be ready", told to every waiter at once: each lane waits on its own event, so a lane
+    that wakes and clears its event never hides new work from another lane."""
+
+    def __init__(self):
+        self.default = asyncio.Event()
+        self._waiters: list[asyncio.Event] = [self.default]
+
+    def waiter(self) -> asyncio.Event:
+        event = asyncio.Event()
+        event.set()  # a new waiter looks at the queues once before it first waits
+        self._waiters.append(event)
+        return event
+
+    def set(self) -> None:
+        for event in self._waiters:
+            event.set()

@@ -32,7 +32,7 @@ class SchedulerApp:
         self.settings = settings
         self.store = store if store is not None else Store(settings.database_url)
         self.backends = backends if backends is not None else Backends(settings)
-        self.runs = RunRegistry(self.store)
+        self.runs = RunRegistry(self.store, on_load=lambda run: self.backends.remember_placement(run.run_id, run.row.trainer))
         self.admission = Admission(self.store, self.runs, settings)
         self.loop = SchedulerLoop(self.admission, self.backends, self.store, self.runs, settings)
         self.servicer = TemperServicer(self.store, self.backends, self.runs, self.admission)

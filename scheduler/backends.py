@@ -1,41 +1,26 @@
 """Connections to trainer and sampler services, which one serves a base model, and the calls to
-them, each with its deadline from settings."""
+them, each with its deadline from settings (samplers: choice, failover and adapters in samplers.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import zlib
-from collections import OrderedDict
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from dataclasses import dataclass
 
 import grpc
 
-from temper.common.errors import AdapterNotLoaded, NotFound, TemperError, Unavailable, from_rpc_error
+from temper.common.errors import NotFound, Unavailable
 from temper.common.internal_auth import bearer_interceptors, resolve_token
 from temper.common.server_options import CHANNEL_OPTIONS
 from temper.common.tls import channel_credentials
+from temper.scheduler.downstream import UNKNOWN_OUTCOME_CODES, downstream
+from temper.scheduler.samplers import SamplerHandle, SamplerRouting
 from temper.scheduler.settings import SchedulerSettings
 from temper.v1 import sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 log = logging.getLogger(__name__)
-# A worker that does not answer in time, or cannot be reached: the call's outcome is unknown.
-UNKNOWN_OUTCOME_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
-
-
-@asynccontextmanager
-async def downstream(what: str):
-    """Turn a failed call to a trainer or sampler into the matching domain error; no answer in time
-    or no connection becomes Unavailable (retryable: the outcome is not known)."""
-    try:
-        yield
-    except grpc.aio.AioRpcError as err:
-        exc = from_rpc_error(err)
-        if err.code() in UNKNOWN_OUTCOME_CODES:
-            exc = Unavailable(f"{what} did not answer ({err.code().name}): {err.details()}")
-        raise exc from None
+__all__ = ["Backends", "SamplerHandle", "TrainerHandle", "UNKNOWN_OUTCOME_CODES", "downstream"]
 
 
 @dataclass
@@ -66,42 +51,14 @@ class TrainerHandle:
                 yield chunk
 
 
-@dataclass
-class SamplerHandle:
-    address: str
-    stub: sampler_pb2_grpc.SamplerStub
-    info: sampler_pb2.SamplerModelInfo
-    settings: SchedulerSettings
-    # checkpoint keys pushed here -> the tenant that pushed it ("": not known), least recently used first
-    loaded: OrderedDict[str, str] = field(default_factory=OrderedDict)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)   # pushes and drops, one at a time
+class Backends(SamplerRouting):
+    """The workers; choosing samplers and calling them: samplers.py::SamplerRouting."""
 
-    async def call(self, method: str, request):
-        async with downstream(f"sampler {self.address}"):
-            return await getattr(self.stub, method)(request, timeout=self.settings.sampler_call_timeout_seconds)
-
-    def touch(self, key: str) -> None:
-        if key in self.loaded:
-            self.loaded.move_to_end(key)
-
-    async def drop_adapter(self, key: str) -> bool:
-        """Drop the adapter there (once the requests using it are done); False if it did not hold it."""
-        try:
-            await self.call("DropAdapter", sampler_pb2.SamplerDropAdapterRequest(checkpoint_key=key))
-        except TemperError as exc:
-            if not AdapterNotLoaded.matches(exc):
-                raise  # still counted as here: a retry asks again
-            self.loaded.pop(key, None)
-            return False
-        self.loaded.pop(key, None)
-        return True
-
-
-class Backends:
     def __init__(self, settings: SchedulerSettings):
         self.settings = settings
         self.trainers: list[TrainerHandle] = []
         self.samplers: list[SamplerHandle] = []
+        self.placements: dict[str, str] = {}  # run id -> trainer address (training_runs.trainer)
         self._channels: list[grpc.aio.Channel] = []
         self._ready = asyncio.Event()
         # Every call to a worker carries the internal token (common/internal_auth.py), streams included.
@@ -179,93 +136,31 @@ class Backends:
         return sorted({t.info.base_model for t in self.trainers} | {s.info.base_model for s in self.samplers})
 
     def trainer_for(self, base_model: str, run_id: str) -> TrainerHandle:
-        """The trainer holding ``run_id``'s adapter: stable per run among trainers of the model."""
+        """The trainer holding ``run_id``'s adapter: where it was placed (``place``), or for runs made
+        before placements were recorded, a hash of the run among the model's trainers."""
+        address = self.placements.get(run_id)
+        if address is not None:
+            placed = next((t for t in self.trainers if t.address == address), None)
+            if placed is None:
+                raise Unavailable(f"training run {run_id} lives on trainer {address}, which this scheduler does not reach; retry")
+            return placed
+        candidates = self._trainers_of(base_model)
+        return candidates[zlib.crc32(run_id.encode()) % len(candidates)]
+
+    def place(self, base_model: str) -> TrainerHandle:
+        """The trainer a new run of ``base_model`` goes to: the one holding the fewest runs."""
+        held = {t.address: 0 for t in self._trainers_of(base_model)}
+        for address in self.placements.values():
+            if address in held:
+                held[address] += 1
+        return next(t for t in self.trainers if t.address == min(held, key=lambda a: (held[a], a)))
+
+    def remember_placement(self, run_id: str, address: str | None) -> None:
+        if address:
+            self.placements[run_id] = address
+
+    def _trainers_of(self, base_model: str) -> list[TrainerHandle]:
         candidates = [t for t in self.trainers if t.info.base_model == base_model]
         if not candidates:
             raise NotFound(f"no trainer serves base model {base_model!r}; served: {self.model_names()}")
-        return candidates[zlib.crc32(run_id.encode()) % len(candidates)]
-
-    def sampler_for(self, base_model: str) -> SamplerHandle:
-        candidates = [s for s in self.samplers if s.info.base_model == base_model]
-        if not candidates:
-            raise NotFound(f"no sampler serves base model {base_model!r}; served: {self.model_names()}")
-        return candidates[0]
-
-    async def push_checkpoint(self, trainer: TrainerHandle, sampler: SamplerHandle, key: str, tenant: str = "",
-                              max_resident: int = 0) -> None:
-        """Stream a checkpoint's adapter files from the trainer to the sampler, once per sampler (a key
-        already there becomes its most recently used). ``max_resident`` > 0 is the tenant's limit of
-        adapters on this sampler: its own least recently used ones are dropped first, never another
-        tenant's. A key pushed without a tenant (at save time) counts for the first tenant that uses it."""
-        if sampler.loaded.get(key, "") or (key in sampler.loaded and not tenant):
-            sampler.loaded.move_to_end(key)  # the common case: no lock (a push or drop may be under way)
-            return
-        async with sampler.lock:
-            if key in sampler.loaded:
-                sampler.loaded.move_to_end(key)
-                if tenant and not sampler.loaded[key]:
-                    sampler.loaded[key] = tenant
-                    await self._within_limit(sampler, tenant, max_resident, keep=key)
-                return
-            await self._within_limit(sampler, tenant, max_resident, keep=key)
-
-            # Read whole before pushing: a trainer error (the files are gone) is then an ordinary error
-            # here, not an exception inside the push's request stream (which grpc.aio does not end).
-            files = [sampler_pb2.PushAdapterChunk(file=chunk) async for chunk in trainer.read_checkpoint(key, weights_only=True)]
-
-            async def chunks():
-                yield sampler_pb2.PushAdapterChunk(checkpoint_key=key)
-                for chunk in files:
-                    yield chunk
-
-            async with downstream(f"pushing {key} to sampler {sampler.address}"):
-                await sampler.stub.PushAdapter(chunks(), timeout=self.settings.sampler_call_timeout_seconds)
-            sampler.loaded[key] = tenant
-
-    @staticmethod
-    async def _within_limit(sampler: SamplerHandle, tenant: str, max_resident: int, keep: str) -> None:
-        """Drop the tenant's least recently used adapters until ``keep`` fits in ``max_resident`` (under sampler.lock)."""
-        if max_resident <= 0:
-            return
-        own = [k for k, t in sampler.loaded.items() if t == tenant and k != keep]
-        for victim in own[: max(len(own) - (max_resident - 1), 0)]:
-            await sampler.drop_adapter(victim)
-            log.info("dropped %s from sampler %s: tenant %s keeps at most %d adapters there", victim, sampler.address,
-                     tenant, max_resident)
-
-    async def sample_call(self, sampler: SamplerHandle, method: str, request,
-                          reload: Callable[[], Awaitable[None]] | None = None):
-        """A Sample or ComputeLogprobs call. A sampler that no longer holds the request's adapter (it
-        evicted it, or restarted) answers AdapterNotLoaded: ``reload`` (which pushes it again) runs and
-        the call is retried once."""
-        key = request.checkpoint_key
-        sampler.touch(key)
-        try:
-            return await sampler.call(method, request)
-        except TemperError as exc:
-            if not (key and reload is not None and AdapterNotLoaded.matches(exc)):
-                raise
-        log.info("sampler %s no longer holds %s: pushing it again", sampler.address, key)
-        sampler.loaded.pop(key, None)
-        await reload()
-        return await sampler.call(method, request)
-
-    async def forget_checkpoint(self, key: str) -> None:
-        """Drop a (deleted) checkpoint's adapter from every sampler. All are asked, since a restarted
-        scheduler does not know where it pushed before; one that does not hold it is fine, and one that
-        cannot be reached is skipped unless this scheduler pushed the key there (then Unavailable)."""
-
-        async def forget(sampler: SamplerHandle) -> None:
-            async with sampler.lock:
-                pushed = key in sampler.loaded
-                try:
-                    await sampler.drop_adapter(key)
-                except Unavailable as exc:
-                    if pushed:
-                        raise
-                    log.warning("could not ask sampler %s to drop %s: %s", sampler.address, key, exc.message)
-
-        results = await asyncio.gather(*(forget(s) for s in self.samplers), return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
+        return candidates

@@ -1,14 +1,12 @@
-"""The scheduler loop: plan a cycle from the ready queues, run it on the trainers, record, answer.
+"""The scheduler loop: one lane per trainer (``lanes.py``), all at once; each plans cycles from its
+own runs' ready work and runs them here:
 
-    while True:
-        wait until work arrives (or a run's missing seq was waited for too long: skip it)
-        while (plan := plan_cycle(ready work, budget)):
-            take the planned work off its queues
-            mark it running, run the passes and optim steps (one call per trainer), then each
-            barrier (save / load) on its own; record the outcomes; answer the callers
+    mark the work running, send the passes and optim steps in one RunCycle, then each barrier
+    (save / load) on its own; record each item's outcome; answer the callers
 
-Outcomes are told honestly: work a trainer refused is answered failed (the trainer validates a
-whole cycle before it touches anything); work whose trainer did not answer is resent for a while
+Outcomes are told honestly, per item: work the trainer refused is answered failed with the
+trainer's code and message (the trainer refuses runs one by one, before it touches them; the
+other runs' items in the cycle are done); work whose trainer did not answer is resent for a while
 (the trainer answers a seq it applied from memory) and then answered UNAVAILABLE, so the client's
 resend learns the true outcome; a database outage delays recording and answers, never loses them.
 """
@@ -22,11 +20,12 @@ from collections import defaultdict
 from datetime import timezone
 
 from temper.common.checkpoints import CheckpointPath, KIND_DIRS, parse_path
-from temper.common.errors import AlreadyExists, TemperError, Unavailable
+from temper.common.errors import AlreadyExists, Internal, TemperError, Unavailable, from_status_number
 from temper.scheduler import metrics
 from temper.scheduler.admission import Admission
 from temper.scheduler.backends import Backends, TrainerHandle
-from temper.scheduler.policy import CyclePlan, FairShare, plan_cycle
+from temper.scheduler.lanes import Lane
+from temper.scheduler.policy import CyclePlan, FairShare
 from temper.scheduler.runs import RunRegistry
 from temper.scheduler.settings import SchedulerSettings
 from temper.scheduler.work import Work, WorkKind
@@ -48,32 +47,39 @@ class SchedulerLoop:
         self.cycles = 0
 
     async def run_forever(self) -> None:
-        while True:
-            await self.admission.wait_for_work()
-            while plan := plan_cycle(self.admission.ready(), self.settings.cycle_token_budget, self.runs.tenant_by_run(), self.share):
-                self.admission.take(plan.all_work())
-                await self._run_cycle(plan)
-                self.admission.skip_expired_gaps()
+        """The lanes, one per trainer, concurrently. One that dies takes the others with it and this
+        raises: app.py then answers the waiting calls UNAVAILABLE and exits for a restart."""
+        await self._trainers_connected()
+        lanes = [Lane(self, trainer, FairShare(weights=self.share.weights, quantum=self.share.quantum))
+                 for trainer in self.backends.trainers]
+        if not lanes:
+            await asyncio.Event().wait()  # no trainer (a sampling-only scheduler): no training work, ever
+        async with asyncio.TaskGroup() as group:
+            for lane in lanes:
+                group.create_task(lane.run_forever(), name=f"lane {lane.trainer.address}")
 
-    async def _run_cycle(self, plan: CyclePlan) -> None:
+    async def _trainers_connected(self) -> None:
+        while True:
+            try:
+                return await self.backends.wait_ready()
+            except Unavailable:
+                continue  # still connecting: that takes as long as it takes
+
+    async def run_cycle(self, trainer: TrainerHandle, plan: CyclePlan) -> None:
+        """A planned cycle on ``trainer`` (every run of it is placed there)."""
         self.cycles += 1
-        started, outcome = time.monotonic(), "ok"
+        number, started, outcome = self.cycles, time.monotonic(), "ok"
         in_pass = plan.passes + plan.optim_steps
         try:
             if in_pass:
                 # Recorded before anything reaches a trainer: after a crash, "running" rows are the ones
                 # that may have been applied (see Store.recover_interrupted).
                 await self._persist(self.store.mark_running, [(w.run_id, w.seq_id) for w in in_pass])
-            by_trainer: dict[str, tuple[TrainerHandle, list[Work], list[Work]]] = {}
-            for work in in_pass:
-                trainer = self._trainer_of(work)
-                by_trainer.setdefault(trainer.address, (trainer, [], []))[1 if work.kind.is_pass else 2].append(work)
-            for trainer, passes, steps in by_trainer.values():
-                outcome = _worse(outcome, await self._cycle_on(trainer, passes, steps, plan))
+                outcome = await self._cycle_on(trainer, plan.passes, plan.optim_steps, plan)
             for work in plan.barriers:
-                outcome = _worse(outcome, await self._barrier(work, plan))
-        except BaseException:
-            log.error("cycle %d stopped the loop; plan: %s", self.cycles, describe(plan))
+                outcome = _worse(outcome, await self._barrier(trainer, work, plan))
+        except Exception:
+            log.error("cycle %d on trainer %s stopped the loop; plan: %s", number, trainer.address, describe(plan))
             raise
         finally:
             elapsed = time.monotonic() - started
@@ -81,11 +87,13 @@ class SchedulerLoop:
             metrics.CYCLES.labels(outcome).inc()
             metrics.CYCLE_SECONDS.observe(elapsed)
             metrics.CYCLE_TOKENS.observe(tokens)
-        log.info("cycle %d %s: %d runs, %d tenants, %d tokens, %d passes, %d steps, %d barriers, %.0f ms", self.cycles, outcome,
+        log.info("cycle %d on trainer %s %s: %d runs, %d tenants, %d tokens, %d passes, %d steps, %d barriers, %.0f ms",
+                 number, trainer.address, outcome,
                  len({w.run_id for w in plan.all_work()}), len({w.tenant for w in plan.all_work()}), tokens, len(plan.passes),
                  len(plan.optim_steps), len(plan.barriers), elapsed * 1000)
 
-    def _trainer_of(self, work: Work) -> TrainerHandle:
+    def trainer_of(self, work: Work) -> TrainerHandle:
+        """The trainer a run is placed on (backends.py: stable per run), hence its lane."""
         return self.backends.trainer_for(self.runs.known(work.run_id).base_model, work.run_id)
 
     async def _cycle_on(self, trainer: TrainerHandle, passes: list[Work], steps: list[Work], plan: CyclePlan) -> str:
@@ -96,21 +104,28 @@ class SchedulerLoop:
                                          forward_only=r.forward_only, seq_id=work.seq_id)
         for work in steps:
             request.optim_step.add(training_run_id=work.run_id, adam_params=work.request.adam_params, seq_id=work.seq_id)
-        outcome = await self._call_trainer(lambda resent: trainer.run_cycle(request), passes + steps, plan)
-        if isinstance(outcome, str):
-            return outcome
-        answers = [*outcome.forward_backward, *(service_pb2.OptimStepResponse(metrics=out.metrics) for out in outcome.optim_step)]
-        await self._finish(passes + steps, answers=answers)
-        return "ok"
+        works = passes + steps
 
-    async def _barrier(self, work: Work, plan: CyclePlan) -> str:
+        async def call(resent: bool) -> list:
+            return cycle_outcomes(await trainer.run_cycle(request), len(passes), len(steps))
+
+        outcomes = await self._call_trainer(call, works, plan)
+        if isinstance(outcomes, str):
+            return outcomes
+        failed = [(w, o) for w, o in zip(works, outcomes) if isinstance(o, TemperError)]
+        for work, exc in failed:
+            log.warning("trainer %s refused %s(%s#%d, tenant %s): %s: %s", trainer.address, work.kind.value, work.run_id,
+                        work.seq_id, work.tenant, exc.code.name, exc.message)
+        await self._finish(works, outcomes)
+        return "failed" if failed else "ok"
+
+    async def _barrier(self, trainer: TrainerHandle, work: Work, plan: CyclePlan) -> str:
         await self._persist(self.store.mark_running, [(work.run_id, work.seq_id)])
-        trainer = self._trainer_of(work)
         apply = self._save if work.kind is WorkKind.SAVE_WEIGHTS else self._load
         outcome = await self._call_trainer(lambda resent: apply(trainer, work, resent), [work], plan)
         if isinstance(outcome, str):
             return outcome
-        await self._finish([work], answers=[outcome])
+        await self._finish([work], [outcome])
         return "ok"
 
     async def _call_trainer(self, call, works: list[Work], plan: CyclePlan):
@@ -131,7 +146,7 @@ class SchedulerLoop:
                 delay, resent = min(delay * 2, 5.0), True
             except TemperError as exc:
                 log.warning("trainer refused %d requests: %s: %s; plan: %s", len(works), exc.code.name, exc.message, describe(plan))
-                await self._finish(works, error=exc)
+                await self._finish(works, [exc] * len(works))
                 return "failed"
 
     async def _save(self, trainer: TrainerHandle, work: Work, resent: bool) -> service_pb2.SaveWeightsResponse:
@@ -166,27 +181,28 @@ class SchedulerLoop:
             training_run_id=work.run_id, checkpoint_key=parse_path(request.path).key, with_optimizer=request.with_optimizer))
         return service_pb2.LoadWeightsResponse(path=request.path)
 
-    async def _finish(self, works: list[Work], answers: list | None = None, error: TemperError | None = None) -> None:
-        """Record outcomes, counters and (on success) each answer, kept for retries after a restart;
-        then answer the callers. A database outage delays this; it never turns into a wrong answer."""
-        status = "failed" if error else "done"
-        blobs = [a.SerializeToString() for a in answers] if answers is not None else [None] * len(works)
-        outcomes = [(w.run_id, w.seq_id, status, error.message if error else None, blob) for w, blob in zip(works, blobs)]
-        tokens, steps, next_seq = defaultdict(int), defaultdict(int), {}
-        for w in works:
+    async def _finish(self, works: list[Work], outcomes: list) -> None:
+        """Record each work's outcome (its answer, or the TemperError it failed with), the counters and
+        the answers, kept for retries after a restart, in one transaction; then answer the callers. A
+        database outage delays this; it never turns into a wrong answer."""
+        rows, tokens, steps, next_seq = [], defaultdict(int), defaultdict(int), {}
+        for w, outcome in zip(works, outcomes):
+            failed = isinstance(outcome, TemperError)
+            rows.append((w.run_id, w.seq_id, "failed" if failed else "done", outcome.message if failed else None,
+                         None if failed else outcome.SerializeToString()))
             next_seq[w.run_id] = max(next_seq.get(w.run_id, 0), w.seq_id + 1)
-            if not error and w.kind is WorkKind.FORWARD_BACKWARD:
+            if not failed and w.kind is WorkKind.FORWARD_BACKWARD:
                 tokens[w.run_id] += w.num_tokens
-            if not error and w.kind is WorkKind.OPTIM_STEP:
+            if not failed and w.kind is WorkKind.OPTIM_STEP:
                 steps[w.run_id] += 1
-        await self._persist(self.store.finish_requests, outcomes, tokens, steps, next_seq, self.settings.durable_results_per_run)
-        for w, answer in zip(works, answers or [None] * len(works)):
-            if error:
-                w.fail(error)
+        await self._persist(self.store.finish_requests, rows, tokens, steps, next_seq, self.settings.durable_results_per_run)
+        for w, outcome in zip(works, outcomes):
+            if isinstance(outcome, TemperError):
+                w.fail(outcome)
             else:
                 if w.kind is WorkKind.FORWARD_BACKWARD:
                     metrics.TOKENS_TRAINED.labels(w.tenant).inc(w.num_tokens)
-                w.resolve(answer)
+                w.resolve(outcome)
 
     async def _persist(self, fn, *args):
         """A store call, retried for as long as the database is unavailable (the loop can do nothing
@@ -199,6 +215,17 @@ class SchedulerLoop:
                 log.warning("%s; retrying %s in %.1f s", exc.message, getattr(fn, "__name__", "the write"), delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
+
+
+def cycle_outcomes(response: trainer_pb2.CycleResponse, passes: int, steps: int) -> list:
+    """Each item's answer, or the domain error of its status (CycleResponse: one per item, in order)."""
+    answers = [*response.forward_backward, *(service_pb2.OptimStepResponse(metrics=out.metrics) for out in response.optim_step)]
+    statuses = [*response.forward_backward_status, *response.optim_step_status]
+    if len(response.forward_backward) != passes or len(response.optim_step) != steps or len(statuses) not in (0, len(answers)):
+        raise Internal(f"the trainer answered a cycle of {passes} passes and {steps} steps with {len(response.forward_backward)} "
+                       f"and {len(response.optim_step)} answers and {len(statuses)} statuses")
+    return [from_status_number(status.code, status.message) if status.code else answer
+            for answer, status in zip(answers, statuses or [trainer_pb2.ItemStatus()] * len(answers))]
 
 
 def _worse(a: str, b: str) -> str:

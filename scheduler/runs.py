@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Callable
 
 from temper.common.errors import NotFound
 from temper.scheduler.db import models as m
@@ -22,13 +23,16 @@ class RunInfo:
 
 
 class RunRegistry:
-    def __init__(self, store):
+    def __init__(self, store, on_load: Callable[[RunInfo], None] | None = None):
         self.store = store
+        self.on_load = on_load  # told each run this process learns of (the app records its trainer placement)
         self._runs: dict[str, RunInfo] = {}
         self._loading: dict[str, asyncio.Future] = {}
 
     def add(self, row: m.TrainingRun, tenant: str, closed: bool = False) -> RunInfo:
         info = self._runs[row.id] = RunInfo(row.id, row.session_id, tenant, row.base_model, row, closed)
+        if self.on_load is not None:
+            self.on_load(info)
         return info
 
     def close_session(self, session_id: str) -> None:

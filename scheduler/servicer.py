@@ -104,15 +104,16 @@ class TemperServicer(SamplingVerbs, CheckpointVerbs, service_pb2_grpc.TemperServ
     async def _create_run(self, request, tenant: str) -> service_pb2.TrainingRunInfo:
         cfg = request.lora_config
         run_id = await asyncio.to_thread(self.store.next_run_id, request.session_id)
-        trainer = self.backends.trainer_for(request.base_model, run_id)
+        trainer = self.backends.place(request.base_model)
         await trainer.call("CreateAdapter", trainer_pb2.CreateAdapterRequest(training_run_id=run_id, lora_config=cfg))
         row = m.TrainingRun(
             id=run_id, session_id=request.session_id, base_model=request.base_model, lora_rank=cfg.rank,
             lora_alpha=cfg.alpha or 32.0, lora_dropout=cfg.dropout, seed=cfg.seed if cfg.HasField("seed") else None,
             train_attn=cfg.train_attn, train_mlp=cfg.train_mlp, train_unembed=cfg.train_unembed,
-            user_metadata=dict(request.user_metadata), next_seq_id=1,
+            user_metadata=dict(request.user_metadata), next_seq_id=1, trainer=trainer.address,
         )
         await asyncio.to_thread(self.store.add_training_run, row)
+        self.backends.remember_placement(run_id, trainer.address)
         return self._run_info(self.runs.add(row, tenant))
 
     @needs_workers

@@ -63,6 +63,9 @@ class SchedulerSettings(ProcessSettings, InternalTokenSettings):
     cycle_timeout_seconds: float = Field(600.0, description="Deadline of one trainer cycle (forward/backward passes and optim steps).")
     trainer_call_timeout_seconds: float = Field(300.0, description="Deadline of the trainer's other calls (create, save, load, read).")
     sampler_call_timeout_seconds: float = Field(300.0, description="Deadline of one sampler call (sample, logprobs, adapter push).")
+    sampler_affinity_slack: int = Field(
+        4, ge=0, description="A request for an adapter goes to a sampler that holds it unless that sampler has more than this "
+                             "many requests in flight beyond the model's least loaded sampler; then the adapter is pushed there.")
     dispatch_retry_seconds: float = Field(
         10.0, description="How long the loop resends a cycle whose trainer is unreachable (the trainer answers a resent "
                           "seq from memory) before answering UNAVAILABLE; the client's retry then resends it again.")

@@ -25,7 +25,8 @@ MODULES = {"scheduler": "temper.scheduler", "trainer": "temper.services.trainer"
 
 @dataclass
 class Service:
-    role: str
+    role: str                 # scheduler | trainer | sampler
+    name: str                 # unique in the stack: the role, then role-1, role-2, ... for more of it
     process: subprocess.Popen
     log_path: Path
     env: dict[str, str]  # the role's own settings, without bind addresses (reused by restarts)
@@ -60,22 +61,24 @@ def _pump(service: Service, log) -> None:
 
 class LocalStack:
     def __init__(self, base_model: str, data_dir: Path, database_url: str | None = None, extra_env: dict[str, str] | None = None,
-                 num_threads: int = 0):
+                 num_threads: int = 0, num_trainers: int = 1, num_samplers: int = 1):
         self.base_model = base_model
         self.data_dir = Path(data_dir)
         self.database_url = database_url or f"sqlite:///{self.data_dir / 'temper.db'}"
         self.extra_env = extra_env or {}
         self.num_threads = num_threads
+        self.counts = {"trainer": num_trainers, "sampler": num_samplers}
         self.services: list[Service] = []
         self._keys: dict[str, str] = {}
         self.api_key: str | None = None  # the LOCAL_TENANT's key, once started
         # The scheduler's credential to its trainer and sampler (common/internal_auth.py), new per stack.
         self.internal_token = secrets.token_urlsafe(32)
 
-    def _launch(self, role: str, env: dict[str, str], port: int = 0, argv: list[str] | None = None) -> Service:
+    def _launch(self, role: str, env: dict[str, str], port: int = 0, argv: list[str] | None = None, name: str | None = None) -> Service:
         """Start one process; its gRPC server on ``port`` (0: a free one), its metrics on a free port.
         ``argv`` replaces ``python -m <module>`` (e.g. a test's instrumented copy of the service)."""
-        log_path = self.data_dir / "logs" / f"{role}.log"
+        name = name or role
+        log_path = self.data_dir / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         prefix = f"TEMPER_{role.upper()}_"
         binds = {f"{prefix}BIND": f"127.0.0.1:{port}", f"{prefix}METRICS_BIND": "127.0.0.1:0"}
@@ -83,7 +86,7 @@ class LocalStack:
             argv or [sys.executable, "-m", MODULES[role]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **env, **binds, **self.extra_env},
         )
-        service = Service(role, process, log_path, env)
+        service = Service(role, name, process, log_path, env)
         threading.Thread(target=_pump, args=(service, open(log_path, "a")), daemon=True).start()
         self.services.append(service)
         return service
@@ -103,22 +106,26 @@ class LocalStack:
                 return service
             if line == "" or service.process.poll() is not None or time.monotonic() > deadline:
                 tail = service.log_path.read_text()[-3000:] if service.log_path.exists() else ""
-                raise RuntimeError(f"{service.role} did not start (see {service.log_path}):\n{tail}")
+                raise RuntimeError(f"{service.name} did not start (see {service.log_path}):\n{tail}")
 
     def start(self, timeout: float = 300.0) -> str:
-        """Start all three services; returns the scheduler's address."""
-        folders = {"trainer": ("CHECKPOINT_DIR", "checkpoints"), "sampler": ("ADAPTER_DIR", "sampler-adapters")}
-        for role, (setting, folder) in folders.items():
+        """Start the scheduler and its trainers and samplers; returns the scheduler's address. Trainers
+        share one checkpoint folder (this machine's stand-in for durable storage); each sampler has its own."""
+        for role, count in self.counts.items():
             prefix = f"TEMPER_{role.upper()}_"
-            self._launch(role, {f"{prefix}BASE_MODEL": self.base_model, f"{prefix}NUM_THREADS": str(self.num_threads),
-                                f"{prefix}{setting}": str(self.data_dir / folder), f"{prefix}INTERNAL_TOKEN": self.internal_token})
+            for i in range(count):
+                name = role if i == 0 else f"{role}-{i}"
+                folder = {"trainer": ("CHECKPOINT_DIR", "checkpoints"), "sampler": ("ADAPTER_DIR", f"{name}-adapters")}[role]
+                self._launch(role, {f"{prefix}BASE_MODEL": self.base_model, f"{prefix}NUM_THREADS": str(self.num_threads),
+                                    f"{prefix}{folder[0]}": str(self.data_dir / folder[1]),
+                                    f"{prefix}INTERNAL_TOKEN": self.internal_token}, name=name)
         try:
-            self._wait_ready(self.service("trainer"), timeout)
-            self._wait_ready(self.service("sampler"), timeout)
+            for service in list(self.services):
+                self._wait_ready(service, timeout)
             scheduler = self._launch("scheduler", {
                 "TEMPER_SCHEDULER_DATABASE_URL": self.database_url,
-                "TEMPER_SCHEDULER_TRAINER_ADDRESSES": self.service("trainer").address,
-                "TEMPER_SCHEDULER_SAMPLER_ADDRESSES": self.service("sampler").address,
+                "TEMPER_SCHEDULER_TRAINER_ADDRESSES": ",".join(s.address for s in self.services_of("trainer")),
+                "TEMPER_SCHEDULER_SAMPLER_ADDRESSES": ",".join(s.address for s in self.services_of("sampler")),
                 "TEMPER_SCHEDULER_INTERNAL_TOKEN": self.internal_token,
             })
             self._wait_ready(scheduler, timeout)
@@ -142,30 +149,34 @@ class LocalStack:
 
         return ServiceClient(self.service("scheduler").address, api_key=self.key_for(tenant), **kwargs)
 
-    def restart(self, role: str, crash: bool = False, timeout: float = 300.0, argv: list[str] | None = None) -> Service:
-        """Stop ``role`` (SIGKILL when ``crash``, else SIGTERM) and start it again with the same
+    def restart(self, name: str, crash: bool = False, timeout: float = 300.0, argv: list[str] | None = None) -> Service:
+        """Stop service ``name`` (SIGKILL when ``crash``, else SIGTERM) and start it again with the same
         settings and gRPC port, so the other services' addresses stay valid (``argv``: see _launch).
         Returns the new one."""
-        old = self.service(role)
-        self.resume(role)  # a stopped process would not act on SIGTERM
+        old = self.service(name)
+        self.resume(name)  # a stopped process would not act on SIGTERM
         (old.process.kill if crash else old.process.terminate)()
         old.process.wait(timeout=30)
         self.services.remove(old)
-        return self._wait_ready(self._launch(role, old.env, old.port, argv), timeout)
+        return self._wait_ready(self._launch(old.role, old.env, old.port, argv, name=old.name), timeout)
 
     def restart_scheduler(self, crash: bool = True, timeout: float = 120.0) -> str:
         """Restart the scheduler on the same port, database and backends; returns its address."""
         return self.restart("scheduler", crash=crash, timeout=timeout).address
 
-    def pause(self, role: str) -> None:
-        """Freeze ``role`` (SIGSTOP): its port stays open but nothing answers, like a hung host."""
-        self.service(role).process.send_signal(signal.SIGSTOP)
+    def pause(self, name: str) -> None:
+        """Freeze service ``name`` (SIGSTOP): its port stays open but nothing answers, like a hung host."""
+        self.service(name).process.send_signal(signal.SIGSTOP)
 
-    def resume(self, role: str) -> None:
-        self.service(role).process.send_signal(signal.SIGCONT)
+    def resume(self, name: str) -> None:
+        self.service(name).process.send_signal(signal.SIGCONT)
 
-    def service(self, role: str) -> Service:
-        return next(s for s in self.services if s.role == role)
+    def service(self, name: str) -> Service:
+        """By name: "scheduler", "trainer" (the first trainer), "trainer-1", "sampler", ..."""
+        return next(s for s in self.services if s.name == name)
+
+    def services_of(self, role: str) -> list[Service]:
+        return [s for s in self.services if s.role == role]
 
     def stop(self) -> None:
         for service in reversed(self.services):

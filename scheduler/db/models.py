@@ -85,6 +85,8 @@ class TrainingRun(Base):
     tokens_trained: Mapped[int] = mapped_column(BigInteger, default=0)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     last_request_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # the trainer holding its adapter (host:port), chosen by load at creation; NULL: placed by hash (before 0005)
+    trainer: Mapped[str | None] = mapped_column(String(256), nullable=True)
 
 
 class Checkpoint(Base):

@@ -70,7 +70,7 @@ class TenancyStore:
             row, tenant = found
             if row.revoked_at is not None:
                 raise Unauthenticated(f"API key {row.prefix}… was revoked")
-            if row.last_used_at is None or now() - row.last_used_at > LAST_USED_RESOLUTION:
+            if row.last_used_at is None or now() - _aware(row.last_used_at) > LAST_USED_RESOLUTION:
                 row.last_used_at = now()
             return tenant
 

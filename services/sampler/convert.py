@@ -72,9 +72,9 @@ def logprobs_to_pb(logprobs: np.ndarray) -> sampler_pb2.ComputeLogprobsResponseI
     return sampler_pb2.ComputeLogprobsResponseInternal(logprobs=encode_array(logprobs, "float32"))
 
 
-def model_info_to_pb(description: ModelDescription, backend: str) -> sampler_pb2.SamplerModelInfo:
+def model_info_to_pb(description: ModelDescription, backend: str, incarnation: str = "") -> sampler_pb2.SamplerModelInfo:
     d = description
     return sampler_pb2.SamplerModelInfo(
         base_model=d.base_model, tokenizer_id=d.tokenizer_id, vocab_size=d.vocab_size, max_context_length=d.max_context_length,
-        backend=backend, loaded_adapters=d.loaded_checkpoints,
+        backend=backend, loaded_adapters=d.loaded_checkpoints, incarnation=incarnation,
     )

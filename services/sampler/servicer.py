@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import secrets
 import shutil
 import tempfile
 import time
@@ -46,6 +47,8 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
     def __init__(self, backend: SamplerBackend, adapter_dir: Path, max_num_samples: int, max_batch_sequences: int = 64,
                  max_adapters: int = 16, max_adapter_bytes: int = 0):
         self.backend = backend
+        # new per process start: the scheduler learns from it that the adapters it pushed before are gone
+        self.incarnation = secrets.token_hex(8)
         self.residency = Residency(max_adapters, max_adapter_bytes)
         for key in backend.describe().loaded_checkpoints:  # loaded before this servicer (tests); 0 bytes
             self.residency.adopt(key)
@@ -63,7 +66,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 
     async def GetModelInfo(self, request, context):
-        return convert.model_info_to_pb(self.backend.describe(), self.backend.name)
+        return convert.model_info_to_pb(self.backend.describe(), self.backend.name, self.incarnation)
 
     @_counted
     async def PushAdapter(self, request_iterator, context):

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import math
 
-from typing import Iterable
+from typing import Callable, Iterable, TypeVar
 
 from temper.common.checkpoints import WEIGHT_FILES
 from temper.common.codec import encode_array
-from temper.common.errors import InvalidArgument
+from temper.common.errors import InvalidArgument, TemperError, status_number
 from temper.common.validation import validate_adam, validate_forward_backward
 from temper.services.lora.model import AdapterSpec
 from temper.services.trainer.adapters import lora_targets
 from temper.services.trainer.checkpoints import FilePiece
-from temper.services.trainer.engine import AdamParams, ForwardBackwardItem, ForwardBackwardResult, OptimStepItem
+from temper.services.trainer.engine import AdamParams, ForwardBackwardItem, ForwardBackwardResult, OptimStepItem, Refused
 from temper.v1 import trainer_pb2, types_pb2
 
 
@@ -54,11 +54,22 @@ def optim_step_from_pb(item: trainer_pb2.OptimStepItem) -> OptimStepItem:
     return OptimStepItem(run_id=item.training_run_id, adam=adam_from_pb(item.adam_params), seq_id=item.seq_id)
 
 
-def cycle_from_pb(request: trainer_pb2.CycleRequest, vocab_size: int,
-                  max_length: int | None = None) -> tuple[list[ForwardBackwardItem], list[OptimStepItem]]:
-    """Every item of the cycle decoded and checked; the first bad one raises InvalidArgument."""
-    return ([forward_backward_from_pb(item, vocab_size, max_length) for item in request.forward_backward],
-            [optim_step_from_pb(item) for item in request.optim_step])
+Item = TypeVar("Item")
+
+
+def cycle_from_pb(request: trainer_pb2.CycleRequest, vocab_size: int, max_length: int | None = None
+                  ) -> tuple[list[ForwardBackwardItem | Refused], list[OptimStepItem | Refused]]:
+    """Every item of the cycle decoded and checked, in order; an item that fails its check becomes a
+    ``Refused`` carrying the error (the engine refuses that item's run, the others go on)."""
+    return ([_decoded(forward_backward_from_pb, item, vocab_size, max_length) for item in request.forward_backward],
+            [_decoded(optim_step_from_pb, item) for item in request.optim_step])
+
+
+def _decoded(decode: Callable[..., Item], item, *args) -> Item | Refused:
+    try:
+        return decode(item, *args)
+    except TemperError as exc:
+        return Refused(item.training_run_id, exc, item.seq_id)
 
 
 def forward_backward_to_pb(result: ForwardBackwardResult, out: types_pb2.ForwardBackwardOutput) -> None:
@@ -70,13 +81,27 @@ def forward_backward_to_pb(result: ForwardBackwardResult, out: types_pb2.Forward
         )
 
 
-def cycle_to_pb(results: list[ForwardBackwardResult], steps: list[dict[str, float]]) -> trainer_pb2.CycleResponse:
+def cycle_to_pb(results: list[ForwardBackwardResult | TemperError],
+                steps: list[dict[str, float] | TemperError]) -> trainer_pb2.CycleResponse:
+    """Each item's answer and status, in order; a failed item has an empty answer and its error's status."""
     response = trainer_pb2.CycleResponse()
     for result in results:
-        forward_backward_to_pb(result, response.forward_backward.add())
+        out = response.forward_backward.add()
+        if not isinstance(result, TemperError):
+            forward_backward_to_pb(result, out)
+        response.forward_backward_status.append(_status(result))
     for metrics in steps:
-        response.optim_step.add(metrics=metrics)
+        out = response.optim_step.add()
+        if not isinstance(metrics, TemperError):
+            out.metrics.update(metrics)
+        response.optim_step_status.append(_status(metrics))
     return response
+
+
+def _status(outcome) -> trainer_pb2.ItemStatus:
+    if isinstance(outcome, TemperError):
+        return trainer_pb2.ItemStatus(code=status_number(outcome), message=outcome.message)
+    return trainer_pb2.ItemStatus()
 
 
 def checkpoint_files(request: trainer_pb2.ReadCheckpointRequest) -> tuple[str, tuple[str, ...] | None]:

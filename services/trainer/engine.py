@@ -3,8 +3,9 @@ checkpoints.
 
 Transport-free: it takes and returns the domain objects below (``convert.py`` maps the protobuf
 messages onto them, decoding and checking payloads there), so tests and benchmarks drive it
-directly. Every public method checks its whole input before it touches an adapter, gradient or
-optimizer state: a rejected call changes nothing. The passes themselves are ``numerics.py``.
+directly. Every public method checks its input before it touches an adapter, gradient or
+optimizer state: a rejected call changes nothing. A cycle is checked per run, and a refused run
+changes nothing of itself while the other runs' items go on. The passes themselves are ``numerics.py``.
 
 The adapter of a training run lives under the run's id, in the AdapterHost and in the LoraModel.
 """
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from temper.common.errors import FailedPrecondition, InvalidArgument
+from temper.common.errors import FailedPrecondition, InvalidArgument, TemperError
 from temper.common.optim import AdamParams
 from temper.services.lora.model import AdapterSpec, LoraModel
 from temper.services.models.loading import LoadedModel
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from temper.services.trainer.numerics import TokenDatum
 
 # AdamParams is checked where it is built from a request (convert.py, common.validation.validate_adam).
-__all__ = ["AdamParams", "ForwardBackwardItem", "ForwardBackwardResult", "OptimStepItem", "TrainerEngine"]
+__all__ = ["AdamParams", "ForwardBackwardItem", "ForwardBackwardResult", "OptimStepItem", "Refused", "TrainerEngine"]
 
 
 @dataclass
@@ -52,6 +53,15 @@ class ForwardBackwardItem:
 class OptimStepItem:
     run_id: str
     adam: AdamParams
+    seq_id: int = 0
+
+
+@dataclass
+class Refused:
+    """A cycle item that could not be decoded (``convert.py``): its run is refused with ``error``."""
+
+    run_id: str
+    error: TemperError
     seq_id: int = 0
 
 
@@ -96,75 +106,102 @@ class TrainerEngine:
     # ---- one scheduler cycle ------------------------------------------------------------------
 
     def run_cycle(
-        self, forward_backward: list[ForwardBackwardItem], optim_step: list[OptimStepItem]
-    ) -> tuple[list[ForwardBackwardResult], list[dict[str, float]]]:
-        """Every item's answer, in order. Items whose seq the run's adapter has already applied are
-        answered from memory; the rest run (all passes, then the optim steps)."""
+        self, forward_backward: list[ForwardBackwardItem | Refused], optim_step: list[OptimStepItem | Refused]
+    ) -> tuple[list[ForwardBackwardResult | TemperError], list[dict[str, float] | TemperError]]:
+        """Every item's answer, in order, or the domain error that refused it.
+
+        Runs fail alone. A run with an item that cannot run (refused while decoding, an unknown
+        adapter, a bad item, a seq applied so long ago that its answer is gone) or whose loss or
+        gradient is not finite has its fresh items answered with that error, and nothing of it
+        changes; the other runs' items run together as usual. A failed optim step fails alone (its
+        run's passes before it stand). Items whose seq the adapter already applied are answered from
+        memory. An error no one run caused (out of memory, a bug) raises with every gradient undone."""
         start = time.perf_counter()
-        for item in forward_backward:
-            _check_forward_backward(item)
-        with self.host.pinned([i.run_id for i in forward_backward] + [i.run_id for i in optim_step]):
-            # earlier answers first: a seq applied so long ago that its answer is gone fails the cycle untouched
-            results: list = [self._earlier_answer(item) if self._applied(item) else None for item in forward_backward]
-            answers: list = [self._earlier_answer(item) if self._applied(item) else None for item in optim_step]
-            fresh_fb = [i for i, answer in enumerate(results) if answer is None]
-            fresh_steps = [i for i, answer in enumerate(answers) if answer is None]
-            for i in fresh_fb:
-                self.host.get(forward_backward[i].run_id)   # unknown runs fail here, before any pass
-            steps = []
-            for i in fresh_steps:
-                steps.append((self.host.get(optim_step[i].run_id), optim_step[i].adam))
-            for i, result in zip(fresh_fb, self.forward_backward([forward_backward[i] for i in fresh_fb])):
-                results[i] = result
-            for i, (adapter, params) in zip(fresh_steps, steps):
-                answers[i] = self.optim_step(adapter, params)
-            for item, answer in [*zip(forward_backward, results), *zip(optim_step, answers)]:
-                if item.seq_id:
-                    self.host.get(item.run_id).remember(item.seq_id, answer, ANSWERS_KEPT)
+        items = [*forward_backward, *optim_step]
+        outcomes: list = [None] * len(items)
+        refused: dict[str, TemperError] = {}
+        with self.host.pinned([run_id for run_id in dict.fromkeys(i.run_id for i in items) if run_id in self.host.adapters]):
+            for k, item in enumerate(items):
+                try:
+                    outcomes[k] = self._earlier_answer_or_check(item)
+                except TemperError as exc:
+                    refused.setdefault(item.run_id, exc)
+            fresh = [k for k, outcome in enumerate(outcomes) if outcome is None and items[k].run_id not in refused]
+            passes = [k for k in fresh if k < len(forward_backward)]
+            results, not_finite = self._passes([items[k] for k in passes])
+            refused.update(not_finite)
+            for k, result in zip(passes, results):
+                outcomes[k] = result
+            for k in fresh[len(passes):]:
+                if items[k].run_id not in refused:
+                    outcomes[k] = self._optim_step_or_error(items[k])
+            ran = set(fresh)
+            for k, item in enumerate(items):
+                if item.run_id in refused and (k in ran or outcomes[k] is None):
+                    outcomes[k] = refused[item.run_id]
+                elif k in ran and item.seq_id and not isinstance(outcomes[k], TemperError):
+                    self.host.get(item.run_id).remember(item.seq_id, outcomes[k], ANSWERS_KEPT)
         metrics.CYCLES.inc()
         metrics.CYCLE_SECONDS.observe(time.perf_counter() - start)
         self._count_adapters()
-        return results, answers
+        return outcomes[:len(forward_backward)], outcomes[len(forward_backward):]
 
-    def _applied(self, item) -> bool:
-        return bool(item.seq_id) and item.seq_id <= self.host.get(item.run_id).applied_seq
-
-    def _earlier_answer(self, item):
-        answer = self.host.get(item.run_id).answers.get(item.seq_id)
-        if answer is None:
-            raise FailedPrecondition(f"seq {item.seq_id} of {item.run_id} was already applied and its answer is no "
-                                     f"longer held")
-        return answer
-
-    def forward_backward(self, items: list[ForwardBackwardItem]) -> list[ForwardBackwardResult]:
-        """All items in shared passes; gradients accumulate into each item's own run's adapter."""
-        for item in items:
+    def _earlier_answer_or_check(self, item: ForwardBackwardItem | OptimStepItem | Refused):
+        """The answer of an item whose seq the run's adapter already applied; else None, once the item
+        is fit to run. Raises the domain error that refuses the item's run."""
+        if isinstance(item, Refused):
+            raise item.error
+        adapter = self.host.get(item.run_id)  # NotFound for a run without an adapter here
+        if item.seq_id and item.seq_id <= adapter.applied_seq:
+            answer = adapter.answers.get(item.seq_id)
+            if answer is None:
+                raise FailedPrecondition(f"seq {item.seq_id} of {item.run_id} was already applied and its answer is no "
+                                         f"longer held")
+            return answer
+        if isinstance(item, ForwardBackwardItem):
             _check_forward_backward(item)
+        return None
+
+    def _optim_step_or_error(self, item: OptimStepItem) -> dict[str, float] | TemperError:
+        try:
+            return self.optim_step(self.host.get(item.run_id), item.adam)
+        except TemperError as exc:  # refused before it changed anything; the run's passes stand
+            return exc
+
+    def _passes(self, items: list[ForwardBackwardItem]) -> tuple[list[ForwardBackwardResult], dict[str, TemperError]]:
+        """All items in shared passes; gradients accumulate into each item's own run's adapter. Returns
+        the results and the runs refused for a loss or gradient that is not finite, whose gradients
+        are restored (rows never mix across adapters, so the other runs' results stand as computed)."""
         adapters = {item.run_id: self.host.get(item.run_id) for item in items}
         training = {run_id: adapters[run_id] for run_id in dict.fromkeys(i.run_id for i in items if not i.forward_only)}
         snapshots = {run_id: adapter.grads_snapshot() for run_id, adapter in training.items()}
         groups = [LossGroup(i.run_id, i.data, i.loss_fn, i.loss_config, i.forward_only) for i in items]
         try:
-            results = numerics.forward_backward(self.lora, groups, self.pass_options, self.device, _observe_pass)
-            _check_finite(items, results, training)
+            results = numerics.forward_backward(self.lora, groups, self.pass_options, self.device, _observe_pass) if items else []
         except BaseException:
             for run_id, adapter in training.items():
-                adapter.restore_grads(snapshots[run_id])  # a failed or rejected pass leaves no half gradient
+                adapter.restore_grads(snapshots[run_id])  # a failed pass leaves no half gradient
             raise
+        refused = _not_finite(items, results, training)
+        for run_id in refused:
+            if run_id in training:
+                training[run_id].restore_grads(snapshots[run_id])
         for item, result in zip(items, results):
+            if item.run_id in refused:
+                continue
             tokens = int(result.metrics["num_tokens:sum"])
             if item.forward_only:
                 metrics.TOKENS_FORWARD.inc(tokens)
             else:
                 adapters[item.run_id].pending_tokens += tokens
                 metrics.TOKENS_TRAINED.inc(tokens)
-        return results
+        return results, refused
 
     def optim_step(self, adapter: TrainedAdapter, params: AdamParams) -> dict[str, float]:
         grads = [p for p in adapter.params.values() if p.grad is not None]
         max_norm = params.grad_clip_norm if params.grad_clip_norm > 0 else float("inf")
         # error_if_nonfinite raises before any gradient is scaled; passes never accumulate a
-        # non-finite gradient (_check_finite), so this only guards what slips past that.
+        # non-finite gradient (_not_finite), so this only guards what slips past that.
         try:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm, error_if_nonfinite=True)) if grads else 0.0
         except RuntimeError:
@@ -205,17 +242,16 @@ def _observe_pass(grad: bool, tokens: int, seconds: float) -> None:
     metrics.PASS_SECONDS.labels("forward_backward" if grad else "forward").observe(seconds)
 
 
-def _check_finite(items: list[ForwardBackwardItem], results: list[ForwardBackwardResult], training: dict) -> None:
-    """A loss or accumulated gradient that is not finite would make the next optim_step turn the
-    adapter into NaN for good: the whole call is refused instead (the caller restores the grads)."""
+def _not_finite(items: list[ForwardBackwardItem], results: list[ForwardBackwardResult], training: dict) -> dict[str, TemperError]:
+    """Runs whose loss or accumulated gradient is not finite: the next optim_step would turn their
+    adapter into NaN for good, so they are refused instead (the caller restores their grads)."""
     bad = {item.run_id for item, result in zip(items, results) if not math.isfinite(result.metrics["loss:sum"])}
     for run_id, adapter in training.items():
         flags = [torch.isfinite(p.grad).all() for p in adapter.params.values() if p.grad is not None]
         if flags and not bool(torch.stack(flags).all()):  # one device sync per adapter
             bad.add(run_id)
-    if bad:
-        raise InvalidArgument(f"the loss or gradient of {sorted(bad)} is not finite (inputs too large for float32?); "
-                              f"nothing was changed")
+    return {run_id: InvalidArgument(f"the loss or gradient of run {run_id} is not finite (inputs too large for "
+                                    f"float32?); nothing of the run was changed") for run_id in sorted(bad)}
 
 
 def _check_forward_backward(item: ForwardBackwardItem) -> None:

@@ -47,7 +47,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         # on the compute thread: decoding a big cycle is real work, and the event loop stays free
         loaded = self.engine.loaded
         forward_backward, optim_step = convert.cycle_from_pb(request, loaded.vocab_size, loaded.max_context_length)
-        return convert.cycle_to_pb(*self.engine.run_cycle(forward_backward, optim_step))
+        results, steps = self.engine.run_cycle(forward_backward, optim_step)
+        for outcome in [*results, *steps]:
+            if isinstance(outcome, TemperError):  # a refused item: answered in the response, counted here
+                count_error("RunCycle", outcome)
+        return convert.cycle_to_pb(results, steps)
 
     async def SaveAdapter(self, request, context):
         size = await self._run("SaveAdapter", self.engine.save, request.training_run_id, request.checkpoint_key,

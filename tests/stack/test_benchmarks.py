@@ -64,3 +64,30 @@ def test_gpu_benchmark_smoke_runs_on_the_trainer_numerics_without_grpc_protobuf_
     assert lines[-1] == "LOADED []"
     result = json.loads(lines[-2])
     assert result["ratios"]["cobatch_gain"] > 0 and result["config"]["numerics_module"].endswith("services/trainer/numerics.py")
+
+
+def test_scaleout_benchmark_quick_runs_against_a_real_scheduler_and_reports_every_field(postgres_server_url, tmp_path):
+    # a real scheduler process per stack on fresh Postgres databases, fake trainers over gRPC
+    result = run_script("scaleout.py", "--quick", "--database-url", postgres_server_url, "--out-dir", str(tmp_path))
+    assert result["benchmark"] == "scaleout"
+    assert result["errors"]["count"] == 0, result["errors"]
+    throughput = result["throughput"]
+    counts = [str(n) for n in throughput["trainers"]]
+    assert counts == ["1", "2"]
+    for field in ("ratios", "tokens_per_s", "goal_met", "efficiency", "trainer_busy_fraction", "scheduler_cores",
+                  "verbs_fraction_of_ceiling"):
+        assert set(throughput[field]) == set(counts), field
+    assert all(throughput["tokens_per_s"][n] > 0 for n in counts) and throughput["ratios"]["1"] == 1.0
+    for n in counts:  # every run was answered, by one of the stack's trainers
+        seen = throughput["runs_per_trainer_seen"][n]
+        assert set(seen) <= {str(t) for t in range(int(n))} and sum(seen.values()) == int(n) * result["config"]["runs_per_trainer"]
+    ceiling = result["ceiling"]
+    assert ceiling["verbs_per_s"] > 0 and len(ceiling["samples_verbs_per_s"]) == result["config"]["reps"]
+    latency = result["latency"]
+    assert abs(latency["target_verbs_per_s"] - result["config"]["latency_fraction"] * ceiling["verbs_per_s"]) < 1e-6
+    for verb in ("forward_backward", "optim_step", "all"):
+        added = latency["per_verb"][verb]["added_ms"]
+        assert added["n"] > 0 and added["p50"] is not None and added["p99"] >= added["p50"], verb
+    saved = json.loads((tmp_path / "scaleout.json").read_text())
+    assert saved["throughput"]["ratios"] == throughput["ratios"]
+    assert (tmp_path / "scaleout.png").read_bytes()[:4] == b"\x89PNG"

@@ -490,13 +490,13 @@ def test_a_scheduler_restarted_while_its_trainer_is_frozen_answers_the_resent_wo
 # ---- 3. the scheduler's loop dies ----------------------------------------------------------------
 
 FAULTY_SCHEDULER = """
-import pathlib, temper.scheduler.loop as loop
-marker, plan_cycle = pathlib.Path({marker!r}), loop.plan_cycle
+import pathlib, temper.scheduler.lanes as lanes
+marker, plan_cycle = pathlib.Path({marker!r}), lanes.plan_cycle
 def failing_plan_cycle(*args, **kwargs):
     if marker.exists():
         raise RuntimeError("injected: plan_cycle failed")
     return plan_cycle(*args, **kwargs)
-loop.plan_cycle = failing_plan_cycle
+lanes.plan_cycle = failing_plan_cycle
 from temper.scheduler.__main__ import main
 main()
 """

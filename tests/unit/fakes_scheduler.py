@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from temper.common.errors import Unauthenticated, NotFound, Unavailable
+from temper.common.errors import TemperError, Unauthenticated, NotFound, Unavailable, status_number
 from temper.scheduler.admission import Admission
 from temper.scheduler.loop import SchedulerLoop
 from temper.scheduler.runs import RunRegistry
@@ -36,7 +36,7 @@ class FakeStore:
             raise Unavailable("the database is unavailable (fake); retry")
 
     def add_run(self, run_id: str, tenant: str) -> None:
-        self.runs[run_id] = SimpleNamespace(id=run_id, session_id=f"s-{tenant}", base_model=MODEL, next_seq_id=1)
+        self.runs[run_id] = SimpleNamespace(id=run_id, session_id=f"s-{tenant}", base_model=MODEL, next_seq_id=1, trainer=None)
         self.tenants[run_id] = tenant
 
     def set_tenant_weights(self, weights):
@@ -100,30 +100,48 @@ class FakeStore:
 
 @dataclass
 class FakeTrainer:
-    """Answers fb items with loss:sum = seq; remembers applied seqs per run (and answers them again)."""
+    """Answers fb items with loss:sum = seq; remembers applied seqs per run (and answers them again).
+    Runs in ``refuse`` are refused per item, as the real trainer does: their items answer the error's
+    status and nothing of them is applied; the other items of the cycle run."""
 
     address: str = "fake-trainer:1"
     info: trainer_pb2.ModelInfo = field(default_factory=lambda: trainer_pb2.ModelInfo(
         base_model=MODEL, tokenizer_id="fake", vocab_size=100, max_context_length=64))
     delay: float = 0.0
     unreachable_for: int = 0                   # the next N calls fail UNAVAILABLE *after* applying (answer lost)
+    refuse: dict[str, TemperError] = field(default_factory=dict)   # run id -> the error its items answer
+    gate: asyncio.Event | None = None          # set: calls go on; clear: every call waits for it (a hung trainer)
     applied: list[tuple[str, int]] = field(default_factory=list)
     answers: dict[tuple[str, int], object] = field(default_factory=dict)
     calls: int = 0
+    waiting: int = 0                           # calls waiting at the gate now
 
     async def run_cycle(self, request: trainer_pb2.CycleRequest) -> trainer_pb2.CycleResponse:
         self.calls += 1
         await asyncio.sleep(self.delay)
+        if self.gate is not None:
+            self.waiting += 1
+            try:
+                await self.gate.wait()
+            finally:
+                self.waiting -= 1
         response = trainer_pb2.CycleResponse()
         for item in [*request.forward_backward, *request.optim_step]:
             key = (item.training_run_id, item.seq_id)
-            if key not in self.answers:
+            if key not in self.answers and item.training_run_id not in self.refuse:
                 self.applied.append(key)
                 self.answers[key] = float(item.seq_id)
-        for item in request.forward_backward:
-            response.forward_backward.add(metrics={"loss:sum": self.answers[(item.training_run_id, item.seq_id)]})
-        for item in request.optim_step:
-            response.optim_step.add(metrics={"step:max": self.answers[(item.training_run_id, item.seq_id)]})
+        for items, answers, statuses, name in [(request.forward_backward, response.forward_backward, response.forward_backward_status,
+                                                "loss:sum"), (request.optim_step, response.optim_step, response.optim_step_status,
+                                                              "step:max")]:
+            for item in items:
+                error = self.refuse.get(item.training_run_id)
+                if error is None:
+                    answers.add(metrics={name: self.answers[(item.training_run_id, item.seq_id)]})
+                    statuses.add()
+                else:
+                    answers.add()
+                    statuses.add(code=status_number(error), message=error.message)
         if self.unreachable_for > 0:
             self.unreachable_for -= 1
             raise Unavailable("trainer fake-trainer:1 did not answer (UNAVAILABLE): connection reset")
@@ -131,9 +149,10 @@ class FakeTrainer:
 
 
 class FakeBackends:
-    def __init__(self, trainer: FakeTrainer):
+    def __init__(self, trainer: FakeTrainer, *more: FakeTrainer, placement: dict[str, FakeTrainer] | None = None):
         self.trainer = trainer
-        self.trainers = [trainer]
+        self.trainers = [trainer, *more]
+        self.placement = placement or {}   # run id -> its trainer (default: the first; None: one not reached)
         self.samplers = []
 
     async def connect(self):
@@ -148,10 +167,16 @@ class FakeBackends:
     def model_names(self):
         return [MODEL]
 
+    def remember_placement(self, run_id, address):
+        pass
+
     def trainer_for(self, base_model, run_id):
         if base_model != MODEL:
             raise NotFound(f"no trainer serves base model {base_model!r}")
-        return self.trainer
+        trainer = self.placement.get(run_id, self.trainer)
+        if trainer is None:  # placed on a trainer that is not configured (any more)
+            raise Unavailable(f"training run {run_id} lives on trainer gone:1, which this scheduler does not reach; retry")
+        return trainer
 
 
 def settings(**overrides) -> SchedulerSettings:
@@ -166,12 +191,15 @@ class Scheduler:
     loop: SchedulerLoop
 
 
-def build(store: FakeStore | None = None, trainer: FakeTrainer | None = None, **overrides) -> Scheduler:
-    store, trainer = store or FakeStore(), trainer or FakeTrainer()
+def build(store: FakeStore | None = None, trainer: FakeTrainer | None = None, backends: FakeBackends | None = None,
+          **overrides) -> Scheduler:
+    """``backends``: several trainers (then ``trainer`` is its first)."""
+    store = store or FakeStore()
+    backends = backends or FakeBackends(trainer or FakeTrainer())
     config = settings(**overrides)
     runs = RunRegistry(store)
     admission = Admission(store, runs, config)
-    return Scheduler(store, trainer, admission, SchedulerLoop(admission, FakeBackends(trainer), store, runs, config))
+    return Scheduler(store, backends.trainer, admission, SchedulerLoop(admission, backends, store, runs, config))
 
 
 def fb(run_id: str, seq: int, tokens=(1, 2, 3)) -> service_pb2.ForwardBackwardRequest:

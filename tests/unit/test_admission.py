@@ -190,7 +190,7 @@ def test_a_dead_loop_fails_waiting_calls_unavailable_turns_health_off_and_exits(
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from temper.scheduler import app as app_module
-    from temper.scheduler import loop as loop_module
+    from temper.scheduler import lanes as lanes_module
     from temper.scheduler.app import EXIT_LOOP_FAILED, SchedulerApp
     from temper.v1 import service_pb2_grpc
     from fakes_scheduler import settings
@@ -215,7 +215,7 @@ def test_a_dead_loop_fails_waiting_calls_unavailable_turns_health_off_and_exits(
                 await asyncio.sleep(0.05)
             watch = health.Watch(health_pb2.HealthCheckRequest())
             assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
-            monkeypatch.setattr(loop_module, "plan_cycle", broken_plan)
+            monkeypatch.setattr(lanes_module, "plan_cycle", broken_plan)
             call = service_pb2_grpc.TemperStub(channel).ForwardBackward(  # waits behind seq 1
                 fb("r", 2), timeout=10, metadata=[("authorization", f"Bearer {store.key_of('alice')}")])
             await asyncio.sleep(0.3)

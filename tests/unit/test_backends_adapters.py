@@ -24,12 +24,32 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 
 class FakeSamplerStub:
     """Holds adapters like a sampler: DropAdapter, Sample and ComputeLogprobs of one it does not hold
-    answer FAILED_PRECONDITION "ADAPTER_NOT_LOADED: ..." (the servicer's exact error, on the wire)."""
+    answer FAILED_PRECONDITION "ADAPTER_NOT_LOADED: ..." (the servicer's exact error, on the wire).
+    ``down``: every call answers UNAVAILABLE; ``gate``: Sample waits for it, then answers (or, when
+    ``down`` was set meanwhile, fails UNAVAILABLE like a connection that dropped mid-call)."""
 
-    def __init__(self):
+    def __init__(self, incarnation: str = "first"):
         self.held: set[str] = set()
         self.calls: list[tuple[str, str]] = []
         self.down = False
+        self.incarnation = incarnation
+        self.info_calls = 0
+        self.gate: asyncio.Event | None = None
+        self.waiting = 0
+
+    def restart(self, incarnation: str) -> None:
+        """A new process: no adapters, a new incarnation."""
+        self.held.clear()
+        self.incarnation = incarnation
+
+    def info(self) -> sampler_pb2.SamplerModelInfo:
+        return sampler_pb2.SamplerModelInfo(base_model="m", incarnation=self.incarnation, loaded_adapters=sorted(self.held))
+
+    async def GetModelInfo(self, request, timeout=None):
+        self.info_calls += 1
+        if self.down:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, "connection refused")
+        return self.info()
 
     def _check(self, method: str, key: str) -> None:
         self.calls.append((method, key))
@@ -53,7 +73,13 @@ class FakeSamplerStub:
 
     async def Sample(self, request, timeout=None):
         self._check("Sample", request.checkpoint_key)
-        return types_pb2.SampleResponse(sequences=[types_pb2.SampledSequence()])
+        if self.gate is not None:
+            self.waiting += 1
+            await self.gate.wait()
+            self.waiting -= 1
+            if self.down:
+                raise rpc_error(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+        return types_pb2.SampleResponse(sequences=[types_pb2.SampledSequence(tokens=self.incarnation.encode())])
 
     async def ComputeLogprobs(self, request, timeout=None):
         self._check("ComputeLogprobs", request.checkpoint_key)
@@ -66,12 +92,13 @@ class FakeTrainer:
         yield types_pb2.FileChunk(relative_path="adapter_model.safetensors", data=key.encode(), total_size=len(key))
 
 
-def sampler(address: str = "fake-sampler:1") -> SamplerHandle:
-    return SamplerHandle(address, FakeSamplerStub(), sampler_pb2.SamplerModelInfo(base_model="m"), SETTINGS)
+def sampler(address: str = "fake-sampler:1", settings: SchedulerSettings = SETTINGS) -> SamplerHandle:
+    stub = FakeSamplerStub(incarnation=address)
+    return SamplerHandle(address, stub, stub.info(), settings)
 
 
-def backends(*samplers: SamplerHandle) -> Backends:
-    b = Backends(SETTINGS)
+def backends(*samplers: SamplerHandle, settings: SchedulerSettings = SETTINGS) -> Backends:
+    b = Backends(settings)
     b.samplers.extend(samplers)
     return b
 

@@ -12,20 +12,22 @@ class SamplerModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SamplerModelInfo(_message.Message):
-    __slots__ = ("base_model", "tokenizer_id", "vocab_size", "max_context_length", "backend", "loaded_adapters")
+    __slots__ = ("base_model", "tokenizer_id", "vocab_size", "max_context_length", "backend", "loaded_adapters", "incarnation")
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     LOADED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     base_model: str
     tokenizer_id: str
     vocab_size: int
     max_context_length: int
     backend: str
     loaded_adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, base_model: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., backend: _Optional[str] = ..., loaded_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, base_model: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., backend: _Optional[str] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class PushAdapterChunk(_message.Message):
     __slots__ = ("checkpoint_key", "file")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from temper.v1 import types_pb2 as temper_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17temper/v1/trainer.proto\x12\ttemper.v1\x1a\x15temper/v1/types.proto\"\x15\n\x13GetModelInfoRequest\"\x84\x01\n\tModelInfo\x12\x12\n\nbase_model\x18\x01 \x01(\t\x12\x14\n\x0ctokenizer_id\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x1a\n\x12max_context_length\x18\x04 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\"[\n\x14\x43reateAdapterRequest\x12\x17\n\x0ftraining_run_id\x18\x01 \x01(\t\x12*\n\x0blora_config\x18\x02 \x01(\x0b\x32\x15.temper.v1.LoraConfig\"\x17\n\x15\x43reateAdapterResponse\"-\n\x12\x44ropAdapterRequest\x12\x17\n\x0ftraining_run_id\x18\x01 \x01(\t\"\x15\n\x13\x44ropAdapterResponse\"\xa0\x02\n\x13\x46orwardBackwardItem\x12\x17\n\x0ftraining_run_id\x18\x01 \x01(\t\x12\x1e\n\x04\x64\x61ta\x18\x02 \x03(\x0b\x32\x10.temper.v1.Datum\x12\x0f\n\x07loss_fn\x18\x03 \x01(\t\x12H\n\x0eloss_fn_config\x18\x04 \x03(\x0b\x32\x30.temper.v1.ForwardBackwardItem.LossFnConfigEntry\x12\x14\n\x0c\x66orward_only\x18\x05 \x01(\x08\x12\x0e\n\x06seq_id\x18\x06 \x01(\x04\x1aO\n\x11LossFnConfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12)\n\x05value\x18\x02 \x01(\x0b\x32\x1a.temper.v1.LossConfigValue:\x02\x38\x01\"d\n\rOptimStepItem\x12\x17\n\x0ftraining_run_id\x18\x01 \x01(\t\x12*\n\x0b\x61\x64\x61m_params\x18\x02 \x01(\x0b\x32\x15.temper.v1.AdamParams\x12\x0e\n\x06seq_id\x18\x03 \x01(\x04\"v\n\x0c\x43ycleRequest\x12\x38\n\x10\x66orward_backward\x18\x01 \x03(\x0b\x32\x1e.temper.v1.ForwardBackwardItem\x12,\n\noptim_step\x18\x02 \x03(\x0b\x32\x18.temper.v1.OptimStepItem\"\x85\x01\n\rCycleResponse\x12:\n\x10\x66orward_backward\x18\x01 \x03(\x0b\x32 .temper.v1.ForwardBackwardOutput\x12\x38\n\noptim_step\x18\x02 \x03(\x0b\x32$.temper.v1.OptimStepResponseInternal\"\x8f\x01\n\x19OptimStepResponseInternal\x12\x42\n\x07metrics\x18\x01 \x03(\x0b\x32\x31.temper.v1.OptimStepResponseInternal.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"`\n\x12SaveAdapterRequest\x12\x17\n\x0ftraining_run_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63heckpoint_key\x18\x02 \x01(\t\x12\x19\n\x11include_optimizer\x18\x03 \x01(\x08\")\n\x13SaveAdapterResponse\x12\x12\n\nsize_bytes\x18\x01 \x01(\x03\"]\n\x12LoadAdapterRequest\x12\x17\n\x0ftraining_run_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63heckpoint_key\x18\x02 \x01(\t\x12\x16\n\x0ewith_optimizer\x18\x03 \x01(\x08\"\x15\n\x13LoadAdapterResponse\"E\n\x15ReadCheckpointRequest\x12\x16\n\x0e\x63heckpoint_key\x18\x01 \x01(\t\x12\x14\n\x0cweights_only\x18\x02 \x01(\x08\"6\n\x1c\x44\x65leteCheckpointFilesRequest\x12\x16\n\x0e\x63heckpoint_key\x18\x01 \x01(\t\"4\n\x1d\x44\x65leteCheckpointFilesResponse\x12\x13\n\x0b\x66reed_bytes\x18\x01 \x01(\x03\x32\xff\x04\n\x07Trainer\x12\x44\n\x0cGetModelInfo\x12\x1e.temper.v1.GetModelInfoRequest\x1a\x14.temper.v1.ModelInfo\x12R\n\rCreateAdapter\x12\x1f.temper.v1.CreateAdapterRequest\x1a .temper.v1.CreateAdapterResponse\x12L\n\x0b\x44ropAdapter\x12\x1d.temper.v1.DropAdapterRequest\x1a\x1e.temper.v1.DropAdapterResponse\x12=\n\x08RunCycle\x12\x17.temper.v1.CycleRequest\x1a\x18.temper.v1.CycleResponse\x12L\n\x0bSaveAdapter\x12\x1d.temper.v1.SaveAdapterRequest\x1a\x1e.temper.v1.SaveAdapterResponse\x12L\n\x0bLoadAdapter\x12\x1d.temper.v1.LoadAdapterRequest\x1a\x1e.temper.v1.LoadAdapterResponse\x12J\n\x0eReadCheckpoint\x12 .temper.v1.ReadCheckpointRequest\x1a\x14.temper.v1.FileChunk0\x01\x12\x65\n\x10\x44\x65leteCheckpoint\x12\'.temper.v1.DeleteCheckpointFilesRequest\x1a(.temper.v1.DeleteCheckpointFilesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17temper/v1/trainer.proto\x12\ttemper.v1\x1a\x15temper/v1/types.proto\"\x15\n\x13GetModelInfoRequest\"\x84\x01\n\tModelInfo\x12\x12\n\nbase_model\x18\x01 \x01(\t\x12\x14\n\x0ctokenizer_id\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x1a\n\x12max_context_length\x18\x04 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\"[\n\x14\x43reateAdapterRequest\x12\x17\n\x0ftraining_run_id\x18\x01 \x01(\t\x12*\n\x0blora_config\x18\x02 \x01(\x0b\x32\x15.temper.v1.LoraConfig\"\x17\n\x15\x43reateAdapterResponse\"-\n\x12\x44ropAdapterRequest\x12\x17\n\x0ftraining_run_id\x18\x01 \x01(\t\"\x15\n\x13\x44ropAdapterResponse\"\xa0\x02\n\x13\x46orwardBackwardItem\x12\x17\n\x0ftraining_run_id\x18\x01 \x01(\t\x12\x1e\n\x04\x64\x61ta\x18\x02 \x03(\x0b\x32\x10.temper.v1.Datum\x12\x0f\n\x07loss_fn\x18\x03 \x01(\t\x12H\n\x0eloss_fn_config\x18\x04 \x03(\x0b\x32\x30.temper.v1.ForwardBackwardItem.LossFnConfigEntry\x12\x14\n\x0c\x66orward_only\x18\x05 \x01(\x08\x12\x0e\n\x06seq_id\x18\x06 \x01(\x04\x1aO\n\x11LossFnConfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12)\n\x05value\x18\x02 \x01(\x0b\x32\x1a.temper.v1.LossConfigValue:\x02\x38\x01\"d\n\rOptimStepItem\x12\x17\n\x0ftraining_run_id\x18\x01 \x01(\t\x12*\n\x0b\x61\x64\x61m_params\x18\x02 \x01(\x0b\x32\x15.temper.v1.AdamParams\x12\x0e\n\x06seq_id\x18\x03 \x01(\x04\"v\n\x0c\x43ycleRequest\x12\x38\n\x10\x66orward_backward\x18\x01 \x03(\x0b\x32\x1e.temper.v1.ForwardBackwardItem\x12,\n\noptim_step\x18\x02 \x03(\x0b\x32\x18.temper.v1.OptimStepItem\"\xef\x01\n\rCycleResponse\x12:\n\x10\x66orward_backward\x18\x01 \x03(\x0b\x32 .temper.v1.ForwardBackwardOutput\x12\x38\n\noptim_step\x18\x02 \x03(\x0b\x32$.temper.v1.OptimStepResponseInternal\x12\x36\n\x17\x66orward_backward_status\x18\x03 \x03(\x0b\x32\x15.temper.v1.ItemStatus\x12\x30\n\x11optim_step_status\x18\x04 \x03(\x0b\x32\x15.temper.v1.ItemStatus\"+\n\nItemStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x8f\x01\n\x19OptimStepResponseInternal\x12\x42\n\x07metrics\x18\x01 \x03(\x0b\x32\x31.temper.v1.OptimStepResponseInternal.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"`\n\x12SaveAdapterRequest\x12\x17\n\x0ftraining_run_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63heckpoint_key\x18\x02 \x01(\t\x12\x19\n\x11include_optimizer\x18\x03 \x01(\x08\")\n\x13SaveAdapterResponse\x12\x12\n\nsize_bytes\x18\x01 \x01(\x03\"]\n\x12LoadAdapterRequest\x12\x17\n\x0ftraining_run_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63heckpoint_key\x18\x02 \x01(\t\x12\x16\n\x0ewith_optimizer\x18\x03 \x01(\x08\"\x15\n\x13LoadAdapterResponse\"E\n\x15ReadCheckpointRequest\x12\x16\n\x0e\x63heckpoint_key\x18\x01 \x01(\t\x12\x14\n\x0cweights_only\x18\x02 \x01(\x08\"6\n\x1c\x44\x65leteCheckpointFilesRequest\x12\x16\n\x0e\x63heckpoint_key\x18\x01 \x01(\t\"4\n\x1d\x44\x65leteCheckpointFilesResponse\x12\x13\n\x0b\x66reed_bytes\x18\x01 \x01(\x03\x32\xff\x04\n\x07Trainer\x12\x44\n\x0cGetModelInfo\x12\x1e.temper.v1.GetModelInfoRequest\x1a\x14.temper.v1.ModelInfo\x12R\n\rCreateAdapter\x12\x1f.temper.v1.CreateAdapterRequest\x1a .temper.v1.CreateAdapterResponse\x12L\n\x0b\x44ropAdapter\x12\x1d.temper.v1.DropAdapterRequest\x1a\x1e.temper.v1.DropAdapterResponse\x12=\n\x08RunCycle\x12\x17.temper.v1.CycleRequest\x1a\x18.temper.v1.CycleResponse\x12L\n\x0bSaveAdapter\x12\x1d.temper.v1.SaveAdapterRequest\x1a\x1e.temper.v1.SaveAdapterResponse\x12L\n\x0bLoadAdapter\x12\x1d.temper.v1.LoadAdapterRequest\x1a\x1e.temper.v1.LoadAdapterResponse\x12J\n\x0eReadCheckpoint\x12 .temper.v1.ReadCheckpointRequest\x1a\x14.temper.v1.FileChunk0\x01\x12\x65\n\x10\x44\x65leteCheckpoint\x12\'.temper.v1.DeleteCheckpointFilesRequest\x1a(.temper.v1.DeleteCheckpointFilesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -57,25 +57,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CYCLEREQUEST']._serialized_start=800
   _globals['_CYCLEREQUEST']._serialized_end=918
   _globals['_CYCLERESPONSE']._serialized_start=921
-  _globals['_CYCLERESPONSE']._serialized_end=1054
-  _globals['_OPTIMSTEPRESPONSEINTERNAL']._serialized_start=1057
-  _globals['_OPTIMSTEPRESPONSEINTERNAL']._serialized_end=1200
-  _globals['_OPTIMSTEPRESPONSEINTERNAL_METRICSENTRY']._serialized_start=1154
-  _globals['_OPTIMSTEPRESPONSEINTERNAL_METRICSENTRY']._serialized_end=1200
-  _globals['_SAVEADAPTERREQUEST']._serialized_start=1202
-  _globals['_SAVEADAPTERREQUEST']._serialized_end=1298
-  _globals['_SAVEADAPTERRESPONSE']._serialized_start=1300
-  _globals['_SAVEADAPTERRESPONSE']._serialized_end=1341
-  _globals['_LOADADAPTERREQUEST']._serialized_start=1343
-  _globals['_LOADADAPTERREQUEST']._serialized_end=1436
-  _globals['_LOADADAPTERRESPONSE']._serialized_start=1438
-  _globals['_LOADADAPTERRESPONSE']._serialized_end=1459
-  _globals['_READCHECKPOINTREQUEST']._serialized_start=1461
-  _globals['_READCHECKPOINTREQUEST']._serialized_end=1530
-  _globals['_DELETECHECKPOINTFILESREQUEST']._serialized_start=1532
-  _globals['_DELETECHECKPOINTFILESREQUEST']._serialized_end=1586
-  _globals['_DELETECHECKPOINTFILESRESPONSE']._serialized_start=1588
-  _globals['_DELETECHECKPOINTFILESRESPONSE']._serialized_end=1640
-  _globals['_TRAINER']._serialized_start=1643
-  _globals['_TRAINER']._serialized_end=2282
+  _globals['_CYCLERESPONSE']._serialized_end=1160
+  _globals['_ITEMSTATUS']._serialized_start=1162
+  _globals['_ITEMSTATUS']._serialized_end=1205
+  _globals['_OPTIMSTEPRESPONSEINTERNAL']._serialized_start=1208
+  _globals['_OPTIMSTEPRESPONSEINTERNAL']._serialized_end=1351
+  _globals['_OPTIMSTEPRESPONSEINTERNAL_METRICSENTRY']._serialized_start=1305
+  _globals['_OPTIMSTEPRESPONSEINTERNAL_METRICSENTRY']._serialized_end=1351
+  _globals['_SAVEADAPTERREQUEST']._serialized_start=1353
+  _globals['_SAVEADAPTERREQUEST']._serialized_end=1449
+  _globals['_SAVEADAPTERRESPONSE']._serialized_start=1451
+  _globals['_SAVEADAPTERRESPONSE']._serialized_end=1492
+  _globals['_LOADADAPTERREQUEST']._serialized_start=1494
+  _globals['_LOADADAPTERREQUEST']._serialized_end=1587
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=1589
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=1610
+  _globals['_READCHECKPOINTREQUEST']._serialized_start=1612
+  _globals['_READCHECKPOINTREQUEST']._serialized_end=1681
+  _globals['_DELETECHECKPOINTFILESREQUEST']._serialized_start=1683
+  _globals['_DELETECHECKPOINTFILESREQUEST']._serialized_end=1737
+  _globals['_DELETECHECKPOINTFILESRESPONSE']._serialized_start=1739
+  _globals['_DELETECHECKPOINTFILESRESPONSE']._serialized_end=1791
+  _globals['_TRAINER']._serialized_start=1794
+  _globals['_TRAINER']._serialized_end=2433
 # @@protoc_insertion_point(module_scope)

@@ -91,12 +91,24 @@ class CycleRequest(_message.Message):
     def __init__(self, forward_backward: _Optional[_Iterable[_Union[ForwardBackwardItem, _Mapping]]] = ..., optim_step: _Optional[_Iterable[_Union[OptimStepItem, _Mapping]]] = ...) -> None: ...
 
 class CycleResponse(_message.Message):
-    __slots__ = ("forward_backward", "optim_step")
+    __slots__ = ("forward_backward", "optim_step", "forward_backward_status", "optim_step_status")
     FORWARD_BACKWARD_FIELD_NUMBER: _ClassVar[int]
     OPTIM_STEP_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_BACKWARD_STATUS_FIELD_NUMBER: _ClassVar[int]
+    OPTIM_STEP_STATUS_FIELD_NUMBER: _ClassVar[int]
     forward_backward: _containers.RepeatedCompositeFieldContainer[_types_pb2.ForwardBackwardOutput]
     optim_step: _containers.RepeatedCompositeFieldContainer[OptimStepResponseInternal]
-    def __init__(self, forward_backward: _Optional[_Iterable[_Union[_types_pb2.ForwardBackwardOutput, _Mapping]]] = ..., optim_step: _Optional[_Iterable[_Union[OptimStepResponseInternal, _Mapping]]] = ...) -> None: ...
+    forward_backward_status: _containers.RepeatedCompositeFieldContainer[ItemStatus]
+    optim_step_status: _containers.RepeatedCompositeFieldContainer[ItemStatus]
+    def __init__(self, forward_backward: _Optional[_Iterable[_Union[_types_pb2.ForwardBackwardOutput, _Mapping]]] = ..., optim_step: _Optional[_Iterable[_Union[OptimStepResponseInternal, _Mapping]]] = ..., forward_backward_status: _Optional[_Iterable[_Union[ItemStatus, _Mapping]]] = ..., optim_step_status: _Optional[_Iterable[_Union[ItemStatus, _Mapping]]] = ...) -> None: ...
+
+class ItemStatus(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class OptimStepResponseInternal(_message.Message):
     __slots__ = ("metrics",)

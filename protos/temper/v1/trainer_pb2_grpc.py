@@ -100,7 +100,10 @@ class TrainerServicer:
 
     def RunCycle(self, request, context):
         """One scheduler cycle: every forward/backward item runs first, in order, then every optim step.
-        The whole request is validated before anything is touched; a rejected cycle changes nothing.
+        Runs fail alone: each run's items are validated before anything of it is touched, and a run the
+        trainer refuses (bad item, unknown adapter, a loss or gradient that is not finite, ...) has its
+        items answered with the error in CycleResponse while the other runs' items run. An error no one
+        run caused (out of memory, a bug) fails the whole call, and then nothing was changed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,67 @@
+"""A lane: one trainer's dispatcher. It plans cycles from the ready work of the runs placed on its
+trainer only, runs each there, and loops:
+
+    while True:
+        wait until work arrives (or a run's missing seq was waited for too long: skip it)
+        while (plan := plan_cycle(ready work of this trainer's runs, budget, this lane's fair share)):
+            take the planned work off its queues
+            run the cycle on the trainer, record it, answer the callers (SchedulerLoop.run_cycle)
+
+The scheduler runs one lane per trainer, all at once (``loop.py``): a second trainer adds
+throughput, and a slow or silent trainer holds only the runs placed on it. A run is placed on one
+trainer for good (``Backends.trainer_for``), so its work stays in seq order in one lane; saves and
+loads are barriers of their run within its lane. Fair share is kept per lane: each trainer's
+cycles share its tokens across the tenants with work there.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import logging
+
+from temper.common.errors import TemperError, Unavailable
+from temper.scheduler.backends import TrainerHandle
+from temper.scheduler.policy import FairShare, plan_cycle
+from temper.scheduler.work import Work
+
+if TYPE_CHECKING:
+    from temper.scheduler.loop import SchedulerLoop
+
+log = logging.getLogger(__name__)
+
+
+class Lane:
+    def __init__(self, loop: SchedulerLoop, trainer: TrainerHandle, share: FairShare):
+        self.loop = loop
+        self.trainer = trainer
+        self.share = share
+        self.woken = loop.admission.wake.waiter()
+
+    async def run_forever(self) -> None:
+        admission, budget = self.loop.admission, self.loop.settings.cycle_token_budget
+        while True:
+            await admission.wait_for_work(self.woken)
+            while plan := plan_cycle(self.ready(), budget, self.loop.runs.tenant_by_run(), self.share):
+                admission.take(plan.all_work())
+                await self.loop.run_cycle(self.trainer, plan)
+                admission.skip_expired_gaps()
+
+    def ready(self) -> dict[str, list[Work]]:
+        """Admission's ready work (oldest head first) of the runs placed on this lane's trainer."""
+        mine = {}
+        for run_id, works in self.loop.admission.ready().items():
+            try:
+                trainer = self.loop.trainer_of(works[0])
+            except TemperError as exc:  # placed on a trainer this scheduler does not reach, or none serves its model
+                self._turn_away(works, exc)
+                continue
+            if trainer is self.trainer:
+                mine[run_id] = works
+        return mine
+
+    def _turn_away(self, works: list[Work], exc: TemperError) -> None:
+        """Work no lane can run: answered UNAVAILABLE now (nothing ran; the client resends it)."""
+        log.warning("run %s has no trainer here: %s; answered UNAVAILABLE", works[0].run_id, exc.message)
+        self.loop.admission.take(works)
+        self.loop.admission.release(works, Unavailable(f"{exc.message}; nothing was applied: resend it"))
