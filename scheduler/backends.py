@@ -44,6 +44,14 @@ class TrainerHandle:
         response = await self.call("DeleteCheckpoint", trainer_pb2.DeleteCheckpointFilesRequest(checkpoint_key=key))
         return response.freed_bytes
 
+    async def snapshot(self, run_id: str, key: str) -> trainer_pb2.SnapshotAdapterResponse:
+        """Write the run's whole adapter state under ``key`` (size_bytes, applied_seq_id, steps)."""
+        return await self.call("SnapshotAdapter", trainer_pb2.SnapshotAdapterRequest(training_run_id=run_id, checkpoint_key=key))
+
+    async def restore(self, run_id: str, key: str) -> trainer_pb2.RestoreAdapterResponse:
+        """Create (or replace) the run's adapter on this trainer from a snapshot (applied_seq_id, steps)."""
+        return await self.call("RestoreAdapter", trainer_pb2.RestoreAdapterRequest(training_run_id=run_id, checkpoint_key=key))
+
     async def read_checkpoint(self, key: str, weights_only: bool = False):
         request = trainer_pb2.ReadCheckpointRequest(checkpoint_key=key, weights_only=weights_only)
         async with downstream(f"trainer {self.address}"):

@@ -20,7 +20,7 @@ from collections import defaultdict
 from datetime import timezone
 
 from temper.common.checkpoints import CheckpointPath, KIND_DIRS, parse_path
-from temper.common.errors import AlreadyExists, Internal, TemperError, Unavailable, from_status_number
+from temper.common.errors import AlreadyExists, FailedPrecondition, Internal, NotFound, TemperError, Unavailable, from_status_number
 from temper.scheduler import metrics
 from temper.scheduler.admission import Admission
 from temper.scheduler.backends import Backends, TrainerHandle
@@ -112,6 +112,7 @@ class SchedulerLoop:
         outcomes = await self._call_trainer(call, works, plan)
         if isinstance(outcomes, str):
             return outcomes
+        outcomes = [_adapter_lost(trainer, w, o) for w, o in zip(works, outcomes)]
         failed = [(w, o) for w, o in zip(works, outcomes) if isinstance(o, TemperError)]
         for work, exc in failed:
             log.warning("trainer %s refused %s(%s#%d, tenant %s): %s: %s", trainer.address, work.kind.value, work.run_id,
@@ -226,6 +227,16 @@ def cycle_outcomes(response: trainer_pb2.CycleResponse, passes: int, steps: int)
                        f"and {len(response.optim_step)} answers and {len(statuses)} statuses")
     return [from_status_number(status.code, status.message) if status.code else answer
             for answer, status in zip(answers, statuses or [trainer_pb2.ItemStatus()] * len(answers))]
+
+
+def _adapter_lost(trainer: TrainerHandle, work: Work, outcome):
+    """A run the scheduler knows whose adapter its trainer does not have (the trainer restarted and
+    lost it): a precondition of the run, not an unknown id. Never answered from a fresh adapter."""
+    if isinstance(outcome, NotFound):
+        return FailedPrecondition(f"the adapter of {work.run_id} is gone from trainer {trainer.address} (it restarted?); the "
+                                  f"run's state since its last saved checkpoint is lost: load that checkpoint into a new run "
+                                  f"({outcome.message})")
+    return outcome
 
 
 def _worse(a: str, b: str) -> str:

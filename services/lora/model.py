@@ -97,6 +97,15 @@ class LoraModel:
         self.adapters[key] = adapter
         return adapter
 
+    def param_shapes(self, spec: AdapterSpec) -> dict[str, tuple[int, int]]:
+        """The peft-format names and shapes of the parameters ``add`` would create for ``spec``."""
+        shapes = {}
+        for path, layer in self.layers.items():
+            if path.rsplit(".", 1)[-1] in spec.targets:
+                shapes[f"{PEFT_PREFIX}{path}.lora_A.weight"] = (spec.rank, layer.in_features)
+                shapes[f"{PEFT_PREFIX}{path}.lora_B.weight"] = (layer.out_features, spec.rank)
+        return shapes
+
     def remove(self, key: str) -> None:
         self.adapters.pop(key)
         for layer in self.layers.values():

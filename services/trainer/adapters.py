@@ -30,9 +30,39 @@ def lora_targets(attn: bool = False, mlp: bool = False, unembed: bool = False) -
 
 @dataclass
 class OffloadedState:
-    """An evicted adapter kept in host memory: flat tensors as in the offload file, and Adam steps."""
+    """An adapter's training state as flat CPU tensors, outside the model: an evicted adapter kept in
+    host memory (the offload file holds the same), and what a snapshot holds (``snapshots.py``).
+
+    ``tensors``: ``weight/<name>``, ``grad/<name>`` (only for a parameter whose grad is not None: a
+    None and a zero gradient stay apart), and for a parameter Adam has stepped ``exp_avg/<name>``,
+    ``exp_avg_sq/<name>`` and ``step/<name>`` (the 0-d step tensor as Adam keeps it). ``group``: the
+    optimizer's hyperparameters (its one param group without the params, JSON-able)."""
     tensors: dict[str, torch.Tensor]
-    param_steps: dict[str, float]
+    group: dict
+
+
+def new_optimizer(params: dict[str, torch.nn.Parameter], group: dict | None = None) -> torch.optim.AdamW:
+    """One adapter's AdamW. lr, betas, eps and weight decay are overwritten on every step from the
+    request's AdamParams; ``group`` sets the hyperparameters of an adapter brought back (keys this
+    torch's AdamW does not know are ignored)."""
+    optimizer = torch.optim.AdamW(list(params.values()), lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+    if group:
+        (current,) = optimizer.param_groups
+        current.update({k: tuple(v) if isinstance(v, list) else v for k, v in group.items() if k in current and k != "params"})
+    return optimizer
+
+
+def optimizer_group(optimizer: torch.optim.Optimizer) -> dict:
+    """The hyperparameters of the adapter optimizer's one param group, JSON-able (betas as a list)."""
+    (group,) = optimizer.param_groups
+    out = {}
+    for key, value in group.items():
+        if key == "params":
+            continue
+        if isinstance(value, torch.Tensor):
+            value = value.item()
+        out[key] = list(value) if isinstance(value, tuple) else value
+    return out
 
 
 @dataclass
@@ -121,49 +151,91 @@ class AdapterHost:
             host = t.detach().to("cpu", copy=True).contiguous()
             return host.pin_memory() if on_gpu and self.offload_to == "host" else host
 
-        tensors, param_steps = {}, {}
+        state = self._flat_state(adapter, to_host)
+        if self.offload_to == "host":
+            offloaded = state
+        else:
+            self.offload_dir.mkdir(parents=True, exist_ok=True)
+            offloaded = self.offload_dir / (re.sub(r"[^A-Za-z0-9._-]", "_", adapter.run_id) + ".safetensors")
+            save_file(state.tensors, str(offloaded), metadata={"optimizer_group": json.dumps(state.group)})
+        self.lora.remove(adapter.run_id)
+        adapter.params, adapter.optimizer, adapter.offloaded = {}, None, offloaded
+
+    @staticmethod
+    def _flat_state(adapter: TrainedAdapter, to_host) -> OffloadedState:
+        tensors = {}
         for name, param in adapter.params.items():
             tensors[f"weight/{name}"] = to_host(param)
             if param.grad is not None:
                 tensors[f"grad/{name}"] = to_host(param.grad)
             state = adapter.optimizer.state.get(param)
             if state:
-                tensors[f"exp_avg/{name}"] = to_host(state["exp_avg"])
-                tensors[f"exp_avg_sq/{name}"] = to_host(state["exp_avg_sq"])
-                param_steps[name] = float(state["step"])
-        if self.offload_to == "host":
-            offloaded = OffloadedState(tensors, param_steps)
-        else:
-            self.offload_dir.mkdir(parents=True, exist_ok=True)
-            offloaded = self.offload_dir / (re.sub(r"[^A-Za-z0-9._-]", "_", adapter.run_id) + ".safetensors")
-            save_file(tensors, str(offloaded), metadata={"param_steps": json.dumps(param_steps)})
-        self.lora.remove(adapter.run_id)
-        adapter.params, adapter.optimizer, adapter.offloaded = {}, None, offloaded
+                for kind in ("exp_avg", "exp_avg_sq", "step"):
+                    tensors[f"{kind}/{name}"] = to_host(state[kind])
+        return OffloadedState(tensors, optimizer_group(adapter.optimizer))
 
-    def _restore(self, adapter: TrainedAdapter) -> None:
+    @staticmethod
+    def _offloaded_state(adapter: TrainedAdapter) -> OffloadedState:
+        if isinstance(adapter.offloaded, OffloadedState):
+            return adapter.offloaded
         from safetensors import safe_open
 
-        if isinstance(adapter.offloaded, OffloadedState):
-            tensors, param_steps = adapter.offloaded.tensors, adapter.offloaded.param_steps
-        else:
-            with safe_open(str(adapter.offloaded), "pt") as f:
-                param_steps = json.loads(f.metadata()["param_steps"])
-            tensors = load_file(str(adapter.offloaded))
-        params = self.lora.add(adapter.run_id, adapter.spec, seed=0).params
-        self.lora.load_weights(adapter.run_id, {n: tensors[f"weight/{n}"] for n in params})
-        optimizer = torch.optim.AdamW(list(params.values()), lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
-        for name, param in params.items():
-            if f"grad/{name}" in tensors:
-                param.grad = tensors[f"grad/{name}"].to(param.device)
-            if name in param_steps:
-                optimizer.state[param] = {
-                    "step": torch.tensor(param_steps[name]),
-                    "exp_avg": tensors[f"exp_avg/{name}"].to(param.device),
-                    "exp_avg_sq": tensors[f"exp_avg_sq/{name}"].to(param.device),
-                }
+        with safe_open(str(adapter.offloaded), "pt") as f:
+            group = json.loads(f.metadata()["optimizer_group"])
+        return OffloadedState(load_file(str(adapter.offloaded)), group)
+
+    def state_of(self, run_id: str) -> tuple[TrainedAdapter, OffloadedState]:
+        """The adapter and its whole training state as CPU tensors (copies; an offloaded adapter's as
+        offloaded, not to be changed), leaving where it lives as it is: resident or offloaded."""
+        adapter = self.adapters.get(run_id)
+        if adapter is None:
+            raise NotFound(f"the adapter of run {run_id} is not loaded on this trainer")
+        if adapter.offloaded is not None:
+            return adapter, self._offloaded_state(adapter)
+        return adapter, self._flat_state(adapter, lambda t: t.detach().to("cpu", copy=True).contiguous())
+
+    def _build(self, run_id: str, spec: AdapterSpec, state: OffloadedState) -> tuple[dict, torch.optim.AdamW]:
+        """Adapter ``run_id`` added to the model with ``state`` (its tensors are taken over, not copied
+        where already on the device); on failure nothing of it stays in the model."""
+        params = self.lora.add(run_id, spec, seed=0).params
+        try:
+            tensors = state.tensors
+            self.lora.load_weights(run_id, {n: tensors[f"weight/{n}"] for n in params})
+            optimizer = new_optimizer(params, state.group)
+            (group,) = optimizer.param_groups
+            step_on_device = bool(group.get("capturable") or group.get("fused"))  # else Adam keeps steps on the CPU
+            for name, param in params.items():
+                if f"grad/{name}" in tensors:
+                    param.grad = tensors[f"grad/{name}"].to(param.device)
+                if f"step/{name}" in tensors:
+                    step = tensors[f"step/{name}"]
+                    optimizer.state[param] = {
+                        "step": step.to(param.device) if step_on_device else step,
+                        "exp_avg": tensors[f"exp_avg/{name}"].to(param.device),
+                        "exp_avg_sq": tensors[f"exp_avg_sq/{name}"].to(param.device),
+                    }
+        except BaseException:
+            self.lora.remove(run_id)
+            raise
+        return params, optimizer
+
+    def _restore(self, adapter: TrainedAdapter) -> None:
+        adapter.params, adapter.optimizer = self._build(adapter.run_id, adapter.spec, self._offloaded_state(adapter))
         if isinstance(adapter.offloaded, Path):
             adapter.offloaded.unlink()
-        adapter.params, adapter.optimizer, adapter.offloaded = params, optimizer, None
+        adapter.offloaded = None
+
+    def replace(self, run_id: str, spec: AdapterSpec, state: OffloadedState) -> TrainedAdapter:
+        """A new adapter for ``run_id`` from ``state`` (checked to fit this model: ``snapshots.read``), in
+        place of the run's adapter if it has one. Should building fail, the run has no adapter here:
+        never a mix of the old and the new. Steps, seqs and answers are the caller's to set."""
+        if run_id in self.adapters:
+            self.drop(run_id)
+        params, optimizer = self._build(run_id, spec, state)
+        adapter = TrainedAdapter(run_id, spec, params, optimizer, last_used=next(self._clock))
+        self.adapters[run_id] = adapter
+        self._evict_over_capacity(keep=run_id)
+        return adapter
 
     def create(self, run_id: str, spec: AdapterSpec, seed: int | None = None) -> TrainedAdapter:
         if run_id in self.adapters:
@@ -175,9 +247,7 @@ class AdapterHost:
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         params = lora_adapter.params
-        # Adam settings are overwritten on every step from the request's AdamParams.
-        optimizer = torch.optim.AdamW(list(params.values()), lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
-        adapter = TrainedAdapter(run_id, spec, params, optimizer, last_used=next(self._clock))
+        adapter = TrainedAdapter(run_id, spec, params, new_optimizer(params), last_used=next(self._clock))
         self.adapters[run_id] = adapter
         self._evict_over_capacity(keep=run_id)
         return adapter
@@ -186,9 +256,9 @@ class AdapterHost:
         adapter = self.adapters.get(run_id)
         if adapter is None:
             raise NotFound(f"the adapter of run {run_id} is not loaded on this trainer")
-        if adapter.offloaded is not None:
+        if isinstance(adapter.offloaded, Path):
             adapter.offloaded.unlink(missing_ok=True)
-        else:
+        elif adapter.offloaded is None:
             self.lora.remove(run_id)
         del self.adapters[run_id]
 

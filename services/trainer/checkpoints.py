@@ -7,6 +7,7 @@ object storage can replace this class behind the same methods.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import tempfile
@@ -48,9 +49,18 @@ class CheckpointStore:
         final.parent.mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
 
-    def publish(self, staging: Path, key: str) -> int:
+    def publish(self, staging: Path, key: str, sync: bool = False) -> int:
+        """Rename the staged folder into place; the bytes of its files. ``sync``: its files and the
+        folder are flushed to disk before the rename and the rename after it, so that a machine that
+        loses power keeps the checkpoint whole or not at all (snapshots that outlive their trainer)."""
         final = self.path(key)
+        if sync:
+            for file in staging.iterdir():
+                _fsync(file)
+            _fsync(staging)
         staging.rename(final)
+        if sync:
+            _fsync(final.parent)
         return sum(f.stat().st_size for f in final.iterdir() if f.is_file())
 
     def discard(self, staging: Path) -> None:
@@ -94,3 +104,11 @@ class CheckpointStore:
                     offset += len(data)
                     if offset >= size:
                         break
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

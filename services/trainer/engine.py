@@ -23,18 +23,20 @@ from temper.common.errors import FailedPrecondition, InvalidArgument, TemperErro
 from temper.common.optim import AdamParams
 from temper.services.lora.model import AdapterSpec, LoraModel
 from temper.services.models.loading import LoadedModel
-from temper.services.trainer import metrics, numerics
+from temper.services.trainer import metrics, numerics, snapshots
 from temper.services.trainer.adapters import AdapterHost, TrainedAdapter
 from temper.services.trainer.checkpoints import CheckpointStore
 from temper.services.trainer.losses import LOSS_FNS
 from temper.services.trainer.numerics import ForwardBackwardResult, LossGroup, PassOptions, default_logprob_chunk_tokens
 from temper.services.trainer.settings import TrainerSettings
+from temper.services.trainer.snapshots import SnapshotInfo
 
 if TYPE_CHECKING:
     from temper.services.trainer.numerics import TokenDatum
 
 # AdamParams is checked where it is built from a request (convert.py, common.validation.validate_adam).
-__all__ = ["AdamParams", "ForwardBackwardItem", "ForwardBackwardResult", "OptimStepItem", "Refused", "TrainerEngine"]
+__all__ = ["AdamParams", "ForwardBackwardItem", "ForwardBackwardResult", "OptimStepItem", "Refused", "SnapshotInfo",
+           "TrainerEngine"]
 
 
 @dataclass
@@ -74,6 +76,7 @@ class TrainerEngine:
         self.settings = settings
         self.device = torch.device(settings.device)
         self.lora = LoraModel(loaded.model, loaded.name)
+        self.base_dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")  # snapshots record it
         offload_to = settings.offload_to if settings.offload_to != "auto" else ("disk" if self.device.type == "cpu" else "host")
         self.host = AdapterHost(self.lora, settings.max_resident_adapters, settings.offload_dir, offload_to)
         self.store = CheckpointStore(settings.checkpoint_dir)
@@ -236,6 +239,30 @@ class TrainerEngine:
         folder = self.store.existing(key)
         weights = self.host.read_checkpoint(adapter, folder, with_optimizer)
         self.host.load(adapter, folder, weights, with_optimizer)
+
+    # ---- snapshots: a run's whole training state, restorable on any trainer (snapshots.py) ----------
+
+    def snapshot(self, run_id: str, key: str) -> SnapshotInfo:
+        """Write the adapter's complete state (weights, Adam moments and steps, pending gradients, applied
+        seq and remembered answers) under ``key``. An offloaded adapter stays offloaded."""
+        snapshot = snapshots.capture(self.host, run_id)  # NotFound before anything is written
+        staging = self.store.staging_dir(key)  # InvalidArgument, AlreadyExists
+        try:
+            snapshots.write(staging, snapshot, self.lora.base_model_name, self.base_dtype)
+            snapshot.size_bytes = self.store.publish(staging, key, sync=True)
+        except BaseException:
+            self.store.discard(staging)
+            raise
+        return snapshot.info
+
+    def restore(self, run_id: str, key: str) -> SnapshotInfo:
+        """Create the run's adapter from the snapshot under ``key``, replacing the one it has here if
+        any. A snapshot of another run, base model or dtype, or one whose files are damaged, is
+        refused (FailedPrecondition) with nothing changed."""
+        snapshot = snapshots.read(self.store.existing(key), key, run_id, self.lora, self.base_dtype)
+        snapshots.install(self.host, snapshot)
+        self._count_adapters()
+        return snapshot.info
 
 
 def _observe_pass(grad: bool, tokens: int, seconds: float) -> None:

@@ -63,6 +63,15 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                         request.with_optimizer)
         return trainer_pb2.LoadAdapterResponse()
 
+    async def SnapshotAdapter(self, request, context):
+        info = await self._run("SnapshotAdapter", self.engine.snapshot, request.training_run_id, request.checkpoint_key)
+        return trainer_pb2.SnapshotAdapterResponse(size_bytes=info.size_bytes, applied_seq_id=info.applied_seq,
+                                                   steps=info.steps)
+
+    async def RestoreAdapter(self, request, context):
+        info = await self._run("RestoreAdapter", self.engine.restore, request.training_run_id, request.checkpoint_key)
+        return trainer_pb2.RestoreAdapterResponse(applied_seq_id=info.applied_seq, steps=info.steps)
+
     async def DeleteCheckpoint(self, request, context):
         # on the compute thread: never while a save or load of the same folder is under way
         freed = await self._run("DeleteCheckpoint", self.engine.store.delete, request.checkpoint_key)

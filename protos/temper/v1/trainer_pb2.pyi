@@ -172,3 +172,37 @@ class DeleteCheckpointFilesResponse(_message.Message):
     FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
     freed_bytes: int
     def __init__(self, freed_bytes: _Optional[int] = ...) -> None: ...
+
+class SnapshotAdapterRequest(_message.Message):
+    __slots__ = ("training_run_id", "checkpoint_key")
+    TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_KEY_FIELD_NUMBER: _ClassVar[int]
+    training_run_id: str
+    checkpoint_key: str
+    def __init__(self, training_run_id: _Optional[str] = ..., checkpoint_key: _Optional[str] = ...) -> None: ...
+
+class SnapshotAdapterResponse(_message.Message):
+    __slots__ = ("size_bytes", "applied_seq_id", "steps")
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    size_bytes: int
+    applied_seq_id: int
+    steps: int
+    def __init__(self, size_bytes: _Optional[int] = ..., applied_seq_id: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
+
+class RestoreAdapterRequest(_message.Message):
+    __slots__ = ("training_run_id", "checkpoint_key")
+    TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_KEY_FIELD_NUMBER: _ClassVar[int]
+    training_run_id: str
+    checkpoint_key: str
+    def __init__(self, training_run_id: _Optional[str] = ..., checkpoint_key: _Optional[str] = ...) -> None: ...
+
+class RestoreAdapterResponse(_message.Message):
+    __slots__ = ("applied_seq_id", "steps")
+    APPLIED_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    applied_seq_id: int
+    steps: int
+    def __init__(self, applied_seq_id: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...

@@ -75,6 +75,16 @@ class TrainerStub:
                 request_serializer=temper_dot_v1_dot_trainer__pb2.DeleteCheckpointFilesRequest.SerializeToString,
                 response_deserializer=temper_dot_v1_dot_trainer__pb2.DeleteCheckpointFilesResponse.FromString,
                 _registered_method=True)
+        self.SnapshotAdapter = channel.unary_unary(
+                '/temper.v1.Trainer/SnapshotAdapter',
+                request_serializer=temper_dot_v1_dot_trainer__pb2.SnapshotAdapterRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_trainer__pb2.SnapshotAdapterResponse.FromString,
+                _registered_method=True)
+        self.RestoreAdapter = channel.unary_unary(
+                '/temper.v1.Trainer/RestoreAdapter',
+                request_serializer=temper_dot_v1_dot_trainer__pb2.RestoreAdapterRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_trainer__pb2.RestoreAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServicer:
@@ -135,6 +145,26 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SnapshotAdapter(self, request, context):
+        """Writes the adapter's complete training state under checkpoint_key, as a folder staged, flushed and
+        renamed into place: LoRA weights (peft format), Adam moments, steps and hyperparameters, the
+        pending gradients, the highest applied seq and the remembered answers. An offloaded adapter stays
+        offloaded. NOT_FOUND: no adapter of the run; ALREADY_EXISTS: the key is taken.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RestoreAdapter(self, request, context):
+        """Creates the run's adapter from a snapshot, replacing the one this trainer has if any; the trainer
+        need never have seen the run. The state is exactly the snapshotted one: the run goes on from
+        applied_seq_id + 1, and seqs it remembers are answered from memory. A snapshot of another run,
+        base model or base dtype, or a damaged one: FAILED_PRECONDITION, nothing changed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -177,6 +207,16 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.DeleteCheckpoint,
                     request_deserializer=temper_dot_v1_dot_trainer__pb2.DeleteCheckpointFilesRequest.FromString,
                     response_serializer=temper_dot_v1_dot_trainer__pb2.DeleteCheckpointFilesResponse.SerializeToString,
+            ),
+            'SnapshotAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.SnapshotAdapter,
+                    request_deserializer=temper_dot_v1_dot_trainer__pb2.SnapshotAdapterRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_trainer__pb2.SnapshotAdapterResponse.SerializeToString,
+            ),
+            'RestoreAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.RestoreAdapter,
+                    request_deserializer=temper_dot_v1_dot_trainer__pb2.RestoreAdapterRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_trainer__pb2.RestoreAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -395,6 +435,60 @@ class Trainer:
             '/temper.v1.Trainer/DeleteCheckpoint',
             temper_dot_v1_dot_trainer__pb2.DeleteCheckpointFilesRequest.SerializeToString,
             temper_dot_v1_dot_trainer__pb2.DeleteCheckpointFilesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SnapshotAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Trainer/SnapshotAdapter',
+            temper_dot_v1_dot_trainer__pb2.SnapshotAdapterRequest.SerializeToString,
+            temper_dot_v1_dot_trainer__pb2.SnapshotAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestoreAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Trainer/RestoreAdapter',
+            temper_dot_v1_dot_trainer__pb2.RestoreAdapterRequest.SerializeToString,
+            temper_dot_v1_dot_trainer__pb2.RestoreAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
