@@ -285,5 +285,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """utime + stime of the given processes (Linux /proc; 0 elsewhere)."""
+    total, tick = 0.0, os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 from harness import (  # the benchmarks' shared helpers (this script's folder is first on sys.path)
+    cpu_seconds,
     MEM_TOKENS,
     RANK,
     ROWS,
@@ -70,19 +71,6 @@ GOALS = {  # name -> (comparison, goal)
 
 
 # ---- stack bookkeeping ----------------------------------------------------------------------------
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """utime + stime of the given processes (Linux /proc; 0 elsewhere)."""
-    total, tick = 0.0, os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-        except (OSError, IndexError, ValueError):
-            pass
-    return total
 
 
 # ---- main -------------------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ import grpc
 import numpy as np
 
 import fake_workers  # this script's folder is first on sys.path
+from harness import cpu_seconds
 from temper.common.auth import bearer_metadata
 from temper.common.codec import encode_array, encode_tokens
 from temper.common.errors import is_hard_limit
@@ -177,19 +178,6 @@ class Databases:
         finally:
             engine.dispose()
         self.created.clear()
-
-
-def cpu_seconds(pids) -> float:
-    """utime + stime of the processes (Linux /proc; processes gone or unreadable count 0)."""
-    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-        except (OSError, IndexError, ValueError):
-            pass
-    return total
 
 
 def machine_ticks() -> tuple[int, int]:
