@@ -103,6 +103,8 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
         self.rate = seconds_per_1k_tokens / 1000.0
         self.checkpoints = checkpoints
         self.adapters: dict[str, types_pb2.LoraConfig] = {}
+        self.applied: dict[str, int] = {}  # run id -> highest seq applied (what a snapshot records)
+        self.steps: dict[str, int] = {}
         self.cycles = 0
         self.tokens = 0
         self.busy_seconds = 0.0
@@ -156,6 +158,7 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
             for n in lengths:
                 out.loss_fn_outputs.append(self._loss_output(n))
             out.metrics.update({"loss:sum": float(sum(lengths)), **bench})
+            self._applied(item.training_run_id, item.seq_id)
             if statuses:
                 response.forward_backward_status.add()
         for item in request.optim_step:
@@ -165,9 +168,40 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
                     response.optim_step_status.add(code=NOT_FOUND, message=f"no adapter for run {item.training_run_id}")
                 continue
             out.metrics.update(bench)
+            self._applied(item.training_run_id, item.seq_id)
+            self.steps[item.training_run_id] = self.steps.get(item.training_run_id, 0) + 1
             if statuses:
                 response.optim_step_status.add()
         return response
+
+    def _applied(self, run_id: str, seq: int) -> None:
+        self.applied[run_id] = max(self.applied.get(run_id, 0), seq)
+
+    async def SnapshotAdapter(self, request, context):
+        run_id = request.training_run_id
+        if run_id not in self.adapters:
+            raise NotFound(f"no adapter for run {run_id}")
+        if request.checkpoint_key in self.checkpoints.files:
+            raise AlreadyExists(f"checkpoint {request.checkpoint_key} exists")
+        files = CheckpointFiles.make(run_id, self.adapters[run_id], True)
+        files["snapshot.json"] = json.dumps({"run": run_id, "applied": self.applied.get(run_id, 0),
+                                             "steps": self.steps.get(run_id, 0),
+                                             "rank": self.adapters[run_id].rank}).encode()
+        self.checkpoints.files[request.checkpoint_key] = files
+        return trainer_pb2.SnapshotAdapterResponse(size_bytes=sum(len(b) for b in files.values()),
+                                                   applied_seq_id=self.applied.get(run_id, 0), steps=self.steps.get(run_id, 0))
+
+    async def RestoreAdapter(self, request, context):
+        files = self.checkpoints.files.get(request.checkpoint_key)
+        if files is None or "snapshot.json" not in files:
+            raise FailedPrecondition(f"no snapshot {request.checkpoint_key}")
+        meta = json.loads(files["snapshot.json"])
+        if meta["run"] != request.training_run_id:
+            raise FailedPrecondition(f"snapshot {request.checkpoint_key} is of run {meta['run']}")
+        run_id = request.training_run_id
+        self.adapters[run_id] = types_pb2.LoraConfig(rank=meta["rank"])
+        self.applied[run_id], self.steps[run_id] = meta["applied"], meta["steps"]
+        return trainer_pb2.RestoreAdapterResponse(applied_seq_id=meta["applied"], steps=meta["steps"])
 
     async def SaveAdapter(self, request, context):
         if request.training_run_id not in self.adapters:

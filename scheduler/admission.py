@@ -34,6 +34,8 @@ ANSWER_TYPES = {  # what each sequenced verb answers (RequestRecord.result holds
     WorkKind.OPTIM_STEP: service_pb2.OptimStepResponse, WorkKind.SAVE_WEIGHTS: service_pb2.SaveWeightsResponse,
     WorkKind.LOAD_WEIGHTS: service_pb2.LoadWeightsResponse,
 }
+# the verbs that change an adapter: their requests are logged for replay onto a restored one (forward changes nothing)
+LOGGED_KINDS = (WorkKind.FORWARD_BACKWARD, WorkKind.OPTIM_STEP, WorkKind.LOAD_WEIGHTS)
 Check = Callable[[RunInfo], int]                 # CPU-only validation; returns the request's token count
 AsyncCheck = Callable[[RunInfo], Awaitable[None]]  # validation that needs the database or other runs
 
@@ -58,7 +60,9 @@ class Admission:
         await self.quotas.limits(run.tenant)  # fresh in the cache for the capacity check below
         if seq_id < 1:
             raise InvalidArgument(f"seq_id must be >= 1, got {seq_id}")
-        sha, tokens, invalid = await asyncio.to_thread(_digest_and_check, request, check, run)
+        sha, tokens, invalid, serialized = await asyncio.to_thread(_digest_and_check, request, check, run)
+        # the request log of trainer recovery (recovery.py): what a restored adapter replays
+        payload = serialized if self.settings.recovery != "off" and kind in LOGGED_KINDS else None
         queue = self.queues.setdefault(run_id, RunQueue(run_id, run.row.next_seq_id))
         existing = self._known(run_id, seq_id)
         recorded = False
@@ -93,7 +97,7 @@ class Admission:
             if check_async is not None:
                 await check_async(run)
             if not recorded:
-                await asyncio.to_thread(self.store.add_request, run_id, seq_id, kind.value, sha, "queued", tokens)
+                await asyncio.to_thread(self.store.add_request, run_id, seq_id, kind.value, sha, "queued", tokens, None, payload)
         except Unavailable as exc:
             self._forget(queue, work, exc)
             metrics.ADMISSIONS.labels(kind.value, "UNAVAILABLE").inc()
@@ -174,6 +178,17 @@ class Admission:
             work.fail(error)
         self.wake.set()
 
+    def hold(self, works: list[Work]) -> None:
+        """Taken work that did not run because its run's adapter was lost with its trainer: queued
+        again as it was, its callers still waiting, to run once the run is restored (recovery.py).
+        It is marked resent (it may have reached the dead trainer)."""
+        for work in sorted(works, key=lambda w: w.seq_id, reverse=True):
+            queue = self.queues[work.run_id]
+            work.resent = True
+            queue.add(work)
+            queue.rewind(work.seq_id)
+        self.wake.set()
+
     def fail_all(self, error: TemperError) -> None:
         """The loop is gone: every waiting caller hears ``error`` now rather than hanging."""
         for work in [*self.recent.values(), *(w for q in self.queues.values() for w in q.pending.values())]:
@@ -223,15 +238,16 @@ class Admission:
         return queue.next_seq_id if queue is not None else run.row.next_seq_id
 
 
-def _digest_and_check(request, check: Check | None, run: RunInfo) -> tuple[str, int, BaseException | None]:
+def _digest_and_check(request, check: Check | None, run: RunInfo) -> tuple[str, int, BaseException | None, bytes]:
     """One worker-thread call: the payload hash (dedupe) and the CPU validation (decoded once here;
-    the trainer's deep check is the other)."""
-    sha = hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest()
+    the trainer's deep check is the other); and the request serialized (the request log's payload)."""
+    serialized = request.SerializeToString(deterministic=True)
+    sha = hashlib.sha256(serialized).hexdigest()
     try:
         check_request_strings(request)
-        return sha, (check(run) if check is not None else 0), None
+        return sha, (check(run) if check is not None else 0), None, serialized
     except TemperError as exc:
-        return sha, 0, exc
+        return sha, 0, exc, serialized
 
 
 def _answer_from_record(record, sha: str, kind: WorkKind):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from temper.common.errors import NotFound, Unavailable
+from temper.common.errors import NotFound, TemperError, Unavailable
 from temper.common.internal_auth import bearer_interceptors, resolve_token
 from temper.common.server_options import CHANNEL_OPTIONS
 from temper.common.tls import channel_credentials
@@ -33,6 +33,15 @@ class TrainerHandle:
     async def run_cycle(self, request: trainer_pb2.CycleRequest) -> trainer_pb2.CycleResponse:
         async with downstream(f"trainer {self.address}"):
             return await self.stub.RunCycle(request, timeout=self.settings.cycle_timeout_seconds)
+
+    async def ping(self, timeout: float = 2.0) -> bool:
+        """Whether the trainer answers GetModelInfo within ``timeout`` (a hung one does not)."""
+        try:
+            async with downstream(f"trainer {self.address}"):
+                await self.stub.GetModelInfo(trainer_pb2.GetModelInfoRequest(), timeout=timeout)
+            return True
+        except TemperError:
+            return False
 
     async def call(self, method: str, request):
         """A unary trainer call other than RunCycle (CreateAdapter, SaveAdapter, LoadAdapter, ...)."""
@@ -67,6 +76,7 @@ class Backends(SamplerRouting):
         self.trainers: list[TrainerHandle] = []
         self.samplers: list[SamplerHandle] = []
         self.placements: dict[str, str] = {}  # run id -> trainer address (training_runs.trainer)
+        self.down: set[str] = set()            # trainers whose runs were moved away (recovery.py); no new runs go there
         self._channels: list[grpc.aio.Channel] = []
         self._ready = asyncio.Event()
         # Every call to a worker carries the internal token (common/internal_auth.py), streams included.
@@ -155,9 +165,11 @@ class Backends(SamplerRouting):
         candidates = self._trainers_of(base_model)
         return candidates[zlib.crc32(run_id.encode()) % len(candidates)]
 
-    def place(self, base_model: str) -> TrainerHandle:
-        """The trainer a new run of ``base_model`` goes to: the one holding the fewest runs."""
-        held = {t.address: 0 for t in self._trainers_of(base_model)}
+    def place(self, base_model: str, among: list[TrainerHandle] | None = None) -> TrainerHandle:
+        """The trainer a new (or moved) run of ``base_model`` goes to: of ``among`` (default: the
+        model's trainers not marked down, else all of them), the one holding the fewest runs."""
+        candidates = among or [t for t in self._trainers_of(base_model) if t.address not in self.down] or self._trainers_of(base_model)
+        held = {t.address: 0 for t in candidates}
         for address in self.placements.values():
             if address in held:
                 held[address] += 1

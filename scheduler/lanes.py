@@ -4,6 +4,7 @@ trainer only, runs each there, and loops:
     while True:
         wait until work arrives (or a run's missing seq was waited for too long: skip it)
         while (plan := plan_cycle(ready work of this trainer's runs, budget, this lane's fair share)):
+            restore the plan's runs whose adapter was lost, if any (recovery.py), and plan again
             take the planned work off its queues
             run the cycle on the trainer, record it, answer the callers (SchedulerLoop.run_cycle)
 
@@ -43,6 +44,8 @@ class Lane:
         while True:
             await admission.wait_for_work(self.woken)
             while plan := plan_cycle(self.ready(), budget, self.loop.runs.tenant_by_run(), self.share):
+                if await self.loop.recovery.restore_before(self.trainer, plan):
+                    continue  # a run of the plan lost its adapter: rebuilt (or moved, or refused) first; plan again
                 admission.take(plan.all_work())
                 await self.loop.run_cycle(self.trainer, plan)
                 admission.skip_expired_gaps()

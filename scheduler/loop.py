@@ -9,6 +9,8 @@ trainer's code and message (the trainer refuses runs one by one, before it touch
 other runs' items in the cycle are done); work whose trainer did not answer is resent for a while
 (the trainer answers a seq it applied from memory) and then answered UNAVAILABLE, so the client's
 resend learns the true outcome; a database outage delays recording and answers, never loses them.
+A run whose trainer lost its adapter (it restarted) or died is restored, and its work held until
+then: ``recovery.py``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from temper.scheduler.admission import Admission
 from temper.scheduler.backends import Backends, TrainerHandle
 from temper.scheduler.lanes import Lane
 from temper.scheduler.policy import CyclePlan, FairShare
+from temper.scheduler.recovery import Recovery, adapter_missing
 from temper.scheduler.runs import RunRegistry
 from temper.scheduler.settings import SchedulerSettings
 from temper.scheduler.work import Work, WorkKind
@@ -45,6 +48,7 @@ class SchedulerLoop:
         self.settings = settings
         self.share = share or FairShare()
         self.cycles = 0
+        self.recovery = Recovery(self)
 
     async def run_forever(self) -> None:
         """The lanes, one per trainer, concurrently. One that dies takes the others with it and this
@@ -78,6 +82,7 @@ class SchedulerLoop:
                 outcome = await self._cycle_on(trainer, plan.passes, plan.optim_steps, plan)
             for work in plan.barriers:
                 outcome = _worse(outcome, await self._barrier(trainer, work, plan))
+            await self.recovery.after_cycle(trainer, plan)
         except Exception:
             log.error("cycle %d on trainer %s stopped the loop; plan: %s", number, trainer.address, describe(plan))
             raise
@@ -97,47 +102,49 @@ class SchedulerLoop:
         return self.backends.trainer_for(self.runs.known(work.run_id).base_model, work.run_id)
 
     async def _cycle_on(self, trainer: TrainerHandle, passes: list[Work], steps: list[Work], plan: CyclePlan) -> str:
-        request = trainer_pb2.CycleRequest()
-        for work in passes:
-            r = work.request
-            request.forward_backward.add(training_run_id=work.run_id, data=r.data, loss_fn=r.loss_fn, loss_fn_config=r.loss_fn_config,
-                                         forward_only=r.forward_only, seq_id=work.seq_id)
-        for work in steps:
-            request.optim_step.add(training_run_id=work.run_id, adam_params=work.request.adam_params, seq_id=work.seq_id)
+        request = build_cycle(passes, steps)
         works = passes + steps
 
         async def call(resent: bool) -> list:
             return cycle_outcomes(await trainer.run_cycle(request), len(passes), len(steps))
 
-        outcomes = await self._call_trainer(call, works, plan)
+        outcomes = await self._call_trainer(trainer, call, works, plan)
         if isinstance(outcomes, str):
             return outcomes
+        count = len(works)
+        works, outcomes = self.recovery.lost(trainer, works, outcomes)  # held until their runs are restored
         outcomes = [_adapter_lost(trainer, w, o) for w, o in zip(works, outcomes)]
         failed = [(w, o) for w, o in zip(works, outcomes) if isinstance(o, TemperError)]
         for work, exc in failed:
             log.warning("trainer %s refused %s(%s#%d, tenant %s): %s: %s", trainer.address, work.kind.value, work.run_id,
                         work.seq_id, work.tenant, exc.code.name, exc.message)
-        await self._finish(works, outcomes)
-        return "failed" if failed else "ok"
+        if works:
+            await self._finish(works, outcomes)
+        return "failed" if failed else "held" if len(works) < count else "ok"
 
     async def _barrier(self, trainer: TrainerHandle, work: Work, plan: CyclePlan) -> str:
         await self._persist(self.store.mark_running, [(work.run_id, work.seq_id)])
         apply = self._save if work.kind is WorkKind.SAVE_WEIGHTS else self._load
-        outcome = await self._call_trainer(lambda resent: apply(trainer, work, resent), [work], plan)
+        outcome = await self._call_trainer(trainer, lambda resent: apply(trainer, work, resent or work.resent), [work], plan)
         if isinstance(outcome, str):
             return outcome
         await self._finish([work], [outcome])
         return "ok"
 
-    async def _call_trainer(self, call, works: list[Work], plan: CyclePlan):
+    async def _call_trainer(self, trainer: TrainerHandle, call, works: list[Work], plan: CyclePlan):
         """The trainer's answer; or, having answered the callers, "failed" (the trainer refused: nothing
-        was applied) or "unknown" (no answer within dispatch_retry_seconds: UNAVAILABLE, resend)."""
+        was applied) or "unknown" (no answer within dispatch_retry_seconds: UNAVAILABLE, resend); or
+        "held": the trainer lost the runs' adapters, or stayed silent while another trainer of the
+        model answers, and the work waits for its runs to be restored (recovery.py)."""
         deadline, delay, resent = time.monotonic() + self.settings.dispatch_retry_seconds, 0.2, False
         while True:
             try:
                 return await call(resent)
             except Unavailable as exc:
                 if time.monotonic() + delay > deadline:
+                    if await self.recovery.fail_over(trainer, {w.run_id for w in works}):
+                        self.admission.hold(works)  # their runs moved to another trainer: they run there once restored
+                        return "held"
                     log.warning("no answer from the trainer for %d requests (%s); answered UNAVAILABLE; plan: %s",
                                 len(works), exc.message, describe(plan))
                     self.admission.release(works, Unavailable(f"{exc.message}; whether it was applied is not known yet: resend it"))
@@ -146,6 +153,9 @@ class SchedulerLoop:
                 await asyncio.sleep(delay)
                 delay, resent = min(delay * 2, 5.0), True
             except TemperError as exc:
+                if self.recovery.enabled and all(adapter_missing(exc, w.run_id) for w in works):
+                    self.recovery.lost(trainer, works, [exc] * len(works))
+                    return "held"
                 log.warning("trainer refused %d requests: %s: %s; plan: %s", len(works), exc.code.name, exc.message, describe(plan))
                 await self._finish(works, [exc] * len(works))
                 return "failed"
@@ -188,6 +198,7 @@ class SchedulerLoop:
         database outage delays this; it never turns into a wrong answer."""
         rows, tokens, steps, next_seq = [], defaultdict(int), defaultdict(int), {}
         for w, outcome in zip(works, outcomes):
+            self.recovery.finished(w, outcome)
             failed = isinstance(outcome, TemperError)
             rows.append((w.run_id, w.seq_id, "failed" if failed else "done", outcome.message if failed else None,
                          None if failed else outcome.SerializeToString()))
@@ -218,6 +229,18 @@ class SchedulerLoop:
                 delay = min(delay * 2, 5.0)
 
 
+def build_cycle(passes: list[Work], steps: list[Work]) -> trainer_pb2.CycleRequest:
+    """One RunCycle: the passes, then the optim steps, each with its run's seq."""
+    request = trainer_pb2.CycleRequest()
+    for work in passes:
+        r = work.request
+        request.forward_backward.add(training_run_id=work.run_id, data=r.data, loss_fn=r.loss_fn, loss_fn_config=r.loss_fn_config,
+                                     forward_only=r.forward_only, seq_id=work.seq_id)
+    for work in steps:
+        request.optim_step.add(training_run_id=work.run_id, adam_params=work.request.adam_params, seq_id=work.seq_id)
+    return request
+
+
 def cycle_outcomes(response: trainer_pb2.CycleResponse, passes: int, steps: int) -> list:
     """Each item's answer, or the domain error of its status (CycleResponse: one per item, in order)."""
     answers = [*response.forward_backward, *(service_pb2.OptimStepResponse(metrics=out.metrics) for out in response.optim_step)]
@@ -231,7 +254,8 @@ def cycle_outcomes(response: trainer_pb2.CycleResponse, passes: int, steps: int)
 
 def _adapter_lost(trainer: TrainerHandle, work: Work, outcome):
     """A run the scheduler knows whose adapter its trainer does not have (the trainer restarted and
-    lost it): a precondition of the run, not an unknown id. Never answered from a fresh adapter."""
+    lost it) while recovery is off: a precondition of the run, not an unknown id. Never answered
+    from a fresh adapter. (With recovery on, such work is held and the run restored instead.)"""
     if isinstance(outcome, NotFound):
         return FailedPrecondition(f"the adapter of {work.run_id} is gone from trainer {trainer.address} (it restarted?); the "
                                   f"run's state since its last saved checkpoint is lost: load that checkpoint into a new run "
@@ -240,7 +264,7 @@ def _adapter_lost(trainer: TrainerHandle, work: Work, outcome):
 
 
 def _worse(a: str, b: str) -> str:
-    order = ("ok", "failed", "unknown")
+    order = ("ok", "held", "failed", "unknown")
     return max(a, b, key=order.index)
 
 

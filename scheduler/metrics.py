@@ -21,6 +21,13 @@ SAMPLER_IN_FLIGHT = Gauge("temper_scheduler_sampler_requests_in_flight", "Sampli
 SAMPLER_FAILURES = Counter("temper_scheduler_sampler_failures_total", "Sampler calls that got no answer (unreachable, died, "
                            "deadline); the call went to another sampler of the model.", ["sampler"])
 
+SNAPSHOT_SECONDS = Histogram("temper_scheduler_snapshot_seconds", "Wall time of one adapter snapshot for trainer recovery "
+                             "(taken, recorded and the previous one deleted).", buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+RESTORE_SECONDS = Histogram("temper_scheduler_restore_seconds", "Wall time of rebuilding one run's lost adapter (snapshot "
+                            "or fresh adapter, then the replay).", buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
+RUNS_RESTORED = Counter("temper_scheduler_runs_restored_total", "Runs whose adapter was lost with its trainer (lost), rebuilt "
+                        "from a snapshot and the request log (restored), or refused for good (failed).", ["outcome"])
+
 
 class QueueDepthCollector:
     """Queue depth per tenant, read from admission at scrape time (no bookkeeping on the hot path)."""

@@ -12,7 +12,7 @@ import math
 from collections import defaultdict
 
 from temper.common.checkpoints import KIND_DIRS, check_name, parse_path
-from temper.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+from temper.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 from temper.common.logs import request_context
 from temper.common.validation import validate_adam, validate_forward_backward
 from temper.scheduler.admission import Admission
@@ -22,6 +22,7 @@ from temper.scheduler.checkpoint_verbs import CheckpointVerbs, check_ttl
 from temper.scheduler.db import models as m
 from temper.scheduler.loop import KIND_NAMES
 from temper.scheduler.quotas import check_hard_limit
+from temper.scheduler.recovery import snapshot_key
 from temper.scheduler.runs import RunInfo, RunRegistry
 from temper.scheduler.sampling_verbs import SamplingVerbs
 from temper.scheduler.work import WorkKind
@@ -105,12 +106,27 @@ class TemperServicer(SamplingVerbs, CheckpointVerbs, service_pb2_grpc.TemperServ
         cfg = request.lora_config
         run_id = await asyncio.to_thread(self.store.next_run_id, request.session_id)
         trainer = self.backends.place(request.base_model)
-        await trainer.call("CreateAdapter", trainer_pb2.CreateAdapterRequest(training_run_id=run_id, lora_config=cfg))
+        create = trainer_pb2.CreateAdapterRequest(training_run_id=run_id, lora_config=cfg)
+        try:
+            await trainer.call("CreateAdapter", create)
+        except Unavailable:  # that trainer is down: another of the model that answers takes the run
+            others = [t for t in self.backends.trainers if t.info.base_model == request.base_model and t is not trainer]
+            answering = [t for t in others if await t.ping()]
+            if not answering:
+                raise
+            trainer = self.backends.place(request.base_model, among=answering)
+            await trainer.call("CreateAdapter", create)
+        snapshot = None
+        if not cfg.HasField("seed") and self.admission.settings.recovery != "off":
+            # a random initialisation cannot be created again: trainer recovery restores it from this snapshot
+            snapshot = snapshot_key(run_id, 0)
+            await trainer.snapshot(run_id, snapshot)
         row = m.TrainingRun(
             id=run_id, session_id=request.session_id, base_model=request.base_model, lora_rank=cfg.rank,
             lora_alpha=cfg.alpha or 32.0, lora_dropout=cfg.dropout, seed=cfg.seed if cfg.HasField("seed") else None,
             train_attn=cfg.train_attn, train_mlp=cfg.train_mlp, train_unembed=cfg.train_unembed,
             user_metadata=dict(request.user_metadata), next_seq_id=1, trainer=trainer.address,
+            snapshot_key=snapshot, snapshot_seq=0 if snapshot else None,
         )
         await asyncio.to_thread(self.store.add_training_run, row)
         self.backends.remember_placement(run_id, trainer.address)

@@ -69,6 +69,18 @@ class SchedulerSettings(ProcessSettings, InternalTokenSettings):
     dispatch_retry_seconds: float = Field(
         10.0, description="How long the loop resends a cycle whose trainer is unreachable (the trainer answers a resent "
                           "seq from memory) before answering UNAVAILABLE; the client's retry then resends it again.")
+    # trainer recovery (scheduler/recovery.py)
+    recovery: Literal["snapshot_replay", "off"] = Field(
+        "snapshot_replay", description="snapshot_replay: every state-changing request is logged in the database and each run's "
+                                       "adapter is snapshotted now and then, so a run whose trainer died (restarted without its "
+                                       "adapters, or gone while another trainer of the model answers) is restored from its "
+                                       "snapshot and the requests since are replayed, exactly; off: such a run's requests answer "
+                                       "FAILED_PRECONDITION.")
+    snapshot_every_steps: int = Field(
+        10, ge=1, description="A run's adapter is snapshotted after every this many optim steps (the requests since are what "
+                              "a restore replays).")
+    snapshot_every_seconds: float = Field(
+        0.0, ge=0, description="Also snapshot after a run's optim step when its last snapshot is older than this; 0: by steps only.")
     # channels to the workers (common/tls.py): TLS when a CA is set, mutual TLS with a client certificate too
     internal_tls_ca_file: Path | None = Field(
         None, description="PEM CA that signed the trainers' and samplers' certificates; set: the channels use TLS.")

@@ -43,6 +43,7 @@ class Work:
     tenant: str = ""
     state: WorkState = WorkState.QUEUED
     submitted_at: float = 0.0        # monotonic time of arrival (oldest heads are served first)
+    resent: bool = False             # held and sent again after its trainer was lost (recovery.py): it may have run there
     future: asyncio.Future | None = field(default=None, repr=False)
 
     @property

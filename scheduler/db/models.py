@@ -1,6 +1,8 @@
 """SQLAlchemy models: what must survive a scheduler restart. Tensors never go here, except inside
 the serialized answers of each run's most recent requests (``RequestRecord.result``, pruned to a
-window), kept so that a retry after a restart still gets its answer."""
+window), kept so that a retry after a restart still gets its answer, and inside the serialized
+requests not yet covered by their run's latest adapter snapshot (``RequestRecord.payload``), kept so
+that a trainer's death loses nothing acknowledged (``scheduler/recovery.py``)."""
 
 from __future__ import annotations
 
@@ -85,8 +87,13 @@ class TrainingRun(Base):
     tokens_trained: Mapped[int] = mapped_column(BigInteger, default=0)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     last_request_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    # the trainer holding its adapter (host:port), chosen by load at creation; NULL: placed by hash (before 0005)
+    # the trainer holding its adapter (host:port), chosen by load at creation; NULL: placed by hash (before 0005).
+    # Moved when that trainer dies and the run is restored on another (scheduler/recovery.py).
     trainer: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    # The run's latest adapter snapshot (checkpoint key "<run>/snapshots/<seq>") and the seq it holds
+    # applied; NULL: none yet (restored from a fresh adapter of its config and seed, replayed from seq 1).
+    snapshot_key: Mapped[str | None] = mapped_column(String(512), nullable=True)
+    snapshot_seq: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 class Checkpoint(Base):
@@ -135,3 +142,6 @@ class RequestRecord(Base):
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     # the response message, serialized; cleared once the request falls out of its run's result window
     result: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    # the request itself, serialized (state-changing verbs, recovery on): replayed onto a restored adapter;
+    # cleared once the run's latest snapshot covers its seq
+    payload: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)

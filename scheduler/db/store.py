@@ -18,6 +18,7 @@ from sqlalchemy.orm import sessionmaker
 from temper.common.errors import AlreadyExists, FailedPrecondition, NotFound
 from temper.scheduler.db import models as m
 from temper.scheduler.db.outage import database_errors, now
+from temper.scheduler.db.request_log import RequestLogStore
 from temper.scheduler.db.tenancy import TenancyStore
 
 def make_engine(url: str):
@@ -54,7 +55,7 @@ def upgrade_schema(url: str) -> None:
 
 
 @database_errors
-class Store(TenancyStore):
+class Store(TenancyStore, RequestLogStore):
     def __init__(self, url: str):
         if url.startswith("sqlite:///"):
             Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
@@ -153,12 +154,14 @@ class Store(TenancyStore):
         with self.sessions() as db:
             return db.scalar(select(m.RequestRecord).where(m.RequestRecord.training_run_id == run_id, m.RequestRecord.seq_id == seq_id))
 
-    def add_request(self, run_id: str, seq_id: int, kind: str, sha: str, status: str, tokens: int, error: str | None = None) -> None:
+    def add_request(self, run_id: str, seq_id: int, kind: str, sha: str, status: str, tokens: int, error: str | None = None,
+                    payload: bytes | None = None) -> None:
+        """``payload``: the serialized request, for replay after a trainer's death (request_log.py)."""
         try:
             with self.sessions.begin() as db:
                 db.add(m.RequestRecord(
                     training_run_id=run_id, seq_id=seq_id, kind=kind, payload_sha256=sha, status=status, num_tokens=tokens,
-                    error=error, finished_at=_now() if status != "queued" else None,
+                    error=error, finished_at=_now() if status != "queued" else None, payload=payload,
                 ))
                 db.execute(update(m.TrainingRun).where(m.TrainingRun.id == run_id).values(last_request_at=_now()))
         except IntegrityError:

@@ -91,3 +91,23 @@ def test_scaleout_benchmark_quick_runs_against_a_real_scheduler_and_reports_ever
     saved = json.loads((tmp_path / "scaleout.json").read_text())
     assert saved["throughput"]["ratios"] == throughput["ratios"]
     assert (tmp_path / "scaleout.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_recovery_benchmark_runs_and_reports_every_figure(tiny_model_dir, tmp_path):
+    result = run_script("recovery.py", "--model", tiny_model_dir, "--rounds", "3", "--every", "2", "--rows", "1", "--tokens", "8",
+                        "--rank", "2", "--threads", "1", "--dispatch-retry", "1", "--out-dir", str(tmp_path))
+    assert result["benchmark"] == "recovery"
+    snapshot = result["snapshot"]
+    assert snapshot["snapshots"] >= 1 and snapshot["snapshot_fraction"] > 0 and len(snapshot["round_seconds"]["on"]["samples"]) == 3
+    assert result["same_address"]["death_to_training_s"] > 0 and result["same_address"]["restore_s"] > 0
+    assert result["other_trainer"]["failover_s"] > 0 and result["other_trainer"]["restore_s"] > 0
+    assert json.loads((tmp_path / "recovery.json").read_text())["snapshot"] == snapshot
+
+
+def test_publish_benchmark_runs_and_reports_the_fraction(tiny_model_dir, tmp_path):
+    result = run_script("publish.py", "--model", tiny_model_dir, "--rounds", "2", "--rows", "1", "--tokens", "8", "--rank", "2",
+                        "--threads", "1", "--out-dir", str(tmp_path))
+    assert result["benchmark"] == "publish" and len(result["rounds"]) == 2
+    assert result["step_s_median"] > 0 and result["fraction"] >= 0 and result["save_s_median"] > 0
+    assert all(r["first_sample_s"] >= r["save_s"] for r in result["rounds"])
+    assert json.loads((tmp_path / "publish.json").read_text())["fraction"] == result["fraction"]

@@ -9,7 +9,8 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from temper.common.errors import TemperError, Unauthenticated, NotFound, Unavailable, status_number
+from temper.common.errors import AlreadyExists, TemperError, Unauthenticated, NotFound, Unavailable, status_number
+from temper.scheduler.db.request_log import LoggedRequest
 from temper.scheduler.admission import Admission
 from temper.scheduler.loop import SchedulerLoop
 from temper.scheduler.runs import RunRegistry
@@ -35,8 +36,10 @@ class FakeStore:
         if self.down:
             raise Unavailable("the database is unavailable (fake); retry")
 
-    def add_run(self, run_id: str, tenant: str) -> None:
-        self.runs[run_id] = SimpleNamespace(id=run_id, session_id=f"s-{tenant}", base_model=MODEL, next_seq_id=1, trainer=None)
+    def add_run(self, run_id: str, tenant: str, seed: int | None = 0) -> None:
+        self.runs[run_id] = SimpleNamespace(id=run_id, session_id=f"s-{tenant}", base_model=MODEL, next_seq_id=1, trainer=None,
+                                            lora_rank=4, lora_alpha=32.0, lora_dropout=0.0, seed=seed, train_attn=True,
+                                            train_mlp=True, train_unembed=False, snapshot_key=None, snapshot_seq=None)
         self.tenants[run_id] = tenant
 
     def set_tenant_weights(self, weights):
@@ -76,12 +79,35 @@ class FakeStore:
         self._check()
         return self.requests.get((run_id, seq_id))
 
-    def add_request(self, run_id, seq_id, kind, sha, status, tokens, error=None):
+    def add_request(self, run_id, seq_id, kind, sha, status, tokens, error=None, payload=None):
         time.sleep(self.add_delay)
         self._check()
         with self.lock:
             self.requests[(run_id, seq_id)] = SimpleNamespace(training_run_id=run_id, seq_id=seq_id, kind=kind, payload_sha256=sha,
-                                                              status=status, error=error, result=None)
+                                                              status=status, error=error, result=None, num_tokens=tokens,
+                                                              payload=payload)
+
+    def get_training_run(self, run_id):
+        self._check()
+        return self.runs[run_id]
+
+    def logged_requests(self, run_id, after_seq, upto_seq):
+        self._check()
+        return [LoggedRequest(seq, r.kind, r.status, r.num_tokens, r.payload) for (run, seq), r in sorted(self.requests.items())
+                if run == run_id and after_seq < seq <= upto_seq]
+
+    def record_snapshot(self, run_id, key, seq):
+        self._check()
+        run = self.runs[run_id]
+        previous, run.snapshot_key, run.snapshot_seq = run.snapshot_key, key, seq
+        for (run_of, seq_of), record in self.requests.items():
+            if run_of == run_id and seq_of <= seq:
+                record.payload = None
+        return previous
+
+    def move_run(self, run_id, trainer):
+        self._check()
+        self.runs[run_id].trainer = trainer
 
     def mark_running(self, keys):
         self._check()
@@ -102,7 +128,13 @@ class FakeStore:
 class FakeTrainer:
     """Answers fb items with loss:sum = seq; remembers applied seqs per run (and answers them again).
     Runs in ``refuse`` are refused per item, as the real trainer does: their items answer the error's
-    status and nothing of them is applied; the other items of the cycle run."""
+    status and nothing of them is applied; the other items of the cycle run.
+
+    With ``adapters`` (a dict: run -> its adapter's state, the list of what was applied to it, in
+    order) the trainer holds adapters as the real one does: a run without one is refused NotFound,
+    an applied seq is answered from that adapter's memory, and ``lose()`` forgets them all (a
+    restart); snapshots live in ``store``, shared by the trainers given the same dict. ``down``: every
+    call is UNAVAILABLE (a dead trainer). ``log`` lists the calls (restore, create, cycle, ...)."""
 
     address: str = "fake-trainer:1"
     info: trainer_pb2.ModelInfo = field(default_factory=lambda: trainer_pb2.ModelInfo(
@@ -115,9 +147,77 @@ class FakeTrainer:
     answers: dict[tuple[str, int], object] = field(default_factory=dict)
     calls: int = 0
     waiting: int = 0                           # calls waiting at the gate now
+    adapters: dict[str, list] | None = None
+    store: dict[str, tuple[str, list]] = field(default_factory=dict)   # snapshot key -> (run, state)
+    down: bool = False
+    log: list = field(default_factory=list)
+
+    def lose(self) -> None:
+        self.adapters.clear()
+
+    def _reach(self) -> None:
+        if self.down:
+            raise Unavailable(f"trainer {self.address} did not answer (UNAVAILABLE): connection refused")
+
+    def _missing(self, run_id: str) -> NotFound | None:
+        if self.adapters is not None and run_id not in self.adapters:
+            return NotFound(f"the adapter of run {run_id} is not loaded on this trainer")
+        return self.refuse.get(run_id)
+
+    def _applied(self, run_id: str, seq: int) -> bool:
+        if self.adapters is None:
+            return (run_id, seq) in self.answers
+        return any(entry[1] >= seq for entry in self.adapters[run_id] if entry[0] != "load")
+
+    async def ping(self, timeout: float = 2.0) -> bool:
+        return not self.down
+
+    async def call(self, method: str, request):
+        self._reach()
+        run_id = request.training_run_id
+        if method == "CreateAdapter":
+            if run_id in self.adapters:
+                raise AlreadyExists(f"run {run_id} already has an adapter on this trainer")
+            self.log.append(("create", run_id, request.lora_config.seed))
+            self.adapters[run_id] = []
+        elif method == "DropAdapter":
+            if self._missing(run_id):
+                raise self._missing(run_id)
+            self.log.append(("drop", run_id))
+            del self.adapters[run_id]
+        elif method == "LoadAdapter":
+            self.log.append(("load", run_id, request.checkpoint_key))
+            self.adapters[run_id].append(("load", request.checkpoint_key))
+        else:
+            raise NotImplementedError(method)
+        return None
+
+    async def snapshot(self, run_id: str, key: str):
+        self._reach()
+        if self._missing(run_id):
+            raise self._missing(run_id)
+        if key in self.store:
+            raise AlreadyExists(f"checkpoint {key} already exists")
+        self.log.append(("snapshot", run_id, key))
+        self.store[key] = (run_id, list(self.adapters[run_id]))
+        return trainer_pb2.SnapshotAdapterResponse(size_bytes=1)
+
+    async def restore(self, run_id: str, key: str):
+        self._reach()
+        if key not in self.store:
+            raise NotFound(f"checkpoint {key} not found on this trainer")
+        self.log.append(("restore", run_id, key))
+        self.adapters[run_id] = list(self.store[key][1])
+        return trainer_pb2.RestoreAdapterResponse()
+
+    async def delete_checkpoint(self, key: str) -> int:
+        self._reach()
+        self.log.append(("delete", key))
+        return 1 if self.store.pop(key, None) else 0
 
     async def run_cycle(self, request: trainer_pb2.CycleRequest) -> trainer_pb2.CycleResponse:
         self.calls += 1
+        self._reach()
         await asyncio.sleep(self.delay)
         if self.gate is not None:
             self.waiting += 1
@@ -126,16 +226,19 @@ class FakeTrainer:
             finally:
                 self.waiting -= 1
         response = trainer_pb2.CycleResponse()
+        self.log.append(("cycle", [(item.training_run_id, item.seq_id) for item in [*request.forward_backward, *request.optim_step]]))
         for item in [*request.forward_backward, *request.optim_step]:
             key = (item.training_run_id, item.seq_id)
-            if key not in self.answers and item.training_run_id not in self.refuse:
+            if not self._missing(item.training_run_id) and not self._applied(*key):
                 self.applied.append(key)
                 self.answers[key] = float(item.seq_id)
+                if self.adapters is not None:
+                    self.adapters[item.training_run_id].append(("step" if item in request.optim_step else "fb", item.seq_id))
         for items, answers, statuses, name in [(request.forward_backward, response.forward_backward, response.forward_backward_status,
                                                 "loss:sum"), (request.optim_step, response.optim_step, response.optim_step_status,
                                                               "step:max")]:
             for item in items:
-                error = self.refuse.get(item.training_run_id)
+                error = self._missing(item.training_run_id)
                 if error is None:
                     answers.add(metrics={name: self.answers[(item.training_run_id, item.seq_id)]})
                     statuses.add()
@@ -153,6 +256,8 @@ class FakeBackends:
         self.trainer = trainer
         self.trainers = [trainer, *more]
         self.placement = placement or {}   # run id -> its trainer (default: the first; None: one not reached)
+        self.placements: dict[str, str] = {run: t.address for run, t in self.placement.items() if t is not None}
+        self.down: set[str] = set()
         self.samplers = []
 
     async def connect(self):
@@ -173,10 +278,18 @@ class FakeBackends:
     def trainer_for(self, base_model, run_id):
         if base_model != MODEL:
             raise NotFound(f"no trainer serves base model {base_model!r}")
+        if run_id in self.placements:
+            return next(t for t in self.trainers if t.address == self.placements[run_id])
         trainer = self.placement.get(run_id, self.trainer)
         if trainer is None:  # placed on a trainer that is not configured (any more)
             raise Unavailable(f"training run {run_id} lives on trainer gone:1, which this scheduler does not reach; retry")
         return trainer
+
+
+    def place(self, base_model, among=None):
+        candidates = among or [t for t in self.trainers if t.address not in self.down]
+        held = {t.address: sum(1 for a in self.placements.values() if a == t.address) for t in candidates}
+        return next(t for t in candidates if t.address == min(held, key=lambda a: (held[a], a)))
 
 
 def settings(**overrides) -> SchedulerSettings:

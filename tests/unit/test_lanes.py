@@ -124,10 +124,11 @@ def test_work_of_a_run_whose_trainer_is_not_reached_is_answered_unavailable_and_
 
 
 def test_a_refused_run_fails_alone_and_its_co_batched_neighbour_gets_its_own_answers():
+    """With trainer recovery off, a lost adapter fails its run's work (with it on: test_recovery.py)."""
     async def main():
         gone = NotFound("the adapter of run a is not loaded on this trainer")
         trainer = FakeTrainer(refuse={"a": gone})
-        s = build(trainer=trainer)
+        s = build(trainer=trainer, recovery="off")
         s.store.add_run("a", "alice")
         s.store.add_run("b", "bob")
         api = servicer_of(s)

@@ -1,0 +1,324 @@
+"""Trainer recovery: a trainer's death loses nothing acknowledged (``recovery = "snapshot_replay"``).
+
+Three parts, around the lanes (``lanes.py``) and the loop (``loop.py``):
+
+- **The log.** Admission stores every state-changing request (forward_backward, optim_step,
+  load_weights) serialized in its ``requests`` row (``payload``).
+- **Snapshots.** After a run's optim step, every ``snapshot_every_steps`` steps (or
+  ``snapshot_every_seconds``), and after every load, its lane asks the run's trainer for an exact
+  snapshot of the adapter (``SnapshotAdapter``, ``<run>/snapshots/<seq>`` in the trainers' shared
+  checkpoint store), records it on the run's row and clears the payloads it covers in one
+  transaction, then deletes the previous snapshot's files. A run that has none yet is restored from
+  a fresh adapter of its LoRA config and seed (creation is deterministic given the seed; a run
+  created without a seed is snapshotted at creation instead: ``servicer.py``).
+- **Restore.** A trainer that answers NotFound for a run's adapter (it restarted without it), or
+  that stays unreachable for ``dispatch_retry_seconds`` while another trainer of its model answers
+  (its runs are then moved there, durably: ``training_runs.trainer``), marks the run *pending*: the
+  work that was on the trainer is held, not failed (``Admission.hold``), and before the run's next
+  cycle its lane rebuilds the adapter (RestoreAdapter from the snapshot, or CreateAdapter) and
+  replays, in seq order, the done requests after the snapshot up to the last one finished. Then the
+  held work runs. Requests the trainer refused (failed) or that change nothing (forward, save) are
+  not replayed. A run whose log has a hole (a payload missing: logged before recovery was on) or
+  whose snapshot cannot be read is refused FAILED_PRECONDITION naming its last durable seq.
+
+LoRA dropout draws from the trainer's RNG, which no snapshot holds: only runs without dropout are
+restored bit for bit (replayed cycles are batched alone, not with their original neighbours, so
+the weights agree to float rounding: ~1e-7).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+from temper.common.checkpoints import parse_path
+from temper.common.errors import AlreadyExists, FailedPrecondition, NotFound, TemperError, Unavailable
+from temper.scheduler import metrics
+from temper.scheduler.backends import TrainerHandle
+from temper.scheduler.db.request_log import LoggedRequest
+from temper.scheduler.policy import CyclePlan
+from temper.scheduler.work import Work, WorkKind
+from temper.v1 import service_pb2, trainer_pb2, types_pb2
+
+if TYPE_CHECKING:
+    from temper.scheduler.loop import SchedulerLoop
+
+log = logging.getLogger(__name__)
+REPLAYED = {WorkKind.FORWARD_BACKWARD.value, WorkKind.OPTIM_STEP.value, WorkKind.LOAD_WEIGHTS.value}
+MAX_RESTORES = 3        # restores of one run in a row whose work still finds no adapter: then the run is refused
+WATCH_SECONDS = 2.0     # how often a trainer marked down is asked whether it is back
+
+
+def adapter_missing(exc: BaseException, run_id: str) -> bool:
+    """The trainer has no adapter of ``run_id`` (AdapterHost.get's NotFound), as opposed to, say, a
+    missing checkpoint."""
+    return isinstance(exc, NotFound) and f"the adapter of run {run_id} " in exc.message
+
+
+def snapshot_key(run_id: str, seq: int) -> str:
+    return f"{run_id}/snapshots/{seq}"
+
+
+class Recovery:
+    def __init__(self, loop: SchedulerLoop):
+        self.loop = loop
+        self.pending: dict[str, str] = {}                        # run -> why its adapter must be rebuilt first
+        self.broken: dict[str, FailedPrecondition] = {}          # runs that cannot be restored exactly
+        self.restores: dict[str, int] = defaultdict(int)         # restores since the run's work last went through
+        self.steps_since: dict[str, int] = defaultdict(int)      # optim steps since the run's last snapshot
+        self.snapshot_at: dict[str, float] = {}                  # monotonic time of the run's last snapshot
+        self.finished_seq: dict[str, int] = {}                   # the run's last finished seq (this process)
+        self.due: set[str] = set()                               # runs to snapshot after their cycle
+        self.moved: dict[str, set[str]] = defaultdict(set)      # trainer address -> runs moved away from it
+        self._watchers: dict[str, asyncio.Task] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.loop.settings.recovery != "off"
+
+    # ---- the loop's hooks ------------------------------------------------------------------------
+
+    def lost(self, trainer: TrainerHandle, works: list[Work], outcomes: list) -> tuple[list[Work], list]:
+        """A cycle's works and outcomes without those whose adapter the trainer does not have: these
+        are held (queued again) and their runs marked pending."""
+        if not self.enabled:
+            return works, outcomes
+        kept, held = [], []
+        for work, outcome in zip(works, outcomes):
+            if adapter_missing(outcome, work.run_id):
+                held.append(work)
+                self._mark(work.run_id, f"trainer {trainer.address} lost its adapter (it restarted?)")
+            else:
+                kept.append((work, outcome))
+        if held:
+            self.loop.admission.hold(held)
+        return [w for w, _ in kept], [o for _, o in kept]
+
+    def finished(self, work: Work, outcome) -> None:
+        """A work's recorded outcome (SchedulerLoop._finish): counts steps toward the next snapshot."""
+        if not self.enabled or isinstance(outcome, TemperError):
+            return
+        self.restores.pop(work.run_id, None)
+        self.finished_seq[work.run_id] = max(self.finished_seq.get(work.run_id, 0), work.seq_id)
+        if work.kind is WorkKind.OPTIM_STEP:
+            self.steps_since[work.run_id] += 1
+            every, seconds = self.loop.settings.snapshot_every_steps, self.loop.settings.snapshot_every_seconds
+            since = time.monotonic() - self.snapshot_at.get(work.run_id, time.monotonic())
+            if self.steps_since[work.run_id] >= every or (seconds > 0 and since >= seconds):
+                self.due.add(work.run_id)
+        elif work.kind is WorkKind.LOAD_WEIGHTS:
+            self.due.add(work.run_id)  # the loaded checkpoint may be deleted later: the snapshot outlives it
+
+    async def after_cycle(self, trainer: TrainerHandle, plan: CyclePlan) -> None:
+        """Snapshot the plan's runs that are due (their cycle's answers have already gone out)."""
+        for run_id in [r for r in dict.fromkeys(w.run_id for w in plan.all_work()) if r in self.due]:
+            self.due.discard(run_id)
+            if run_id not in self.pending:
+                await self.snapshot(trainer, run_id, self.finished_seq[run_id])
+
+    async def snapshot(self, trainer: TrainerHandle, run_id: str, seq: int) -> bool:
+        """Snapshot the run's adapter as of ``seq`` and record it; best effort (False: not taken)."""
+        key, started = snapshot_key(run_id, seq), time.monotonic()
+        try:
+            try:
+                taken = await trainer.snapshot(run_id, key)
+            except AlreadyExists:  # left by a snapshot never recorded (the scheduler stopped): taken again
+                await trainer.delete_checkpoint(key)
+                taken = await trainer.snapshot(run_id, key)
+        except TemperError as exc:
+            if adapter_missing(exc, run_id):
+                self._mark(run_id, f"trainer {trainer.address} lost its adapter (it restarted?)")
+            log.warning("no snapshot of %s at seq %d on trainer %s: %s", run_id, seq, trainer.address, exc.message)
+            return False
+        previous = await self.loop._persist(self.loop.store.record_snapshot, run_id, key, seq)
+        self.steps_since[run_id], self.snapshot_at[run_id] = 0, time.monotonic()
+        metrics.SNAPSHOT_SECONDS.observe(time.monotonic() - started)
+        log.info("snapshot of %s at seq %d (%d bytes) on trainer %s in %.0f ms", run_id, seq, taken.size_bytes, trainer.address,
+                 (time.monotonic() - started) * 1000)
+        if previous:
+            try:
+                await trainer.delete_checkpoint(previous)
+            except TemperError as exc:
+                log.warning("could not delete %s's previous snapshot %s: %s", run_id, previous, exc.message)
+        return True
+
+    async def restore_before(self, trainer: TrainerHandle, plan: CyclePlan) -> bool:
+        """Before a cycle: rebuild the adapters of the plan's pending runs on ``trainer``. True when
+        anything was done (restored, moved, failed or released): the lane plans again."""
+        runs = [r for r in dict.fromkeys(w.run_id for w in plan.all_work()) if r in self.pending or r in self.broken]
+        if not self.enabled or not runs:
+            return False
+        for run_id in runs:
+            works = [w for w in plan.all_work() if w.run_id == run_id]
+            try:
+                await self._restore_reachable(trainer, run_id, works[0].seq_id - 1)
+            except FailedPrecondition as exc:
+                self.loop.admission.take(works)
+                await self.loop._finish(works, [exc] * len(works))
+            except Unavailable as exc:
+                self.loop.admission.take(works)
+                self.loop.admission.release(works, Unavailable(f"{exc.message}; nothing was applied: resend it"))
+        return True
+
+    async def fail_over(self, dead: TrainerHandle, run_ids) -> bool:
+        """``dead`` has not answered for dispatch_retry_seconds. If another trainer of its model
+        answers, every run placed on ``dead`` (and ``run_ids``) moves to the answering ones, placed
+        by load and recorded, to be restored there; True. Else nothing changes; False."""
+        if not self.enabled:
+            return False
+        backends = self.loop.backends
+        others = [t for t in backends.trainers if t is not dead and t.info.base_model == dead.info.base_model]
+        alive = [t for t in others if await t.ping()]
+        if not alive:
+            return False
+        backends.down.add(dead.address)
+        moved = sorted({r for r, address in backends.placements.items() if address == dead.address} | set(run_ids))
+        for run_id in moved:
+            target = backends.place(dead.info.base_model, among=alive)
+            await self.loop._persist(self.loop.store.move_run, run_id, target.address)
+            backends.placements[run_id] = target.address
+            self.moved[dead.address].add(run_id)
+            self._mark(run_id, f"trainer {dead.address} stopped answering; moved to {target.address}")
+        log.warning("trainer %s does not answer: its %d runs move to %s", dead.address, len(moved), [t.address for t in alive])
+        if dead.address not in self._watchers:
+            self._watchers[dead.address] = asyncio.create_task(self._watch(dead), name=f"watch {dead.address}")
+        self.loop.admission.wake.set()
+        return True
+
+    # ---- restoring one run -------------------------------------------------------------------------
+
+    def _mark(self, run_id: str, why: str) -> None:
+        if run_id not in self.pending:
+            metrics.RUNS_RESTORED.labels("lost").inc()
+        self.pending[run_id] = why
+
+    async def _restore_reachable(self, trainer: TrainerHandle, run_id: str, upto: int) -> None:
+        """restore(), resent while the trainer does not answer (as a cycle is); past
+        dispatch_retry_seconds the run moves to another trainer if one answers, else Unavailable."""
+        deadline, delay = time.monotonic() + self.loop.settings.dispatch_retry_seconds, 0.2
+        while True:
+            try:
+                return await self.restore(trainer, run_id, upto)
+            except Unavailable as exc:
+                if time.monotonic() + delay > deadline:
+                    if await self.fail_over(trainer, [run_id]):
+                        return
+                    raise
+                log.warning("restoring %s: %s; again in %.1f s", run_id, exc.message, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def restore(self, trainer: TrainerHandle, run_id: str, upto: int) -> None:
+        """Rebuild the run's adapter on ``trainer`` as the requests up to seq ``upto`` left it: its
+        snapshot (or a fresh adapter), then the done requests after it, replayed in seq order."""
+        if run_id in self.broken:
+            raise self.broken[run_id]
+        started, persist, store = time.monotonic(), self.loop._persist, self.loop.store
+        row = await persist(store.get_training_run, run_id)
+        base = row.snapshot_seq if row.snapshot_key else 0
+        replay = [r for r in await persist(store.logged_requests, run_id, base, upto) if r.status == "done" and r.kind in REPLAYED]
+        missing = [r.seq_id for r in replay if r.payload is None]
+        self.restores[run_id] += 1
+        if missing:
+            self._break(run_id, base, f"the request log has no payload of seq {missing[0]} (logged before recovery was on?)")
+        if row.snapshot_key is None and row.seed is None:
+            self._break(run_id, base, "it has no snapshot and no seed to create its adapter again")
+        if self.restores[run_id] > MAX_RESTORES:
+            self._break(run_id, base, f"it was restored {MAX_RESTORES} times and its adapter was lost again each time")
+        try:
+            if row.snapshot_key:
+                await trainer.restore(run_id, row.snapshot_key)
+            else:
+                await self._fresh_adapter(trainer, row)
+            for batch in _batches(replay, self.loop.settings.cycle_token_budget):
+                await self._replay(trainer, run_id, batch)
+        except Unavailable:
+            raise
+        except TemperError as exc:  # the snapshot is unreadable, or a replayed request was refused
+            await self._drop(trainer, run_id)
+            self._break(run_id, base, f"{type(exc).__name__}: {exc.message}")
+        why = self.pending.pop(run_id, "")
+        metrics.RUNS_RESTORED.labels("restored").inc()
+        metrics.RESTORE_SECONDS.observe(time.monotonic() - started)
+        log.warning("restored %s on trainer %s (%s): %s, then %d requests replayed (seq %d-%d), in %.0f ms", run_id,
+                    trainer.address, why, f"snapshot {row.snapshot_key}" if row.snapshot_key else "a fresh adapter",
+                    len(replay), base + 1, upto, (time.monotonic() - started) * 1000)
+
+    def _break(self, run_id: str, base: int, why: str):
+        self.pending.pop(run_id, None)
+        exc = self.broken[run_id] = FailedPrecondition(
+            f"the adapter of {run_id} was lost with its trainer and cannot be restored exactly: {why}; its last durable "
+            f"state is {'its snapshot after seq ' + str(base) if base else 'its creation'}; load a saved checkpoint into a new run")
+        metrics.RUNS_RESTORED.labels("failed").inc()
+        log.error("%s", exc.message)
+        raise exc
+
+    async def _fresh_adapter(self, trainer: TrainerHandle, row) -> None:
+        await self._drop(trainer, row.id)
+        config = types_pb2.LoraConfig(rank=row.lora_rank, alpha=row.lora_alpha, dropout=row.lora_dropout, seed=row.seed,
+                                      train_attn=row.train_attn, train_mlp=row.train_mlp, train_unembed=row.train_unembed)
+        await trainer.call("CreateAdapter", trainer_pb2.CreateAdapterRequest(training_run_id=row.id, lora_config=config))
+
+    @staticmethod
+    async def _drop(trainer: TrainerHandle, run_id: str) -> None:
+        try:
+            await trainer.call("DropAdapter", trainer_pb2.DropAdapterRequest(training_run_id=run_id))
+        except NotFound:
+            pass
+        except Unavailable as exc:
+            log.warning("could not drop %s's adapter on trainer %s: %s", run_id, trainer.address, exc.message)
+
+    async def _replay(self, trainer: TrainerHandle, run_id: str, batch: list[LoggedRequest]) -> None:
+        from temper.scheduler.loop import build_cycle, cycle_outcomes
+
+        if batch[0].kind == WorkKind.LOAD_WEIGHTS.value:
+            request = service_pb2.LoadWeightsRequest.FromString(batch[0].payload)
+            await trainer.call("LoadAdapter", trainer_pb2.LoadAdapterRequest(
+                training_run_id=run_id, checkpoint_key=parse_path(request.path).key, with_optimizer=request.with_optimizer))
+            return
+        passes = [Work(run_id, r.seq_id, WorkKind.FORWARD_BACKWARD, service_pb2.ForwardBackwardRequest.FromString(r.payload))
+                  for r in batch if r.kind == WorkKind.FORWARD_BACKWARD.value]
+        steps = [Work(run_id, r.seq_id, WorkKind.OPTIM_STEP, service_pb2.OptimStepRequest.FromString(r.payload))
+                 for r in batch if r.kind == WorkKind.OPTIM_STEP.value]
+        outcomes = cycle_outcomes(await trainer.run_cycle(build_cycle(passes, steps)), len(passes), len(steps))
+        for work, outcome in zip(passes + steps, outcomes):
+            if isinstance(outcome, TemperError):
+                raise type(outcome)(f"replaying seq {work.seq_id}: {outcome.message}")
+
+    async def _watch(self, trainer: TrainerHandle) -> None:
+        """A trainer marked down takes new runs again once it answers; the stale adapters of the runs
+        moved away from it (if it was only frozen) are dropped there."""
+        while not await trainer.ping():
+            await asyncio.sleep(WATCH_SECONDS)
+        for run_id in sorted(self.moved.pop(trainer.address, ())):
+            if self.loop.backends.placements.get(run_id) != trainer.address:
+                await self._drop(trainer, run_id)
+        self.loop.backends.down.discard(trainer.address)
+        self._watchers.pop(trainer.address, None)
+        log.info("trainer %s answers again: new runs may be placed there", trainer.address)
+
+
+def _batches(replay: list[LoggedRequest], token_budget: int) -> list[list[LoggedRequest]]:
+    """The replay in cycles: passes up to and including the next optim step (within the token
+    budget), and each load alone."""
+    batches, current, tokens = [], [], 0
+    for record in replay:
+        if record.kind == WorkKind.LOAD_WEIGHTS.value or (record.kind == WorkKind.FORWARD_BACKWARD.value and current
+                                                          and tokens + record.num_tokens > token_budget):
+            if current:
+                batches.append(current)
+            current, tokens = [], 0
+        if record.kind == WorkKind.LOAD_WEIGHTS.value:
+            batches.append([record])
+            continue
+        current.append(record)
+        tokens += record.num_tokens
+        if record.kind == WorkKind.OPTIM_STEP.value:
+            batches.append(current)
+            current, tokens = [], 0
+    if current:
+        batches.append(current)
+    return batches
