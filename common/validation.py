@@ -31,6 +31,14 @@ LOSS_SPECS: dict[str, LossSpec] = {
     "ppo": LossSpec(required=_RL_INPUTS, config={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
     "cispo": LossSpec(required=_RL_INPUTS, config={"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}),
     "dro": LossSpec(required=_RL_INPUTS, config={"beta": 0.05}),
+    # GSPO's clipping ranges are the paper's (3e-4 / 4e-4): a length-normalised sequence ratio
+    # stays near 1. Tinker's defaults are not published.
+    "gspo": LossSpec(required=_RL_INPUTS, optional={"sequence_ratio_mask": "float32"},
+                     config={"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4}),
+    # Temper's stable_reinforce (services/trainer/losses.py): the per-sequence weight's truncation
+    # range and an optional KL(sampler || current) penalty.
+    "stable_reinforce": LossSpec(required=_RL_INPUTS,
+                                 config={"clip_low_threshold": 0.0, "clip_high_threshold": 2.0, "kl_coeff": 0.0}),
 }
 
 
@@ -70,8 +78,9 @@ def loss_config_values(loss_fn: str, config: dict[str, types_pb2.LossConfigValue
     if "clip_low_threshold" in values and not 0 <= values["clip_low_threshold"] <= values["clip_high_threshold"]:
         raise InvalidArgument(f"{loss_fn} needs 0 <= clip_low_threshold <= clip_high_threshold, got "
                               f"{values['clip_low_threshold']} and {values['clip_high_threshold']}")
-    if values.get("beta", 0.0) < 0:
-        raise InvalidArgument(f"{loss_fn} needs beta >= 0, got {values['beta']}")
+    for key in ("beta", "kl_coeff"):
+        if values.get(key, 0.0) < 0:
+            raise InvalidArgument(f"{loss_fn} needs {key} >= 0, got {values[key]}")
     return values
 
 

@@ -146,7 +146,7 @@ def completion_ratio_stats(data: Sequence[Datum], output, prompt_lengths: Sequen
     """Importance ratio exp(trainer lp − sampler lp) over completion targets only, from a
     forward_backward output of ``rl_datum``s: its mean and the mean |lp difference| (≈0 on the
     first use of a sample: sampler and trainer agree). Prompt targets are excluded: their sampler
-    logprobs are 0 placeholders, which is why the server's ``ratio:mean`` metric reads low."""
+    logprobs are 0 placeholders (the server's ``ratio:mean`` leaves them out too)."""
     ratios, diffs = [], []
     for datum, out, n in zip(data, output.loss_fn_outputs, prompt_lengths):
         diff = out["logprobs"].to_numpy()[n - 1:] - datum.loss_fn_inputs["logprobs"].to_numpy()[n - 1:]

@@ -20,7 +20,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from temper.services.lora.model import LoraModel
-from temper.services.trainer.losses import LOSS_FNS
+from temper.services.trainer.losses import LOSS_FNS, loss_positions
 from temper.services.trainer.target_logprobs import target_logprobs
 
 
@@ -167,7 +167,7 @@ def pack_rows(batch: list[Row], device: torch.device) -> tuple[torch.Tensor, tor
 
 def apply_losses(lp: torch.Tensor, mask: torch.Tensor, groups: list[LossGroup], batch: list[Row]):
     """Each group's loss on its rows of ``lp`` (B, T, K): the elementwise loss (B, T, K), zero on
-    padding, and per group {stat: (sum over real tokens, token count)}."""
+    padding, and per group {stat: (sum over the positions carrying loss, their count)}."""
     width, k = lp.shape[1], lp.shape[2]
     by_group: dict[int, list[int]] = defaultdict(list)
     for r, row in enumerate(batch):
@@ -179,26 +179,38 @@ def apply_losses(lp: torch.Tensor, mask: torch.Tensor, groups: list[LossGroup], 
         index = torch.tensor(rs, device=lp.device)
         ki = max(columns(batch[r].datum.inputs["target_tokens"]) for r in rs)
         inputs = {}
-        for name in group.data[0].inputs:
-            if name == "target_tokens":
-                continue
+        # An optional input (gspo's sequence_ratio_mask) may come with some datums only: the rows
+        # without it are NaN, which the loss reads as "absent" (validation refuses NaN values).
+        names = dict.fromkeys(name for r in rs for name in batch[r].datum.inputs if name != "target_tokens")
+        for name in names:
             values = torch.zeros(len(rs), width, ki, dtype=torch.float32)
             for j, r in enumerate(rs):
-                arr = torch.tensor(batch[r].datum.inputs[name], dtype=torch.float32)
+                given = batch[r].datum.inputs.get(name)
+                if given is None:
+                    values[j] = float("nan")
+                    continue
+                arr = torch.tensor(given, dtype=torch.float32)
                 values[j, : arr.shape[0], : columns(arr)] = arr.reshape(arr.shape[0], -1)
             inputs[name] = values.to(lp.device)
         group_lp = lp.index_select(0, index)[:, :, :ki]
         valid = mask.index_select(0, index)[:, :, None].expand_as(group_lp)
         if ki == 1:  # per-token losses see (B, T) tensors
-            loss, extra = LOSS_FNS[group.loss_fn](group_lp[..., 0], {n: v[..., 0] for n, v in inputs.items()}, group.config)
+            flat = {n: v[..., 0] for n, v in inputs.items()}
+            loss, extra = LOSS_FNS[group.loss_fn](group_lp[..., 0], flat, group.config)
             loss, extra = loss[..., None], {n: v[..., None] for n, v in extra.items()}
+            carrying = loss_positions(flat)[..., None]
         else:
             loss, extra = LOSS_FNS[group.loss_fn](group_lp, inputs, group.config)
+            carrying = loss_positions(inputs)
         loss = loss * valid
         padded = torch.zeros(len(rs), width, k, dtype=loss.dtype, device=loss.device)
         padded[:, :, :ki] = loss
         elementwise = elementwise.index_add(0, index, padded)
-        stats[i] = {name: (float((v * valid).sum()), float(valid.sum())) for name, v in extra.items()}
+        # Statistics average over the positions that carry loss, not over prompt targets (whose
+        # sampler logprob 0 would pull ratio:mean far below 1 on an on-policy batch).
+        counted = valid & carrying
+        stats[i] = {name: (float(torch.where(counted, v, torch.zeros_like(v)).sum()), float(counted.sum()))
+                    for name, v in extra.items()}
     return elementwise, stats
 
 
