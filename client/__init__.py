@@ -1,21 +1,57 @@
-"""The Temper client: Tinker-shaped ServiceClient / TrainingClient / SamplingClient over gRPC.
+"""The Temper client: Tinker-shaped ServiceClient / TrainingClient / SamplingClient / RestClient over gRPC.
 
-Imports only grpc, protobuf and numpy (no torch, transformers or SQLAlchemy).
+A Tinker script runs on it by changing its imports (``import temper.client as tinker``, ``from
+temper.client import types``). Imports only grpc, protobuf and numpy (no torch, transformers or
+SQLAlchemy); get_tokenizer and forward_backward_custom import transformers / torch when called.
 """
 
 from temper.client import types
-from temper.client.futures import APIFuture
+from temper.client.errors import (
+    APIConnectionError,
+    APIError,
+    APIResponseValidationError,
+    APIStatusError,
+    APITimeoutError,
+    AuthenticationError,
+    BadRequestError,
+    BillingError,
+    ConflictError,
+    InternalServerError,
+    NotFoundError,
+    PermissionDeniedError,
+    RateLimitError,
+    RequestFailedError,
+    TinkerError,
+    UnprocessableEntityError,
+    UnsupportedError,
+)
+from temper.client.futures import APIFuture, ClientFuture
+from temper.client.rest_client import RestClient
 from temper.client.sampling_client import SamplingClient
 from temper.client.service_client import ServiceClient
 from temper.client.training_client import TrainingClient
 from temper.client.types import (
+    AdamOptimizerConfig,
     AdamParams,
+    Checkpoint,
+    CheckpointType,
     Datum,
     EncodedTextChunk,
+    ForwardBackwardOutput,
     LoraConfig,
+    ModelID,
     ModelInput,
+    ModelInputChunk,
+    OptimParams,
+    OptimStepResponse,
+    ParsedCheckpointTinkerPath,
+    SampledSequence,
+    SampleResponse,
     SamplingParams,
+    StopReason,
     TensorData,
+    TensorDtype,
+    TrainingRun,
 )
 from temper.common.errors import (
     AlreadyExists,
@@ -29,7 +65,13 @@ from temper.common.errors import (
 )
 
 __all__ = [
-    "APIFuture", "AdamParams", "AlreadyExists", "Datum", "EncodedTextChunk", "FailedPrecondition", "InvalidArgument",
-    "LoraConfig", "ModelInput", "NotFound", "ResourceExhausted", "SamplingClient", "SamplingParams", "ServiceClient",
-    "TemperError", "TensorData", "TrainingClient", "Unauthenticated", "Unavailable", "types",
+    "APIConnectionError", "APIError", "APIFuture", "APIResponseValidationError", "APIStatusError", "APITimeoutError",
+    "AdamOptimizerConfig", "AdamParams", "AlreadyExists", "AuthenticationError", "BadRequestError", "BillingError",
+    "Checkpoint", "CheckpointType", "ClientFuture", "ConflictError", "Datum", "EncodedTextChunk", "FailedPrecondition",
+    "ForwardBackwardOutput", "InternalServerError", "InvalidArgument", "LoraConfig", "ModelID", "ModelInput",
+    "ModelInputChunk", "NotFound", "NotFoundError", "OptimParams", "OptimStepResponse", "ParsedCheckpointTinkerPath",
+    "PermissionDeniedError", "RateLimitError", "RequestFailedError", "ResourceExhausted", "RestClient",
+    "SampleResponse", "SampledSequence", "SamplingClient", "SamplingParams", "ServiceClient", "StopReason",
+    "TemperError", "TensorData", "TensorDtype", "TinkerError", "TrainingClient", "TrainingRun", "Unauthenticated",
+    "Unavailable", "UnprocessableEntityError", "UnsupportedError", "types",
 ]

@@ -30,3 +30,31 @@ class APIFuture(Generic[T]):
 
     def future(self) -> concurrent.futures.Future:
         return self._future
+
+
+def completed(value: T) -> APIFuture[T]:
+    """An APIFuture that is already done (for calls answered without the server)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result(value)
+    return APIFuture(future)
+
+
+class ClientFuture(APIFuture[T]):
+    """What the creation calls return, as the Tinker SDK's back-compat futures do: a future of the
+    client (``.result()``, ``await``) that can also be used as the client itself. Creation goes on in
+    the background; the first use of an attribute waits for it (and raises its error, if any)."""
+
+    def __getattr__(self, name: str):
+        # Only names the future lacks get here (result, done, ... are its own).
+        if name.startswith("__") or name in ("_future", "_transform"):
+            raise AttributeError(name)
+        return getattr(self.result(), name)
+
+    def __repr__(self) -> str:
+        if not self._future.done():
+            state = "pending"
+        elif self._future.exception() is not None:
+            state = f"failed: {self._future.exception()!r}"
+        else:
+            state = repr(self._future.result())
+        return f"<{type(self).__name__}: {state}>"

@@ -11,7 +11,8 @@ from typing import Any, Awaitable, Callable
 
 import grpc
 
-from temper.common.errors import from_rpc_error, is_hard_limit
+from temper.client.errors import APIConnectionError, from_rpc_error
+from temper.common.errors import is_hard_limit
 from temper.common.server_options import CHANNEL_OPTIONS
 from temper.common.tls import channel_credentials
 from temper.v1 import service_pb2_grpc
@@ -19,6 +20,34 @@ from temper.v1 import service_pb2_grpc
 # Safe to resend: training verbs carry a (run, seq) the scheduler deduplicates; the rest are reads
 # or creations that fail before anything is recorded.
 RETRY_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+DEFAULT_BASE_URL = "127.0.0.1:50051"
+DEFAULT_CONNECT_TIMEOUT = 30.0
+GRPC_HINT = ("temper.client speaks gRPC to the Temper scheduler (host:port, grpc:// or grpcs://); the Tinker SDK's "
+             "http(s):// URL is the HTTP gateway's")
+
+
+def resolve_base_url(base_url: str | None) -> str:
+    """``base_url``, else TEMPER_BASE_URL, else TEMPER_ADDRESS, else TINKER_BASE_URL when it is a gRPC
+    address (a Tinker script's environment), else the local default. An http(s):// TINKER_BASE_URL
+    points the official SDK at the gateway: it is not ours to use, and guessing the scheduler's
+    address from it would be wrong, so it is an error unless a TEMPER_ variable names the address."""
+    for value in (base_url, os.environ.get("TEMPER_BASE_URL"), os.environ.get("TEMPER_ADDRESS")):
+        if value:
+            return value
+    tinker_url = os.environ.get("TINKER_BASE_URL")
+    if tinker_url:
+        if tinker_url.startswith(("http://", "https://")):
+            raise ValueError(f"TINKER_BASE_URL={tinker_url} is an HTTP address: {GRPC_HINT}. Set TEMPER_BASE_URL "
+                             f"(or TEMPER_ADDRESS, or base_url=) to the scheduler's gRPC address, e.g. {DEFAULT_BASE_URL}")
+        return tinker_url
+    return DEFAULT_BASE_URL
+
+
+def connect_timeout_setting(value: float | None) -> float:
+    """``connect_timeout``, else TEMPER_CONNECT_TIMEOUT (seconds), else 30 s; 0 waits forever."""
+    if value is not None:
+        return float(value)
+    return float(os.environ.get("TEMPER_CONNECT_TIMEOUT") or DEFAULT_CONNECT_TIMEOUT)
 
 
 def resolve_target(base_url: str, root_certificates: bytes | None = None) -> tuple[str, grpc.ChannelCredentials | None]:
@@ -30,7 +59,7 @@ def resolve_target(base_url: str, root_certificates: bytes | None = None) -> tup
     if not sep:
         scheme, target = "", base_url
     if scheme not in ("", "grpc", "grpcs"):
-        raise ValueError(f"base URL {base_url!r}: the scheme is grpc:// (plaintext) or grpcs:// (TLS)")
+        raise ValueError(f"base URL {base_url!r}: the scheme is grpc:// (plaintext) or grpcs:// (TLS); {GRPC_HINT}")
     ca_file = os.environ.get("TEMPER_TLS_CA_FILE") or None
     if scheme == "grpc":
         if root_certificates is not None:
@@ -43,10 +72,23 @@ def resolve_target(base_url: str, root_certificates: bytes | None = None) -> tup
     return target, credentials
 
 
+def open_runtime(base_url: str | None, api_key: str | None, timeout: float | None = None,
+                 root_certificates: bytes | None = None, connect_timeout: float | None = None) -> "Runtime":
+    """A connected Runtime for ServiceClient and RestClient: the address from ``resolve_base_url``,
+    the key from ``api_key``, else TEMPER_API_KEY, else TINKER_API_KEY (the key says who you are:
+    the server has no other notion of a tenant)."""
+    target, credentials = resolve_target(resolve_base_url(base_url), root_certificates)
+    api_key = api_key or os.environ.get("TEMPER_API_KEY") or os.environ.get("TINKER_API_KEY")
+    metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
+    return Runtime(target, metadata, timeout=timeout, credentials=credentials,
+                   connect_timeout=connect_timeout_setting(connect_timeout))
+
+
 class Runtime:
     def __init__(self, target: str, metadata: list[tuple[str, str]], max_retries: int = 8, timeout: float | None = None,
-                 credentials: grpc.ChannelCredentials | None = None):
-        """``target``: host:port; ``credentials``: TLS (``resolve_target``), None for plaintext."""
+                 credentials: grpc.ChannelCredentials | None = None, connect_timeout: float = 0.0):
+        """``target``: host:port; ``credentials``: TLS (``resolve_target``), None for plaintext;
+        ``connect_timeout``: seconds to wait for the first connection (0: forever), then APIConnectionError."""
         self.metadata = metadata
         self.credentials = credentials
         self.max_retries = max_retries
@@ -54,13 +96,28 @@ class Runtime:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="temper-client", daemon=True)
         self._thread.start()
-        self.stub: service_pb2_grpc.TemperStub = self.call_soon(self._connect(target)).result()
+        try:
+            self.stub: service_pb2_grpc.TemperStub = self.call_soon(self._connect(target, connect_timeout)).result()
+        except BaseException:
+            self._stop_loop()
+            raise
 
-    async def _connect(self, target: str):
+    async def _connect(self, target: str, connect_timeout: float):
         if self.credentials is None:
             self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         else:
             self.channel = grpc.aio.secure_channel(target, self.credentials, options=CHANNEL_OPTIONS)
+        if connect_timeout > 0:
+            # Calls wait for the channel (wait_for_ready: a restarting scheduler is waited for), so a
+            # wrong or dead address would hang the first call forever: it is checked once, here.
+            try:
+                await asyncio.wait_for(self.channel.channel_ready(), connect_timeout)
+            except asyncio.TimeoutError:
+                await self.channel.close()
+                raise APIConnectionError(
+                    f"could not connect to a Temper scheduler at {target} within {connect_timeout:g} s. Is it running "
+                    f"there? {GRPC_HINT}. Set the address with base_url= or TEMPER_BASE_URL, and the wait with "
+                    f"connect_timeout= or TEMPER_CONNECT_TIMEOUT") from None
         return service_pb2_grpc.TemperStub(self.channel)
 
     def call_soon(self, coro: Awaitable[Any]):
@@ -99,6 +156,9 @@ class Runtime:
         if self.loop.is_closed():
             return
         self.call_soon(self.channel.close()).result(timeout=5)
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
         self.loop.close()

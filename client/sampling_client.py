@@ -6,7 +6,9 @@ from typing import TYPE_CHECKING, Any
 
 from temper.client import convert
 from temper.client import types as t
+from temper.client.errors import unsupported
 from temper.client.futures import APIFuture
+from temper.client.tokenizer import load_tokenizer
 from temper.v1 import service_pb2
 
 if TYPE_CHECKING:
@@ -24,24 +26,49 @@ class SamplingClient:
 
     def sample(
         self, prompt: t.ModelInput, num_samples: int = 1, sampling_params: t.SamplingParams | None = None,
-        include_prompt_logprobs: bool = False, topk_logprobs: int = 0,
+        include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0,
+        target_prompt_logprobs: t.TensorData | None = None, prompt_alt_tokens_k: int = 0,
+        prompt_logprobs_last_n: int | None = None, *, topk_logprobs: int | None = None,
     ) -> APIFuture[t.SampleResponse]:
+        """Tinker's arguments, in Tinker's order. ``topk_sample_logprobs`` (``topk_logprobs``, its
+        older Temper name) returns the k most likely tokens at each generated position."""
+        for name, value in (("topk_prompt_logprobs", topk_prompt_logprobs), ("target_prompt_logprobs", target_prompt_logprobs),
+                            ("prompt_alt_tokens_k", prompt_alt_tokens_k), ("prompt_logprobs_last_n", prompt_logprobs_last_n)):
+            if value:
+                raise unsupported(f"sample({name}=...)", "sample with include_prompt_logprobs=True, or compute_logprobs")
         request = service_pb2.SampleRequest(
             sampler_id=self.sampler_id, prompt=convert.model_input_to_proto(prompt), num_samples=num_samples,
             sampling_params=convert.sampling_params_to_proto(sampling_params or t.SamplingParams()),
-            include_prompt_logprobs=include_prompt_logprobs, topk_logprobs=topk_logprobs,
+            include_prompt_logprobs=include_prompt_logprobs, topk_logprobs=topk_logprobs or topk_sample_logprobs,
         )
         return APIFuture(self._runtime.rpc("Sample", request), convert.sample_from_proto)
 
-    def compute_logprobs(self, prompt: t.ModelInput) -> APIFuture[list[float | None]]:
-        """log p(token_i | tokens_<i) for each prompt token; the first is None."""
+    async def sample_async(self, *args: Any, **kwargs: Any) -> t.SampleResponse:
+        return await self.sample(*args, **kwargs)
+
+    def compute_logprobs(self, prompt: t.ModelInput, prompt_logprobs_last_n: int | None = None) -> APIFuture[list[float | None]]:
+        """log p(token_i | tokens_<i) for each prompt token; the first is None. ``prompt_logprobs_last_n``:
+        only the last N are given, earlier ones are None (as in Tinker; Temper still computes them all)."""
+        if prompt_logprobs_last_n is not None and not 1 <= prompt_logprobs_last_n <= prompt.length - 1:
+            raise ValueError(f"prompt_logprobs_last_n must be in [1, {prompt.length - 1}], got {prompt_logprobs_last_n}")
         request = service_pb2.ComputeLogprobsRequest(sampler_id=self.sampler_id, prompt=convert.model_input_to_proto(prompt))
-        return APIFuture(self._runtime.rpc("ComputeLogprobs", request), lambda r: convert.logprobs_list(r.logprobs))
+
+        def done(r) -> list[float | None]:
+            logprobs = convert.logprobs_list(r.logprobs)
+            if prompt_logprobs_last_n is not None:
+                logprobs[: len(logprobs) - prompt_logprobs_last_n] = [None] * (len(logprobs) - prompt_logprobs_last_n)
+            return logprobs
+
+        return APIFuture(self._runtime.rpc("ComputeLogprobs", request), done)
+
+    async def compute_logprobs_async(self, prompt: t.ModelInput, prompt_logprobs_last_n: int | None = None) -> list[float | None]:
+        return await self.compute_logprobs(prompt, prompt_logprobs_last_n)
 
     def get_base_model(self) -> str:
         return self.base_model
 
-    def get_tokenizer(self) -> Any:
-        from transformers import AutoTokenizer
+    async def get_base_model_async(self) -> str:
+        return self.base_model
 
-        return AutoTokenizer.from_pretrained(self.tokenizer_id)
+    def get_tokenizer(self) -> Any:
+        return load_tokenizer(self._runtime, self.base_model, self.tokenizer_id)

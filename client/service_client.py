@@ -1,37 +1,56 @@
 """ServiceClient: the entry point. Opens a session on the scheduler, keeps it alive with
-heartbeats, and creates training and sampling clients."""
+heartbeats, and creates training and sampling clients. Shaped as the Tinker SDK's: the creation
+calls return a future of the client that also works as the client (futures.ClientFuture)."""
 
 from __future__ import annotations
 
 import os
 import threading
+import warnings
 from pathlib import Path
+from typing import Any, Mapping
 
 from temper.client import convert
 from temper.client import types as t
-from temper.client.runtime import Runtime, resolve_target
+from temper.client.errors import unsupported
+from temper.client.futures import APIFuture, ClientFuture, completed
+from temper.client.rest_client import RestClient
+from temper.client.runtime import DEFAULT_BASE_URL, open_runtime  # noqa: F401  (DEFAULT_BASE_URL: public name)
 from temper.client.sampling_client import SamplingClient
 from temper.client.training_client import TrainingClient
 from temper.v1 import service_pb2
 
-DEFAULT_BASE_URL = "127.0.0.1:50051"
 HEARTBEAT_SECONDS = 10.0
 
 
 class ServiceClient:
-    def __init__(self, base_url: str | None = None, api_key: str | None = None, tags: list[str] | None = None,
-                 user_metadata: dict[str, str] | None = None, timeout: float | None = None,
-                 root_certificates: bytes | None = None):
-        """``base_url``: ``host:port`` or ``grpc://host:port`` (plaintext), ``grpcs://host:port`` (TLS);
-        TLS checks the server against ``root_certificates`` (PEM), else TEMPER_TLS_CA_FILE, else the
-        system's roots (runtime.resolve_target). ``api_key``: else TEMPER_API_KEY, else TINKER_API_KEY."""
-        target, credentials = resolve_target(base_url or os.environ.get("TEMPER_BASE_URL") or DEFAULT_BASE_URL, root_certificates)
-        # The key says who you are (the server has no other notion of a tenant).
-        api_key = api_key or os.environ.get("TEMPER_API_KEY") or os.environ.get("TINKER_API_KEY")
-        metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
-        self.runtime = Runtime(target, metadata, timeout=timeout, credentials=credentials)
-        request = service_pb2.CreateSessionRequest(tags=tags or [], user_metadata=user_metadata or {})
-        self.session_id = self.runtime.rpc("CreateSession", request).result().session_id
+    def __init__(self, *args: Any, base_url: str | None = None, api_key: str | None = None,
+                 user_metadata: dict[str, str] | None = None, project_id: str | None = None, tags: list[str] | None = None,
+                 timeout: float | None = None, root_certificates: bytes | None = None, connect_timeout: float | None = None,
+                 display_name: str | None = None, **kwargs: Any):
+        """Positional arguments are Tinker's ``(user_metadata, project_id)`` or Temper's ``(base_url, api_key)``.
+
+        ``base_url``: ``host:port`` or ``grpc://host:port`` (plaintext), ``grpcs://host:port`` (TLS), else
+        TEMPER_BASE_URL, TEMPER_ADDRESS, or a gRPC TINKER_BASE_URL (runtime.resolve_base_url); TLS checks
+        the server against ``root_certificates`` (PEM), else TEMPER_TLS_CA_FILE, else the system's roots.
+        ``api_key``: else TEMPER_API_KEY, else TINKER_API_KEY. ``connect_timeout``: seconds to reach the
+        scheduler before failing (else TEMPER_CONNECT_TIMEOUT, else 30). ``project_id`` (else
+        TINKER_PROJECT_ID) and ``display_name``: Temper has no projects; both are recorded as session tags."""
+        if args and isinstance(args[0], str):
+            base_url, api_key = (list(args) + [api_key])[:2] if base_url is None else (base_url, api_key)
+        elif args:
+            user_metadata, project_id = (list(args) + [project_id])[:2]
+        if kwargs:
+            warnings.warn(f"ServiceClient ignores unsupported arguments: {', '.join(sorted(kwargs))}", FutureWarning, stacklevel=2)
+        project_id = project_id or os.environ.get("TINKER_PROJECT_ID") or None
+        tags = [*(tags or []), *([f"project:{project_id}"] if project_id else []), *([f"name:{display_name}"] if display_name else [])]
+        self.runtime = open_runtime(base_url, api_key, timeout, root_certificates, connect_timeout)
+        request = service_pb2.CreateSessionRequest(tags=tags, user_metadata=dict(user_metadata or {}))
+        try:
+            self.session_id = self.runtime.rpc("CreateSession", request).result().session_id
+        except BaseException:
+            self.runtime.close()
+            raise
         self._closed = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, name="temper-heartbeat", daemon=True)
         self._heartbeat.start()
@@ -43,41 +62,102 @@ class ServiceClient:
             except Exception:  # noqa: BLE001 - a missed heartbeat is retried on the next tick
                 pass
 
-    # ---- factories ----------------------------------------------------------------------------
+    # ---- factories: each returns a future of the client, usable as the client -----------------
 
     def create_lora_training_client(
         self, base_model: str, rank: int = 32, seed: int | None = None, train_mlp: bool = True, train_attn: bool = True,
-        train_unembed: bool = True, alpha: float | None = None, dropout: float = 0.0, user_metadata: dict[str, str] | None = None,
-    ) -> TrainingClient:
+        train_unembed: bool = True, user_metadata: dict[str, str] | None = None, optimizer: Any = None, *,
+        alpha: float | None = None, dropout: float = 0.0,
+    ) -> ClientFuture[TrainingClient]:
+        """``optimizer``: None or AdamW (Tinker's AdamOptimizerConfig); Temper has no other."""
+        _check_optimizer(optimizer)
         lora = t.LoraConfig(rank=rank, alpha=alpha, seed=seed, train_attn=train_attn, train_mlp=train_mlp,
                             train_unembed=train_unembed, dropout=dropout)
         request = service_pb2.CreateTrainingRunRequest(
             session_id=self.session_id, base_model=base_model, lora_config=convert.lora_to_proto(lora), user_metadata=user_metadata or {}
         )
-        return TrainingClient(self, self.runtime.rpc("CreateTrainingRun", request).result())
+
+        async def create() -> TrainingClient:
+            return TrainingClient(self, await self.runtime._call("CreateTrainingRun", request))
+
+        return ClientFuture(self.runtime.call_soon(create()))
+
+    async def create_lora_training_client_async(self, *args: Any, **kwargs: Any) -> TrainingClient:
+        return await self.create_lora_training_client(*args, **kwargs)
+
+    def create_training_client_from_state(self, path: str, base_model: str | None = None, user_metadata: dict[str, str] | None = None,
+                                          weights_access_token: str | None = None, optimizer: Any = None) -> ClientFuture[TrainingClient]:
+        """A new run with the LoRA config of the checkpoint's run, its weights loaded (a fresh optimizer)."""
+        _check_optimizer(optimizer)
+        return self._from_state(path, base_model, user_metadata, with_optimizer=False)
+
+    def create_training_client_from_state_with_optimizer(self, path: str, base_model: str | None = None,
+                                                         user_metadata: dict[str, str] | None = None,
+                                                         weights_access_token: str | None = None) -> ClientFuture[TrainingClient]:
+        """As create_training_client_from_state, with the checkpoint's optimizer state too (exact resume)."""
+        return self._from_state(path, base_model, user_metadata, with_optimizer=True)
+
+    async def create_training_client_from_state_async(self, *args: Any, **kwargs: Any) -> TrainingClient:
+        return await self.create_training_client_from_state(*args, **kwargs)
+
+    async def create_training_client_from_state_with_optimizer_async(self, *args: Any, **kwargs: Any) -> TrainingClient:
+        return await self.create_training_client_from_state_with_optimizer(*args, **kwargs)
+
+    def _from_state(self, path: str, base_model: str | None, user_metadata: dict[str, str] | None,
+                    with_optimizer: bool) -> ClientFuture[TrainingClient]:
+        source_run = t.ParsedCheckpointTinkerPath.from_tinker_path(path).training_run_id
+
+        async def create() -> TrainingClient:
+            # The source run says the LoRA shape (GetInfo: the caller's own runs only).
+            source = await self.runtime._call("GetInfo", service_pb2.GetInfoRequest(training_run_id=source_run))
+            info = await self.runtime._call("CreateTrainingRun", service_pb2.CreateTrainingRunRequest(
+                session_id=self.session_id, base_model=base_model or source.base_model, lora_config=source.lora_config,
+                user_metadata=user_metadata or {}))
+            client = TrainingClient(self, info)
+            await client._load(path, with_optimizer)
+            return client
+
+        return ClientFuture(self.runtime.call_soon(create()))
 
     def training_client(self, training_run_id: str) -> TrainingClient:
         """Reattach to an existing run (its next seq_id comes from the server)."""
         info = self.runtime.rpc("GetInfo", service_pb2.GetInfoRequest(training_run_id=training_run_id)).result()
         return TrainingClient(self, info)
 
-    def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None) -> SamplingClient:
+    def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None, retry_config: Any = None,
+                               record_stability_info: bool = False) -> ClientFuture[SamplingClient]:
         if (model_path is None) == (base_model is None):
             raise ValueError("give exactly one of model_path or base_model")
+        self._check_sampling_options(record_stability_info)
+        return ClientFuture(self.runtime.call_soon(self._new_sampling_client(model_path, base_model)))
+
+    async def create_sampling_client_async(self, *args: Any, **kwargs: Any) -> SamplingClient:
+        return await self.create_sampling_client(*args, **kwargs)
+
+    async def _new_sampling_client(self, model_path: str | None = None, base_model: str | None = None) -> SamplingClient:
         request = service_pb2.CreateSamplingClientRequest(session_id=self.session_id)
         if model_path is not None:
             request.model_path = model_path
         else:
             request.base_model = base_model
-        return SamplingClient(self, self.runtime.rpc("CreateSamplingClient", request).result())
+        return SamplingClient(self, await self.runtime._call("CreateSamplingClient", request))
+
+    @staticmethod
+    def _check_sampling_options(record_stability_info: bool) -> None:
+        if record_stability_info:
+            raise unsupported("record_stability_info=True (StableReinforce sampling records)")
+
+    def create_rest_client(self) -> RestClient:
+        """Training runs and checkpoints, with the Tinker RestClient's method names (on this connection)."""
+        return RestClient(self.runtime)
 
     # ---- queries ------------------------------------------------------------------------------
 
     def get_server_capabilities(self) -> t.GetServerCapabilitiesResponse:
-        r = self.runtime.rpc("GetServerCapabilities", service_pb2.GetServerCapabilitiesRequest()).result()
-        return t.GetServerCapabilitiesResponse([
-            t.SupportedModel(m.model_name, m.max_context_length, m.trainable, m.sampleable) for m in r.supported_models
-        ])
+        return self.create_rest_client().get_server_capabilities().result()
+
+    async def get_server_capabilities_async(self) -> t.GetServerCapabilitiesResponse:
+        return await self.create_rest_client().get_server_capabilities()
 
     def get_usage(self) -> dict:
         """This tenant's usage: tokens trained and sampled, optimizer steps, per run and in total."""
@@ -130,17 +210,25 @@ class ServiceClient:
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
-    def close(self, status: str = "success") -> None:
+    def close(self, status: str = "success", detail: str | None = None) -> APIFuture[None]:
+        """Ends the session; returns a done future (Tinker's close returns one to wait on)."""
         if self._closed.is_set():
-            return
+            return completed(None)
         self._closed.set()
         try:
             self.runtime.rpc("CloseSession", service_pb2.CloseSessionRequest(session_id=self.session_id, status=status)).result(timeout=10)
         finally:
             self.runtime.close()
+        return completed(None)
 
     def __enter__(self) -> "ServiceClient":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close("success" if exc_type is None else "errored")
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    kind = getattr(optimizer, "type", None) or (optimizer.get("type") if isinstance(optimizer, Mapping) else None)
+    if optimizer is not None and kind not in ("adamw", None):
+        raise unsupported(f"optimizer type {kind!r}", "Temper trains with AdamW")

@@ -12,13 +12,16 @@ import contextlib
 import itertools
 import threading
 import uuid
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from temper.client import convert
 from temper.client import types as t
-from temper.client.futures import APIFuture
+from temper.client.errors import NotFoundError, unsupported
+from temper.client.futures import APIFuture, ClientFuture
+from temper.client.tokenizer import load_tokenizer
 from temper.v1 import service_pb2, types_pb2
 
 if TYPE_CHECKING:
@@ -62,14 +65,27 @@ class TrainingClient:
         request.seq_id = self._next_seq()
         return APIFuture(self._runtime.rpc("ForwardBackward", request), convert.forward_backward_from_proto)
 
+    async def forward_async(self, *args: Any, **kwargs: Any) -> APIFuture[t.ForwardBackwardOutput]:
+        """As Tinker's ``*_async`` verbs: awaiting submits and gives the future (await it too)."""
+        return self.forward(*args, **kwargs)
+
+    async def forward_backward_async(self, *args: Any, **kwargs: Any) -> APIFuture[t.ForwardBackwardOutput]:
+        return self.forward_backward(*args, **kwargs)
+
     def forward_backward_custom(
-        self, data: Sequence[t.Datum], loss_fn: Callable[[Sequence[t.Datum], list[Any]], tuple[Any, dict[str, float]]]
+        self, data: Sequence[t.Datum], loss_fn: Callable[[Sequence[t.Datum], list[Any]], tuple[Any, dict[str, float]]],
+        *, loss_type_input: str | None = None,
     ) -> APIFuture[t.ForwardBackwardOutput]:
         """A loss written in torch on the client, as in the Tinker SDK: a forward pass returns each
         datum's target logprobs, ``loss_fn(data, logprobs)`` gives (loss, metrics), and a
         cross_entropy backward with weights = -dloss/dlogprobs puts exactly that gradient into the
-        adapter. Needs torch on the client."""
+        adapter. Needs torch on the client. (Tinker's traced ``LossHandle`` losses are not supported.)"""
         import torch
+
+        if loss_type_input not in (None, "logprobs"):
+            raise ValueError(f"loss_type_input must be 'logprobs' or None, got {loss_type_input!r}")
+        if not callable(loss_fn):
+            raise unsupported("forward_backward_custom with a LossHandle (create_custom_loss)", "pass the loss function itself")
 
         def zeros_like_targets(d: t.Datum) -> t.TensorData:
             shape = d.loss_fn_inputs["target_tokens"].to_numpy().shape
@@ -120,12 +136,20 @@ class TrainingClient:
 
         return APIFuture(self._runtime.call_soon(run()))
 
-    def optim_step(self, adam_params: t.AdamParams | None = None) -> APIFuture[t.OptimStepResponse]:
-        request = service_pb2.OptimStepRequest(
-            training_run_id=self.model_id, adam_params=convert.adam_to_proto(adam_params or t.AdamParams())
-        )
+    async def forward_backward_custom_async(self, *args: Any, **kwargs: Any) -> APIFuture[t.ForwardBackwardOutput]:
+        return self.forward_backward_custom(*args, **kwargs)
+
+    def optim_step(self, optim_params: t.AdamParams | None = None, *, adam_params: t.AdamParams | None = None) -> APIFuture[t.OptimStepResponse]:
+        """``optim_params`` or ``adam_params`` (Tinker's two names): Adam only, Temper has no other optimizer."""
+        params = optim_params or adam_params or t.AdamParams()
+        if not isinstance(params, t.AdamParams):
+            raise unsupported(f"the optimizer of {type(params).__name__}", "Temper trains with AdamW (AdamParams)")
+        request = service_pb2.OptimStepRequest(training_run_id=self.model_id, adam_params=convert.adam_to_proto(params))
         request.seq_id = self._next_seq()
         return APIFuture(self._runtime.rpc("OptimStep", request), lambda r: t.OptimStepResponse(metrics=t.metrics_dict(r.metrics)))
+
+    async def optim_step_async(self, *args: Any, **kwargs: Any) -> APIFuture[t.OptimStepResponse]:
+        return self.optim_step(*args, **kwargs)
 
     # ---- checkpoints --------------------------------------------------------------------------
 
@@ -134,17 +158,35 @@ class TrainingClient:
                                                  ttl_seconds=ttl_seconds or 0, ephemeral=ephemeral)
         return self._runtime.rpc("SaveWeights", request)
 
-    def save_state(self, name: str, ttl_seconds: int | None = None) -> APIFuture[t.SaveWeightsResponse]:
+    def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
+                   user_metadata: dict[str, str] | None = None) -> APIFuture[t.SaveWeightsResponse]:
         """Adapter weights + optimizer state: resumable with load_state_with_optimizer. ``ttl_seconds``:
-        deleted that long after saving (None: kept until deleted)."""
+        deleted that long after saving (None: kept until deleted). ``overwrite``: delete a checkpoint of
+        that name first (else a taken name is refused)."""
+        _metadata_not_stored(user_metadata)
+        if overwrite:
+            self._delete_if_exists(f"tinker://{self.model_id}/weights/{name}")
+
         def done(r):
             return t.SaveWeightsResponse(path=r.checkpoint.path, checkpoint=convert.checkpoint_from_proto(r.checkpoint))
 
         return APIFuture(self._save(name, types_pb2.CHECKPOINT_KIND_TRAINING, ttl_seconds), done)
 
-    def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None) -> APIFuture[t.SaveWeightsForSamplerResponse]:
+    async def save_state_async(self, *args: Any, **kwargs: Any) -> APIFuture[t.SaveWeightsResponse]:
+        return self.save_state(*args, **kwargs)
+
+    def _delete_if_exists(self, path: str) -> None:
+        with contextlib.suppress(NotFoundError):
+            self.service.delete_checkpoint(path)
+
+    def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None,
+                                 user_metadata: dict[str, str] | None = None) -> APIFuture[t.SaveWeightsForSamplerResponse]:
         """Adapter weights only (peft format), pushed to the samplers."""
+        _metadata_not_stored(user_metadata)
         return self._save_for_sampler(name, ttl_seconds)
+
+    async def save_weights_for_sampler_async(self, *args: Any, **kwargs: Any) -> APIFuture[t.SaveWeightsForSamplerResponse]:
+        return self.save_weights_for_sampler(*args, **kwargs)
 
     def _save_for_sampler(self, name: str, ttl_seconds: int | None = None, ephemeral: bool = False):
         def done(r):
@@ -152,20 +194,39 @@ class TrainingClient:
 
         return APIFuture(self._save(name, types_pb2.CHECKPOINT_KIND_SAMPLER, ttl_seconds, ephemeral), done)
 
-    def save_weights_and_get_sampling_client(self, name: str | None = None) -> "SamplingClient":
-        """Without a name the weights are an unlisted snapshot, deleted once no sampling client has used
-        it for a while (TEMPER_SCHEDULER_SNAPSHOT_IDLE_SECONDS) and a newer one exists."""
+    def save_weights_and_get_sampling_client(self, name: str | None = None, retry_config: Any = None,
+                                             record_stability_info: bool = False, kind: str = "snapshot") -> "ClientFuture[SamplingClient]":
+        """A future of the SamplingClient, usable as the client itself. Without a name the weights are an
+        unlisted snapshot, deleted once no sampling client has used it for a while
+        (TEMPER_SCHEDULER_SNAPSHOT_IDLE_SECONDS) and a newer one exists."""
+        if kind != "snapshot":
+            raise unsupported(f"save_weights_and_get_sampling_client(kind={kind!r})", "only kind='snapshot'")
+        self.service._check_sampling_options(record_stability_info)
         if name is None:
-            path = self._save_for_sampler(f"snapshot-{uuid.uuid4().hex[:12]}", ephemeral=True).result().path
+            saved = self._save_for_sampler(f"snapshot-{uuid.uuid4().hex[:12]}", ephemeral=True)
         else:
-            path = self.save_weights_for_sampler(name).result().path
-        return self.service.create_sampling_client(model_path=path)
+            saved = self.save_weights_for_sampler(name)
 
-    def load_state(self, path: str) -> APIFuture[t.LoadWeightsResponse]:
+        async def create() -> "SamplingClient":
+            return await self.service._new_sampling_client(model_path=(await saved).path)
+
+        return ClientFuture(self._runtime.call_soon(create()))
+
+    async def save_weights_and_get_sampling_client_async(self, *args: Any, **kwargs: Any) -> "SamplingClient":
+        return await self.save_weights_and_get_sampling_client(*args, **kwargs)
+
+    def load_state(self, path: str, weights_access_token: str | None = None) -> APIFuture[t.LoadWeightsResponse]:
+        """``weights_access_token`` is not needed: another tenant's checkpoint loads once it is published."""
         return self._load(path, with_optimizer=False)
 
-    def load_state_with_optimizer(self, path: str) -> APIFuture[t.LoadWeightsResponse]:
+    async def load_state_async(self, *args: Any, **kwargs: Any) -> APIFuture[t.LoadWeightsResponse]:
+        return self.load_state(*args, **kwargs)
+
+    def load_state_with_optimizer(self, path: str, weights_access_token: str | None = None) -> APIFuture[t.LoadWeightsResponse]:
         return self._load(path, with_optimizer=True)
+
+    async def load_state_with_optimizer_async(self, *args: Any, **kwargs: Any) -> APIFuture[t.LoadWeightsResponse]:
+        return self.load_state_with_optimizer(*args, **kwargs)
 
     def _load(self, path: str, with_optimizer: bool) -> APIFuture[t.LoadWeightsResponse]:
         request = service_pb2.LoadWeightsRequest(
@@ -173,8 +234,12 @@ class TrainingClient:
         )
         return APIFuture(self._runtime.rpc("LoadWeights", request), lambda r: t.LoadWeightsResponse(path=r.path))
 
-    def create_sampling_client(self, model_path: str) -> "SamplingClient":
-        return self.service.create_sampling_client(model_path=model_path)
+    def create_sampling_client(self, model_path: str, retry_config: Any = None,
+                               record_stability_info: bool = False) -> "ClientFuture[SamplingClient]":
+        return self.service.create_sampling_client(model_path=model_path, record_stability_info=record_stability_info)
+
+    async def create_sampling_client_async(self, *args: Any, **kwargs: Any) -> "SamplingClient":
+        return await self.create_sampling_client(*args, **kwargs)
 
     def list_checkpoints(self) -> list[t.Checkpoint]:
         return self.service.list_checkpoints(self.model_id)
@@ -184,7 +249,15 @@ class TrainingClient:
     def get_info(self) -> t.GetInfoResponse:
         return self._info
 
-    def get_tokenizer(self) -> Any:
-        from transformers import AutoTokenizer
+    async def get_info_async(self) -> t.GetInfoResponse:
+        return self._info
 
-        return AutoTokenizer.from_pretrained(self._info.model_data.tokenizer_id)
+    def get_tokenizer(self) -> Any:
+        """The server's tokenizer, fetched from it on a machine without the model (cached: client/tokenizer.py)."""
+        return load_tokenizer(self._runtime, self._info.model_data.model_name, self._info.model_data.tokenizer_id)
+
+
+def _metadata_not_stored(user_metadata: dict[str, str] | None) -> None:
+    if user_metadata:
+        warnings.warn("Temper does not store checkpoint user_metadata (Checkpoint.user_metadata is None); "
+                      "run metadata is kept: create_lora_training_client(user_metadata=...)", stacklevel=3)

@@ -11,8 +11,19 @@ import numpy as np
 
 from temper.common.optim import AdamParams  # noqa: F401  (public here: temper.client.AdamParams)
 
-LossFnType = Literal["cross_entropy"]
+LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"]
 StopReason = Literal["stop", "length"]
+TensorDtype = Literal["int64", "float32"]
+CheckpointType = Literal["training", "sampler", "external"]
+ModelID = str
+OptimParams = AdamParams  # Temper's only optimizer is AdamW
+
+
+@dataclass(frozen=True)
+class AdamOptimizerConfig:
+    """Tinker's optimizer choice at run creation; AdamW is the only one Temper has."""
+
+    type: Literal["adamw"] = "adamw"
 
 
 @dataclass
@@ -48,15 +59,41 @@ class TensorData:
         return self.to_numpy().tolist()
 
 
-def as_tensor_data(value: Any) -> TensorData:
+# Tinker's dtypes for loss_fn_inputs by key (tinker.types.datum._KEY_TO_TYPE): a plain list of ints
+# given as "weights" is float32, as "target_tokens" int64. Keys not listed keep the list's kind.
+KEY_DTYPES = {
+    "target_tokens": "int64", "weights": "float32", "advantages": "float32", "logprobs": "float32",
+    "clip_low_threshold": "float32", "clip_high_threshold": "float32", "sequence_ratio_mask": "float32",
+}
+
+
+def as_tensor_data(value: Any, key: str | None = None) -> TensorData:
+    """``value`` (TensorData, numpy, torch, or a list) as TensorData, in the dtype Tinker gives ``key``.
+    Unlike the SDK, numpy and torch values of a float key are made float too (int weights would be
+    refused by the server anyway)."""
+    want = KEY_DTYPES.get(key or "")
     if isinstance(value, TensorData):
         return value
     if isinstance(value, np.ndarray):
-        return TensorData.from_numpy(value)
-    if type(value).__module__.startswith("torch"):
-        return TensorData.from_torch(value)
-    arr = np.asarray(value)
-    return TensorData.from_numpy(arr.astype(np.float32) if arr.dtype.kind == "f" else arr.astype(np.int64))
+        arr = value
+    elif type(value).__module__.startswith("torch"):
+        arr = value.detach().cpu().numpy()
+    else:
+        try:
+            arr = np.asarray(value)
+        except ValueError as exc:
+            raise ValueError(f"{key} must be a rectangular numeric array; ragged nested lists are not supported") from exc
+        if arr.dtype.kind not in "fiub":
+            raise TypeError(f"Unsupported loss_fn_inputs value for {key!r}: {type(value).__name__}")
+        if want is None:
+            want = "float32" if arr.dtype.kind == "f" else "int64"
+    if want == "float32" and arr.dtype.kind != "f":
+        arr = arr.astype(np.float32)
+    elif want == "int64" and arr.dtype.kind != "i":
+        arr = arr.astype(np.int64)
+    elif want is not None and arr.dtype != np.dtype(want):
+        arr = arr.astype(want)
+    return TensorData.from_numpy(arr)
 
 
 @dataclass
@@ -67,6 +104,9 @@ class EncodedTextChunk:
     @property
     def length(self) -> int:
         return len(self.tokens)
+
+
+ModelInputChunk = EncodedTextChunk  # Temper's inputs are text chunks only
 
 
 @dataclass
@@ -101,7 +141,7 @@ class Datum:
     loss_fn_inputs: dict[str, TensorData]
 
     def __post_init__(self):
-        self.loss_fn_inputs = {k: as_tensor_data(v) for k, v in self.loss_fn_inputs.items()}
+        self.loss_fn_inputs = {k: as_tensor_data(v, k) for k, v in self.loss_fn_inputs.items()}
 
 
 @dataclass
@@ -163,13 +203,14 @@ class SampleResponse:
 @dataclass
 class Checkpoint:
     checkpoint_id: str
-    checkpoint_type: Literal["training", "sampler"]
+    checkpoint_type: Literal["training", "sampler", "external"]
     time: datetime
     tinker_path: str
     training_run_id: str
     size_bytes: int | None = None
     public: bool = False                # published: readable by other tenants (Tinker's name)
     expires_at: datetime | None = None  # deleted then (a TTL); None: kept until deleted
+    user_metadata: dict[str, str] | None = None  # Tinker's field; Temper does not store checkpoint metadata
 
 
 @dataclass
@@ -227,3 +268,65 @@ class GetServerCapabilitiesResponse:
 
 def metrics_dict(metrics: Mapping[str, float]) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()}
+
+
+# ---- the RestClient's answers (tinker.types names and fields) ------------------------------------
+
+
+@dataclass
+class Cursor:
+    offset: int
+    limit: int
+    total_count: int
+
+
+@dataclass
+class CheckpointsListResponse:
+    checkpoints: list[Checkpoint]
+    cursor: Cursor | None = None
+
+
+@dataclass
+class TrainingRun:
+    training_run_id: str
+    base_model: str
+    model_owner: str                # the tenant (empty: the API does not say)
+    is_lora: bool
+    last_request_time: datetime     # the newest checkpoint's time, else when it was listed
+    corrupted: bool = False
+    lora_rank: int | None = None
+    last_checkpoint: Checkpoint | None = None
+    last_sampler_checkpoint: Checkpoint | None = None
+    user_metadata: dict[str, str] | None = None
+
+
+@dataclass
+class TrainingRunsResponse:
+    training_runs: list[TrainingRun]
+    cursor: Cursor
+
+
+@dataclass
+class WeightsInfoResponse:
+    base_model: str
+    is_lora: bool
+    lora_rank: int | None = None
+    train_unembed: bool | None = None
+    train_mlp: bool | None = None
+    train_attn: bool | None = None
+
+
+@dataclass
+class ParsedCheckpointTinkerPath:
+    tinker_path: str
+    training_run_id: str
+    checkpoint_type: Literal["training", "sampler", "external"]
+    checkpoint_id: str  # "<weights|sampler_weights>/<name>"
+
+    @classmethod
+    def from_tinker_path(cls, tinker_path: str) -> "ParsedCheckpointTinkerPath":
+        kinds = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
+        parts = tinker_path.removeprefix("tinker://").split("/")
+        if not tinker_path.startswith("tinker://") or len(parts) != 3 or parts[1] not in kinds:
+            raise ValueError(f"Invalid tinker path: {tinker_path}")
+        return cls(tinker_path, parts[0], kinds[parts[1]], "/".join(parts[1:]))

@@ -46,7 +46,24 @@ class InternalTokenSettings(BaseModel):
         None, description="File holding internal_token (a compose or Kubernetes secret); set one of the two.")
 
 
-class ModelServiceSettings(ProcessSettings, InternalTokenSettings):
+class RegistrationSettings(BaseModel):
+    """How a trainer or sampler announces itself to the scheduler's registry (common/registration.py)."""
+
+    register_with: str = Field(
+        "", description="host:port of the scheduler's registry (its registry_bind); empty: do not register (the "
+                        "scheduler then needs this worker in its static trainer_addresses / sampler_addresses).")
+    advertise_address: str = Field(
+        "", description="host:port the scheduler dials to reach this worker; empty: bind's host (this machine's host "
+                        "name when bind is a wildcard such as 0.0.0.0) and the port actually bound.")
+    heartbeat_seconds: float = Field(2.0, gt=0, description="Seconds between heartbeats to the registry.")
+    register_tls_ca_file: Path | None = Field(
+        None, description="PEM CA that signed the registry's certificate; set: the registry is reached over TLS.")
+    register_tls_cert_file: Path | None = Field(
+        None, description="PEM client certificate presented to a registry that requires one (mutual TLS).")
+    register_tls_key_file: Path | None = Field(None, description="PEM private key of register_tls_cert_file.")
+
+
+class ModelServiceSettings(ProcessSettings, InternalTokenSettings, RegistrationSettings):
     """Processes that load the base model (trainer, sampler). They answer the scheduler only: calls
     must carry internal_token, and without one they refuse to start unless internal_auth is disabled."""
 

@@ -16,7 +16,9 @@ from temper.scheduler.backends import Backends
 from temper.scheduler.checkpoint_verbs import CheckpointCollector
 from temper.scheduler.db.store import Store, upgrade_schema
 from temper.scheduler.loop import SchedulerLoop
+from temper.scheduler.membership import Membership
 from temper.scheduler.policy import FairShare
+from temper.scheduler.registry import start_registry
 from temper.scheduler.runs import RunRegistry
 from temper.scheduler.servicer import TemperServicer
 from temper.scheduler.settings import SchedulerSettings
@@ -38,8 +40,9 @@ class SchedulerApp:
         self.servicer = TemperServicer(self.store, self.backends, self.runs, self.admission)
         self.auth = ApiKeyAuth(self.store, settings.auth, settings.key_cache_seconds)
         self.collector = CheckpointCollector(self.store, self.backends, self.runs, settings)
-        self.server = self.health = None
-        self.port = self.metrics_port = None
+        self.membership = Membership(self.backends, self.loop.recovery, settings)
+        self.server = self.health = self.registry = None
+        self.port = self.metrics_port = self.registry_port = None
 
     async def start(self) -> None:
         await asyncio.to_thread(self.store.set_tenant_weights, self.settings.tenant_weights)
@@ -52,6 +55,9 @@ class SchedulerApp:
             log.warning("TEMPER_SCHEDULER_AUTH=disabled: no API keys; every caller is tenant %r", LOCAL_TENANT)
         await mark_serving(self.health, [SERVICE], serving=False)  # until the trainers and samplers answer
         await self.server.start()
+        if self.settings.registry_bind:
+            self.registry, self.registry_port = await start_registry(self.settings, self.membership)
+            log.info("worker registry on port %d", self.registry_port)
         self.metrics_port = serve_metrics(self.settings.metrics_bind)
 
     async def run(self) -> int:
@@ -61,6 +67,7 @@ class SchedulerApp:
         loop_task = asyncio.create_task(self.loop.run_forever(), name="scheduler-loop")
         stopped = asyncio.create_task(self.server.wait_for_termination(), name="scheduler-server")
         collecting = asyncio.create_task(self.collector.run_forever(), name="scheduler-checkpoint-collector")
+        sweeping = asyncio.create_task(self.membership.run_forever(), name="scheduler-membership")
         try:
             await asyncio.wait([loop_task, stopped], return_when=asyncio.FIRST_COMPLETED)
             if loop_task.done():
@@ -71,8 +78,10 @@ class SchedulerApp:
                 return EXIT_LOOP_FAILED
             return 0
         finally:
-            for task in (connecting, loop_task, stopped, collecting):
+            for task in (connecting, loop_task, stopped, collecting, sweeping):
                 task.cancel()
+            if self.registry is not None:
+                await self.registry.stop(grace=None)
             await self.backends.close()
 
     async def fail_over(self) -> None:
@@ -83,6 +92,11 @@ class SchedulerApp:
 
     async def _connect(self) -> None:
         await self.backends.connect()
+        while not self.backends.ready:  # with a registry: until a trainer registers
+            try:
+                await self.backends.wait_ready()
+            except Unavailable:
+                continue
         await mark_serving(self.health, [SERVICE])
         log.info("scheduler serving on port %d; models: %s", self.port, self.backends.model_names())
 
@@ -93,5 +107,6 @@ async def serve(settings: SchedulerSettings) -> int:
     app = SchedulerApp(settings)
     await app.start()
     # Listening (health NOT_SERVING until the workers answer; requests wait for them meanwhile).
-    print(ready_line("scheduler", app.port, app.metrics_port), flush=True)
+    registry = f" registry_port={app.registry_port}" if app.registry_port is not None else ""
+    print(ready_line("scheduler", app.port, app.metrics_port) + registry, flush=True)
     return await app.run()

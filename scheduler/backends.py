@@ -14,6 +14,7 @@ from temper.common.errors import NotFound, TemperError, Unavailable
 from temper.common.internal_auth import bearer_interceptors, resolve_token
 from temper.common.server_options import CHANNEL_OPTIONS
 from temper.common.tls import channel_credentials
+from temper.scheduler import metrics
 from temper.scheduler.downstream import UNKNOWN_OUTCOME_CODES, downstream
 from temper.scheduler.samplers import SamplerHandle, SamplerRouting
 from temper.scheduler.settings import SchedulerSettings
@@ -79,6 +80,7 @@ class Backends(SamplerRouting):
         self.down: set[str] = set()            # trainers whose runs were moved away (recovery.py); no new runs go there
         self._channels: list[grpc.aio.Channel] = []
         self._ready = asyncio.Event()
+        self._joined = asyncio.Event()  # a trainer joined: the loop starts a lane for it
         # Every call to a worker carries the internal token (common/internal_auth.py), streams included.
         token = resolve_token(settings, "TEMPER_SCHEDULER_")
         if token is None:
@@ -89,7 +91,7 @@ class Backends(SamplerRouting):
             self._credentials = channel_credentials(settings.internal_tls_ca_file, settings.internal_tls_cert_file,
                                                     settings.internal_tls_key_file)
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
+    def channel(self, address: str) -> grpc.aio.Channel:
         # A worker that restarts is found again within seconds (gRPC's default backoff grows to 2 min).
         options = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 5000)]
         if self._credentials is None:
@@ -102,20 +104,51 @@ class Backends(SamplerRouting):
         return channel
 
     async def connect(self) -> None:
-        """Wait (as long as it takes) for every configured service to answer GetModelInfo."""
+        """Wait (as long as it takes) for every statically configured worker to answer GetModelInfo.
+        Registered workers (membership.py) join through add_trainer / add_sampler meanwhile."""
         for address in self.settings.trainer_addresses:
-            stub = trainer_pb2_grpc.TrainerStub(self._channel(address))
+            stub = self.trainer_stub(address)
             info = await self._model_info(f"trainer {address}", stub.GetModelInfo, trainer_pb2.GetModelInfoRequest())
-            self.trainers.append(TrainerHandle(address, stub, info, self.settings))
-            log.info("trainer %s serves %s", address, info.base_model)
+            self.add_trainer(TrainerHandle(address, stub, info, self.settings))
         for address in self.settings.sampler_addresses:
-            stub = sampler_pb2_grpc.SamplerStub(self._channel(address))
+            stub = self.sampler_stub(address)
             info = await self._model_info(f"sampler {address}", stub.GetModelInfo, sampler_pb2.SamplerModelInfoRequest())
-            handle = SamplerHandle(address, stub, info, self.settings)
-            handle.loaded.update((key, "") for key in info.loaded_adapters)  # held since before a restart of ours
-            self.samplers.append(handle)
-            log.info("sampler %s (%s) serves %s", address, info.backend, info.base_model)
-        self._ready.set()
+            self.add_sampler(SamplerHandle(address, stub, info, self.settings))
+        # With a registry, a scheduler without static trainers is ready at the first registration.
+        if self.trainers or not self.settings.registry_bind:
+            self._ready.set()
+
+    def trainer_stub(self, address: str) -> trainer_pb2_grpc.TrainerStub:
+        return trainer_pb2_grpc.TrainerStub(self.channel(address))
+
+    def sampler_stub(self, address: str) -> sampler_pb2_grpc.SamplerStub:
+        return sampler_pb2_grpc.SamplerStub(self.channel(address))
+
+    def add_trainer(self, handle: TrainerHandle) -> None:
+        """A trainer joins for good (its handle is kept across its restarts: a lane is tied to it)."""
+        self.trainers.append(handle)
+        metrics.WORKERS.labels("trainer").set(len(self.trainers))
+        log.info("trainer %s serves %s", handle.address, handle.info.base_model)
+        self._joined.set()
+        if self.settings.registry_bind:
+            self._ready.set()
+
+    def add_sampler(self, handle: SamplerHandle) -> None:
+        handle.loaded.update((key, "") for key in handle.info.loaded_adapters)  # held since before a restart of ours
+        self.samplers.append(handle)
+        metrics.WORKERS.labels("sampler").set(len(self.samplers))
+        log.info("sampler %s (%s) serves %s", handle.address, handle.info.backend, handle.info.base_model)
+
+    def trainer_at(self, address: str) -> TrainerHandle | None:
+        return next((t for t in self.trainers if t.address == address), None)
+
+    def sampler_at(self, address: str) -> SamplerHandle | None:
+        return next((s for s in self.samplers if s.address == address), None)
+
+    async def wait_for_new_trainer(self) -> None:
+        """Return when a trainer joined since the last call (the loop then starts its lane)."""
+        await self._joined.wait()
+        self._joined.clear()
 
     @staticmethod
     async def _model_info(what: str, method, request):
@@ -138,13 +171,20 @@ class Backends(SamplerRouting):
         return self._ready.is_set()
 
     async def wait_ready(self) -> None:
-        """Return once every worker has answered; past backend_wait_seconds, Unavailable (retry)."""
+        """Return once every static worker has answered (with a registry: once a trainer is known);
+        past backend_wait_seconds, Unavailable (retry)."""
         if self._ready.is_set():
             return
         try:
             await asyncio.wait_for(self._ready.wait(), self.settings.backend_wait_seconds)
         except asyncio.TimeoutError:
             raise Unavailable("the scheduler is still connecting to its trainers and samplers; retry") from None
+
+    async def close_channel(self, channel: grpc.aio.Channel | None) -> None:
+        """Close a channel to a worker that was never added (it did not answer its registration)."""
+        if channel is not None and channel in self._channels:
+            self._channels.remove(channel)
+            await channel.close()
 
     async def close(self) -> None:
         for channel in self._channels:

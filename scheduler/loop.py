@@ -54,13 +54,14 @@ class SchedulerLoop:
         """The lanes, one per trainer, concurrently. One that dies takes the others with it and this
         raises: app.py then answers the waiting calls UNAVAILABLE and exits for a restart."""
         await self._trainers_connected()
-        lanes = [Lane(self, trainer, FairShare(weights=self.share.weights, quantum=self.share.quantum))
-                 for trainer in self.backends.trainers]
-        if not lanes:
-            await asyncio.Event().wait()  # no trainer (a sampling-only scheduler): no training work, ever
+        started: set[int] = set()
         async with asyncio.TaskGroup() as group:
-            for lane in lanes:
-                group.create_task(lane.run_forever(), name=f"lane {lane.trainer.address}")
+            while True:  # a trainer that joins later (it registered: membership.py) gets its lane then
+                for trainer in [t for t in self.backends.trainers if id(t) not in started]:
+                    started.add(id(trainer))
+                    lane = Lane(self, trainer, FairShare(weights=self.share.weights, quantum=self.share.quantum))
+                    group.create_task(lane.run_forever(), name=f"lane {trainer.address}")
+                await self.backends.wait_for_new_trainer()
 
     async def _trainers_connected(self) -> None:
         while True:

@@ -20,6 +20,10 @@ SAMPLER_IN_FLIGHT = Gauge("temper_scheduler_sampler_requests_in_flight", "Sampli
                           "on each sampler now: the load that places requests.", ["sampler"])
 SAMPLER_FAILURES = Counter("temper_scheduler_sampler_failures_total", "Sampler calls that got no answer (unreachable, died, "
                            "deadline); the call went to another sampler of the model.", ["sampler"])
+WORKERS = Gauge("temper_scheduler_workers", "Trainers and samplers this scheduler knows (static and registered), by role.",
+                ["role"])
+MEMBERSHIP_EVENTS = Counter("temper_scheduler_membership_events_total", "Registered workers that joined, restarted (a new "
+                            "incarnation), went down (no heartbeat) or were heard again.", ["role", "event"])
 
 SNAPSHOT_SECONDS = Histogram("temper_scheduler_snapshot_seconds", "Wall time of one adapter snapshot for trainer recovery "
                              "(taken, recorded and the previous one deleted).", buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))

@@ -188,6 +188,17 @@ class Recovery:
         self.loop.admission.wake.set()
         return True
 
+    def trainer_restarted(self, trainer: TrainerHandle) -> list[str]:
+        """``trainer`` came back as a new process (it registered a new incarnation: membership.py), so
+        the runs placed on it lost their adapters: each is restored before its next cycle instead of
+        after a cycle answers NotFound. The runs marked."""
+        if not self.enabled:
+            return []
+        runs = sorted(r for r, address in self.loop.backends.placements.items() if address == trainer.address)
+        for run_id in runs:
+            self._mark(run_id, f"trainer {trainer.address} restarted (a new incarnation registered)")
+        return runs
+
     # ---- restoring one run -------------------------------------------------------------------------
 
     def _mark(self, run_id: str, why: str) -> None:

@@ -25,6 +25,7 @@ from temper.scheduler.quotas import check_hard_limit
 from temper.scheduler.recovery import snapshot_key
 from temper.scheduler.runs import RunInfo, RunRegistry
 from temper.scheduler.sampling_verbs import SamplingVerbs
+from temper.scheduler.tokenizer_verbs import TokenizerVerbs
 from temper.scheduler.work import WorkKind
 from temper.v1 import service_pb2, service_pb2_grpc, trainer_pb2, types_pb2
 
@@ -43,7 +44,7 @@ def needs_workers(method):
     return wrapper
 
 
-class TemperServicer(SamplingVerbs, CheckpointVerbs, service_pb2_grpc.TemperServicer):
+class TemperServicer(SamplingVerbs, CheckpointVerbs, TokenizerVerbs, service_pb2_grpc.TemperServicer):
     def __init__(self, store, backends: Backends, runs: RunRegistry, admission: Admission):
         self.store = store
         self.backends = backends

@@ -39,6 +39,19 @@ class SchedulerSettings(ProcessSettings, InternalTokenSettings):
         default_factory=lambda: ["127.0.0.1:50061"], description="Comma-separated trainer host:port list.")
     sampler_addresses: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["127.0.0.1:50071"], description="Comma-separated sampler host:port list.")
+    # registry (membership.py): workers that register themselves, besides (or instead of) the lists above
+    registry_bind: str = Field(
+        "", description="host:port of the internal registry where trainers and samplers register and send heartbeats "
+                        "(their register_with); empty: no registry, the static address lists only. With a registry, "
+                        "trainer_addresses and sampler_addresses default to empty.")
+    worker_timeout_seconds: float = Field(
+        10.0, gt=0, description="A registered worker silent this long is down: a trainer's runs move to another trainer of "
+                                "its model that answers (recovery.py), a sampler is chosen last until it is heard again.")
+    registry_tls_cert_file: Path | None = Field(
+        None, description="PEM certificate of the registry port; with registry_tls_key_file it serves TLS only.")
+    registry_tls_key_file: Path | None = Field(None, description="PEM private key of registry_tls_cert_file.")
+    registry_tls_client_ca_file: Path | None = Field(
+        None, description="PEM CA; set, every worker must present a certificate it signed to register (mutual TLS).")
     # admission
     max_queued_requests: int = Field(1024, description="Queued training requests across all tenants before RESOURCE_EXHAUSTED.")
     max_queued_per_tenant: int = Field(256, description="Queued training requests of one tenant (all its runs) before RESOURCE_EXHAUSTED.")
@@ -113,6 +126,15 @@ class SchedulerSettings(ProcessSettings, InternalTokenSettings):
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+    @model_validator(mode="after")
+    def _registry_lists(self):
+        # With a registry the workers announce themselves: the loopback defaults would only be waited for.
+        if self.registry_bind:
+            for name in ("trainer_addresses", "sampler_addresses"):
+                if name not in self.model_fields_set:
+                    setattr(self, name, [])
+        return self
 
     @model_validator(mode="after")
     def _internal_tls(self):

@@ -20,7 +20,8 @@ from pathlib import Path
 
 READY_PREFIX = "TEMPER_READY "
 LOCAL_TENANT = "local"
-MODULES = {"scheduler": "temper.scheduler", "trainer": "temper.services.trainer", "sampler": "temper.services.sampler"}
+MODULES = {"scheduler": "temper.scheduler", "trainer": "temper.services.trainer", "sampler": "temper.services.sampler",
+           "gateway": "temper.services.gateway"}
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Service:
     env: dict[str, str]  # the role's own settings, without bind addresses (reused by restarts)
     port: int = 0
     metrics_port: int | None = None  # None until ready, or when the process serves no metrics
+    registry_port: int | None = None  # the scheduler's worker registry, when it serves one
     lines: "queue.Queue[str]" = field(default_factory=queue.Queue)
 
     @property
@@ -61,13 +63,17 @@ def _pump(service: Service, log) -> None:
 
 class LocalStack:
     def __init__(self, base_model: str, data_dir: Path, database_url: str | None = None, extra_env: dict[str, str] | None = None,
-                 num_threads: int = 0, num_trainers: int = 1, num_samplers: int = 1):
+                 num_threads: int = 0, num_trainers: int = 1, num_samplers: int = 1, registration: bool = False, gateway: bool = False):
+        """``registration``: the scheduler serves a worker registry and starts first; the workers
+        register with it (register_with) instead of being listed in its trainer/sampler addresses."""
         self.base_model = base_model
         self.data_dir = Path(data_dir)
         self.database_url = database_url or f"sqlite:///{self.data_dir / 'temper.db'}"
         self.extra_env = extra_env or {}
         self.num_threads = num_threads
         self.counts = {"trainer": num_trainers, "sampler": num_samplers}
+        self.gateway = gateway  # also start the Tinker gateway (HTTP, services/gateway) in front of the scheduler
+        self.registration = registration
         self.services: list[Service] = []
         self._keys: dict[str, str] = {}
         self.api_key: str | None = None  # the LOCAL_TENANT's key, once started
@@ -103,22 +109,30 @@ class LocalStack:
                 ready = parse_ready_line(line)
                 service.port = int(ready["port"])
                 service.metrics_port = int(ready["metrics_port"]) if "metrics_port" in ready else None
+                service.registry_port = int(ready["registry_port"]) if "registry_port" in ready else None
                 return service
             if line == "" or service.process.poll() is not None or time.monotonic() > deadline:
                 tail = service.log_path.read_text()[-3000:] if service.log_path.exists() else ""
                 raise RuntimeError(f"{service.name} did not start (see {service.log_path}):\n{tail}")
 
+    def _worker_env(self, role: str, name: str) -> dict[str, str]:
+        prefix = f"TEMPER_{role.upper()}_"
+        folder = {"trainer": ("CHECKPOINT_DIR", "checkpoints"), "sampler": ("ADAPTER_DIR", f"{name}-adapters")}[role]
+        env = {f"{prefix}BASE_MODEL": self.base_model, f"{prefix}NUM_THREADS": str(self.num_threads),
+               f"{prefix}{folder[0]}": str(self.data_dir / folder[1]), f"{prefix}INTERNAL_TOKEN": self.internal_token}
+        if self.registration:
+            env[f"{prefix}REGISTER_WITH"] = f"127.0.0.1:{self.service('scheduler').registry_port}"
+        return env
+
     def start(self, timeout: float = 300.0) -> str:
         """Start the scheduler and its trainers and samplers; returns the scheduler's address. Trainers
         share one checkpoint folder (this machine's stand-in for durable storage); each sampler has its own."""
+        if self.registration:
+            return self._start_registered(timeout)
         for role, count in self.counts.items():
-            prefix = f"TEMPER_{role.upper()}_"
             for i in range(count):
                 name = role if i == 0 else f"{role}-{i}"
-                folder = {"trainer": ("CHECKPOINT_DIR", "checkpoints"), "sampler": ("ADAPTER_DIR", f"{name}-adapters")}[role]
-                self._launch(role, {f"{prefix}BASE_MODEL": self.base_model, f"{prefix}NUM_THREADS": str(self.num_threads),
-                                    f"{prefix}{folder[0]}": str(self.data_dir / folder[1]),
-                                    f"{prefix}INTERNAL_TOKEN": self.internal_token}, name=name)
+                self._launch(role, self._worker_env(role, name), name=name)
         try:
             for service in list(self.services):
                 self._wait_ready(service, timeout)
@@ -129,11 +143,72 @@ class LocalStack:
                 "TEMPER_SCHEDULER_INTERNAL_TOKEN": self.internal_token,
             })
             self._wait_ready(scheduler, timeout)
+            self._start_gateway(timeout)
             self.api_key = self.key_for(LOCAL_TENANT)
         except BaseException:
             self.stop()
             raise
         return scheduler.address
+
+    def _start_registered(self, timeout: float) -> str:
+        try:
+            scheduler = self._wait_ready(self._launch("scheduler", {
+                "TEMPER_SCHEDULER_DATABASE_URL": self.database_url,
+                "TEMPER_SCHEDULER_REGISTRY_BIND": "127.0.0.1:0",
+                "TEMPER_SCHEDULER_INTERNAL_TOKEN": self.internal_token,
+            }), timeout)
+            # a restarted scheduler serves its registry where the workers send their heartbeats
+            scheduler.env["TEMPER_SCHEDULER_REGISTRY_BIND"] = f"127.0.0.1:{scheduler.registry_port}"
+            for role, count in self.counts.items():
+                for i in range(count):
+                    name = role if i == 0 else f"{role}-{i}"
+                    self._launch(role, self._worker_env(role, name), name=name)
+            for service in [s for s in self.services if s.role != "scheduler"]:
+                self._wait_ready(service, timeout)
+            self.wait_registered(self.counts, timeout)
+            self._start_gateway(timeout)
+            self.api_key = self.key_for(LOCAL_TENANT)
+        except BaseException:
+            self.stop()
+            raise
+        return scheduler.address
+
+    def add_worker(self, role: str, timeout: float = 300.0) -> Service:
+        """Start one more trainer or sampler that registers with the running scheduler (registration
+        stacks); returns it once the scheduler knows it."""
+        assert self.registration, "a worker added later reaches the scheduler by registering"
+        name = f"{role}-{len(self.services_of(role))}"
+        service = self._wait_ready(self._launch(role, self._worker_env(role, name), name=name), timeout)
+        self.wait_registered({role: len(self.services_of(role))}, timeout)
+        return service
+
+    def wait_registered(self, counts: dict[str, int], timeout: float = 300.0) -> None:
+        """Until the scheduler knows at least ``counts`` workers of each role (its temper_scheduler_workers)."""
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while True:
+            with urllib.request.urlopen(self.service("scheduler").metrics_url, timeout=10) as page:
+                text = page.read().decode()
+            known = {role: 0.0 for role in counts}
+            for line in text.splitlines():
+                for role in counts:
+                    if line.startswith(f'temper_scheduler_workers{{role="{role}"}} '):
+                        known[role] = float(line.rsplit(" ", 1)[1])
+            if all(known[role] >= n for role, n in counts.items()):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the scheduler knows {known} workers, not {counts}, after {timeout:.0f} s")
+            time.sleep(0.2)
+
+    def _start_gateway(self, timeout: float) -> None:
+        if self.gateway:
+            self._wait_ready(self._launch("gateway", {"TEMPER_GATEWAY_SCHEDULER_ADDRESS": self.service("scheduler").address}), timeout)
+
+    @property
+    def gateway_url(self) -> str:
+        """The Tinker gateway's base URL (TINKER_BASE_URL for the official SDK); needs ``gateway=True``."""
+        return f"http://127.0.0.1:{self.service('gateway').port}"
 
     def key_for(self, tenant: str) -> str:
         """An API key of ``tenant`` on this stack's database (one per tenant and stack)."""

@@ -10,6 +10,7 @@ from temper.common.errors import Authenticator
 from temper.common.internal_auth import InternalAuthConfigError, worker_authenticator
 from temper.common.logs import configure_logging
 from temper.common.metrics import ready_line, serve_metrics
+from temper.common.registration import start_registration
 from temper.common.server import build_server, mark_serving
 from temper.common.tls import settings_server_credentials
 from temper.services.models.loading import load_model
@@ -39,6 +40,10 @@ async def serve(settings: SamplerSettings, authenticate: Authenticator | None) -
     await mark_serving(health, [SERVICE])
     log.info("sampler (%s backend) for %s listening on port %d", backend.name, loaded.name, port)
     print(ready_line("sampler", port, metrics_port), flush=True)
+    # after the server listens (the scheduler dials back before it counts this sampler); held in a
+    # local: an unreferenced task can be garbage-collected while it runs
+    registering = start_registration(settings, "sampler", PREFIX, port, loaded.name, settings.max_adapters,
+                                     servicer.incarnation)
     await server.wait_for_termination()
 
 

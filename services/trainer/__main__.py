@@ -19,6 +19,7 @@ async def serve(settings: TrainerSettings, authenticate: Authenticator | None) -
     """``authenticate``: ``worker_authenticator(settings, ...)``; None only with internal_auth=disabled."""
     # imported here, after the allocator re-exec: torch is a few seconds to import
     from temper.common.metrics import ready_line, serve_metrics
+    from temper.common.registration import start_registration
     from temper.common.server import build_server, mark_serving
     from temper.common.tls import settings_server_credentials
     from temper.services.models.loading import load_model
@@ -32,13 +33,18 @@ async def serve(settings: TrainerSettings, authenticate: Authenticator | None) -
     credentials = settings_server_credentials(settings)  # before the model: a bad file fails fast
     loaded = load_model(settings.base_model, settings.device, settings.dtype, settings.num_threads)
     engine = TrainerEngine(loaded, settings)
-    registration = (trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(engine), service)
+    servicer = TrainerServicer(engine)
+    registration = (trainer_pb2_grpc.add_TrainerServicer_to_server, servicer, service)
     server, port, health = build_server([registration], settings.bind, authenticate, credentials)
     metrics_port = serve_metrics(settings.metrics_bind)
     await server.start()
     await mark_serving(health, [service])
     log.info("trainer for %s listening on port %d", loaded.name, port)
     print(ready_line("trainer", port, metrics_port), flush=True)
+    # after the server listens (the scheduler dials back before it counts this trainer); held in a
+    # local: an unreferenced task can be garbage-collected while it runs
+    registering = start_registration(settings, "trainer", PREFIX, port, loaded.name, settings.max_resident_adapters,
+                                     servicer.incarnation)
     await server.wait_for_termination()
 
 

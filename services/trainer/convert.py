@@ -115,6 +115,7 @@ def file_chunks_to_pb(pieces: Iterable[FilePiece]) -> Iterable[types_pb2.FileChu
                                   total_size=piece.total_size)
 
 
-def model_info_to_pb(loaded, device: str, dtype: str) -> trainer_pb2.ModelInfo:
+def model_info_to_pb(loaded, device: str, dtype: str, incarnation: str = "") -> trainer_pb2.ModelInfo:
     return trainer_pb2.ModelInfo(base_model=loaded.name, tokenizer_id=loaded.path, vocab_size=loaded.vocab_size,
-                                 max_context_length=loaded.max_context_length, device=device, dtype=dtype)
+                                 max_context_length=loaded.max_context_length, device=device, dtype=dtype,
+                                 incarnation=incarnation)

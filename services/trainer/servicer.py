@@ -4,19 +4,24 @@ thread, ``convert`` back to protobuf."""
 from __future__ import annotations
 
 import asyncio
+import secrets
 from concurrent.futures import ThreadPoolExecutor
 
 from temper.common.errors import TemperError
 from temper.services.trainer import convert, metrics
 from temper.services.trainer.engine import TrainerEngine
+from temper.services.trainer.tokenizer_files import file_pieces, tokenizer_files
 from temper.v1 import trainer_pb2, trainer_pb2_grpc
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def __init__(self, engine: TrainerEngine):
         self.engine = engine
+        # new per process start: the scheduler learns from it that the adapters it placed here are gone
+        self.incarnation = secrets.token_hex(8)
         # One compute thread: torch work on the shared model is serialized, the event loop stays free.
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-compute")
+        self._tokenizer_files: dict[str, bytes] | None = None  # saved on the first ReadTokenizer
 
     async def _run(self, rpc: str, fn, *args):
         try:
@@ -26,7 +31,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             raise
 
     async def GetModelInfo(self, request, context):
-        return convert.model_info_to_pb(self.engine.loaded, self.engine.settings.device, self.engine.settings.dtype)
+        return convert.model_info_to_pb(self.engine.loaded, self.engine.settings.device, self.engine.settings.dtype,
+                                        self.incarnation)
 
     async def CreateAdapter(self, request, context):
         await self._run("CreateAdapter", self._create, request)
@@ -85,6 +91,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         except Exception as exc:
             count_error("ReadCheckpoint", exc)
             raise
+
+    async def ReadTokenizer(self, request, context):
+        if self._tokenizer_files is None:
+            self._tokenizer_files = await asyncio.to_thread(tokenizer_files, self.engine.loaded.tokenizer)
+        for chunk in convert.file_chunks_to_pb(file_pieces(self._tokenizer_files)):
+            yield chunk
 
 
 def count_error(rpc: str, exc: BaseException) -> None:

@@ -29,7 +29,7 @@ def on_each_trainer(stack, client, base_model, seed, **lora):
     placed = {}
     for _ in range(32):
         before = {name: metric(stack.service(name), "temper_trainer_resident_adapters") for name in TRAINERS}
-        tc = client.create_lora_training_client(base_model, seed=seed, **lora)
+        tc = client.create_lora_training_client(base_model, seed=seed, **lora).result(timeout=300)  # created: then count
         grown = [name for name in TRAINERS if metric(stack.service(name), "temper_trainer_resident_adapters") == before[name] + 1]
         assert len(grown) == 1, (before, grown)
         placed.setdefault(grown[0], tc)

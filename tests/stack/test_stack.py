@@ -114,7 +114,7 @@ def test_bad_input_gets_the_right_status_and_changes_nothing(service_client, tin
     with pytest.raises(NotFound):
         dirty.load_state(f"tinker://{dirty.model_id}/weights/never-saved").result()
     with pytest.raises(NotFound):
-        service_client.create_sampling_client(model_path=f"tinker://{dirty.model_id}/sampler_weights/nope")
+        service_client.create_sampling_client(model_path=f"tinker://{dirty.model_id}/sampler_weights/nope").result()
     with pytest.raises(NotFound):
         service_client.training_client("no-such-session:train:0")
     assert request_rows(postgres_url, dirty.model_id) == rows_before  # rejected requests write no rows

@@ -208,7 +208,7 @@ def test_hard_limits_answer_resource_exhausted_naming_the_limit(tenancy_stack, t
             session_id=gina.session_id, base_model=tiny_model_dir, lora_config={"rank": 4, "train_mlp": True}))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_training_runs = 1" in details and "in use: 1" in details
         with pytest.raises(ResourceExhausted, match="max_training_runs"):  # a hard limit: the client does not retry it
-            gina.create_lora_training_client(tiny_model_dir, rank=4, seed=1)
+            gina.create_lora_training_client(tiny_model_dir, rank=4, seed=1).result()
         run.save_weights_for_sampler("first").result()  # 0 bytes used before it
         code, details = code_of(stub.SaveWeights, service_pb2.SaveWeightsRequest(
             training_run_id=run.model_id, seq_id=2, name="second", kind=types_pb2.CHECKPOINT_KIND_SAMPLER))

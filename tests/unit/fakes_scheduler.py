@@ -31,6 +31,7 @@ class FakeStore:
         self.add_delay = add_delay
         self.limits: dict[str, dict[str, int]] = {}  # tenant -> its own limits (tenant_limits)
         self.lock = threading.Lock()
+        self.lookups: list[tuple[str, int]] = []  # get_request calls
 
     def _check(self):
         if self.down:
@@ -53,7 +54,7 @@ class FakeStore:
         self._check()
         if run_id not in self.runs:
             raise NotFound(f"training run {run_id!r} not found")
-        return self.runs[run_id], self.tenants[run_id], False
+        return self.runs[run_id], self.tenants[run_id], False, max((seq for run, seq in self.requests if run == run_id), default=0)
 
     def run_owner(self, run_id):
         self._check()
@@ -77,15 +78,28 @@ class FakeStore:
 
     def get_request(self, run_id, seq_id):
         self._check()
+        self.lookups.append((run_id, seq_id))
         return self.requests.get((run_id, seq_id))
 
-    def add_request(self, run_id, seq_id, kind, sha, status, tokens, error=None, payload=None):
-        time.sleep(self.add_delay)
+    def add_request(self, run_id, seq_id, kind, sha, status, tokens, error=None, payload=None, delay=True):
+        time.sleep(self.add_delay if delay else 0.0)
         self._check()
         with self.lock:
             self.requests[(run_id, seq_id)] = SimpleNamespace(training_run_id=run_id, seq_id=seq_id, kind=kind, payload_sha256=sha,
                                                               status=status, error=error, result=None, num_tokens=tokens,
                                                               payload=payload)
+
+    def add_requests(self, rows):
+        time.sleep(self.add_delay)
+        self._check()
+        outcomes = []
+        for row in rows:
+            if (row.run_id, row.seq_id) in self.requests:
+                outcomes.append(AlreadyExists(f"request {row.run_id} seq {row.seq_id} was already submitted"))
+                continue
+            self.add_request(*row[:6], row.error, row.payload, delay=False)
+            outcomes.append(None)
+        return outcomes
 
     def get_training_run(self, run_id):
         self._check()
@@ -265,6 +279,9 @@ class FakeBackends:
 
     async def wait_ready(self):
         return None
+
+    async def wait_for_new_trainer(self):
+        await asyncio.Event().wait()  # the trainers are fixed here
 
     async def close(self):
         return None

@@ -1,6 +1,6 @@
 """docker-compose.yml stays consistent with the code: modules, console scripts, settings fields,
-ports (metrics on the compose network; only the scheduler published), networks (the workers on an
-internal one only) and the internal token the user must set.
+ports (metrics on the compose network; only the scheduler and the gateway published), networks (the
+workers on an internal one only, the gateway on the public one) and the internal token the user must set.
 
 No Docker engine is needed: the file is read with PyYAML, and `docker compose config -q`
 (or the standalone `docker-compose`) validates it when a compose client is installed.
@@ -22,6 +22,7 @@ import yaml
 
 from temper.common.settings import ProcessSettings
 from temper.scheduler.settings import SchedulerSettings
+from temper.services.gateway.settings import GatewaySettings
 from temper.services.sampler.settings import SamplerSettings
 from temper.services.trainer.settings import TrainerSettings
 
@@ -32,7 +33,10 @@ PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 
 # Settings class of each Temper process (compose service); other services' TEMPER_* variables
 # are matched by prefix. Each class reads its fields (its own and ProcessSettings') under its prefix.
-SERVICE_SETTINGS = {"scheduler": SchedulerSettings, "trainer": TrainerSettings, "sampler": SamplerSettings}
+SERVICE_SETTINGS = {"scheduler": SchedulerSettings, "trainer": TrainerSettings, "sampler": SamplerSettings,
+                    "gateway": GatewaySettings}
+INTERNAL_TOKEN_SERVICES = ("scheduler", "trainer", "sampler")  # the gateway is a client of the public API: no token
+PUBLISHED = {"scheduler", "gateway"}  # the public entry points; everything else is reached through them
 # Read outside the settings classes: services/models/prepare.py (the shared model cache) and
 # migrations/env.py (the migrate service's database URL).
 MIGRATIONS_ENV = (REPO / "migrations" / "env.py").read_text()
@@ -64,7 +68,7 @@ def settings_for(service_name: str, var: str):
 
 
 def test_expected_services():
-    assert {"postgres", "migrate", "scheduler", "trainer", "sampler"} <= SERVICES.keys()
+    assert {"postgres", "migrate", "scheduler", "trainer", "sampler", "gateway"} <= SERVICES.keys()
 
 
 def test_python_modules_exist():
@@ -130,16 +134,20 @@ def test_settings_classes_share_process_settings():
 
 
 def test_scheduler_wiring():
-    assert setting("scheduler", "trainer_addresses") == f"trainer:{port_of(setting('trainer', 'bind'))}"
-    assert setting("scheduler", "sampler_addresses") == f"sampler:{port_of(setting('sampler', 'bind'))}"
+    # the workers register (so `--scale trainer=N` works): no static lists, each worker names the registry
+    env = environment_of(SERVICES["scheduler"])
+    assert "TEMPER_SCHEDULER_TRAINER_ADDRESSES" not in env and "TEMPER_SCHEDULER_SAMPLER_ADDRESSES" not in env
+    registry_port = port_of(setting("scheduler", "registry_bind"))
+    assert registry_port in {str(p) for p in SERVICES["scheduler"]["expose"]} and registry_port not in published_ports("scheduler")
+    for worker in ("trainer", "sampler"):
+        assert setting(worker, "register_with") == f"scheduler:{registry_port}"
+        assert "container_name" not in SERVICES[worker] and not SERVICES[worker].get("ports"), f"{worker} must scale"
     assert setting("scheduler", "auto_migrate").lower() == "false", "the migrate service owns migrations in compose"
     migrate_env = environment_of(SERVICES["migrate"])
     assert migrate_env and all(f'"{var}"' in MIGRATIONS_ENV for var in migrate_env), "migrations/env.py must read these"
     assert setting("scheduler", "database_url") in migrate_env.values()
     depends = SERVICES["scheduler"]["depends_on"]
     assert depends["migrate"]["condition"] == "service_completed_successfully"
-    assert depends["trainer"]["condition"] == "service_healthy"
-    assert depends["sampler"]["condition"] == "service_healthy"
     assert port_of(setting("scheduler", "bind")) in published_ports("scheduler")
 
 
@@ -155,7 +163,9 @@ def test_ports_and_metrics(service_name):
     metrics_port = port_of(metrics_bind)
     assert metrics_port not in ("0", grpc_port)
     assert {grpc_port, metrics_port} <= {str(p) for p in SERVICES[service_name].get("expose", [])}
-    if service_name != "scheduler":  # workers are reached through the scheduler only
+    if service_name in PUBLISHED:
+        assert grpc_port in published_ports(service_name), f"{service_name} does not publish its port"
+    else:  # workers are reached through the scheduler only
         assert not published_ports(service_name), f"{service_name} publishes ports on the host"
     metrics_ports = {port_of(setting(name, "metrics_bind")) for name in SERVICE_SETTINGS}
     assert len(metrics_ports) == len(SERVICE_SETTINGS), "each process has its own metrics port"
@@ -256,7 +266,8 @@ def test_the_internal_token_is_required_and_shared():
     proc = _compose_config("--format", "json", token="compose-test-token")
     assert proc.returncode == 0, proc.stderr
     resolved = json.loads(proc.stdout)["services"]
-    for name, cls in SERVICE_SETTINGS.items():
+    for name in INTERNAL_TOKEN_SERVICES:
+        cls = SERVICE_SETTINGS[name]
         assert resolved[name]["environment"][f"{prefix_of(cls)}INTERNAL_TOKEN"] == "compose-test-token", name
     for name in ("trainer", "sampler"):
         assert environment_of(SERVICES[name]).get(f"TEMPER_{name.upper()}_INTERNAL_AUTH", "token") == "token"
@@ -275,3 +286,18 @@ def test_workers_sit_on_the_internal_network_only():
     scheduler = resolved["services"]["scheduler"]
     assert set(scheduler["networks"]) & internal and set(scheduler["networks"]) - internal, scheduler["networks"]
     assert {str(p["target"]) for p in scheduler["ports"]} >= {port_of(setting("scheduler", "bind"))}
+
+
+def test_gateway_reaches_the_scheduler_on_the_public_network():
+    assert port_of(setting("gateway", "scheduler_address")) == port_of(setting("scheduler", "bind"))
+    assert setting("gateway", "scheduler_address").rsplit(":", 1)[0] == "scheduler"
+    proc = _compose_config("--format", "json", token="compose-test-token")
+    assert proc.returncode == 0, proc.stderr
+    resolved = json.loads(proc.stdout)
+    internal = {name for name, net in resolved["networks"].items() if net.get("internal")}
+    gateway, scheduler = resolved["services"]["gateway"], resolved["services"]["scheduler"]
+    assert not set(gateway["networks"]) & internal, "the gateway needs no way to the workers"
+    assert set(gateway["networks"]) & set(scheduler["networks"])
+    # its healthcheck probes the route the SDK probes, on the port it binds
+    probe = " ".join(str(part) for part in gateway["healthcheck"]["test"])
+    assert f"127.0.0.1:{port_of(setting('gateway', 'bind'))}/api/v1/healthz" in probe

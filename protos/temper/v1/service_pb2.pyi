@@ -350,3 +350,9 @@ class LimitUsage(_message.Message):
     used: float
     wait_seconds: float
     def __init__(self, name: _Optional[str] = ..., limit: _Optional[int] = ..., used: _Optional[float] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class GetTokenizerRequest(_message.Message):
+    __slots__ = ("base_model",)
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    base_model: str
+    def __init__(self, base_model: _Optional[str] = ...) -> None: ...

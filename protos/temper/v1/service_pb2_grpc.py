@@ -125,6 +125,11 @@ class TemperStub:
                 request_serializer=temper_dot_v1_dot_service__pb2.GetUsageRequest.SerializeToString,
                 response_deserializer=temper_dot_v1_dot_service__pb2.UsageResponse.FromString,
                 _registered_method=True)
+        self.GetTokenizer = channel.unary_stream(
+                '/temper.v1.Temper/GetTokenizer',
+                request_serializer=temper_dot_v1_dot_service__pb2.GetTokenizerRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_types__pb2.FileChunk.FromString,
+                _registered_method=True)
 
 
 class TemperServicer:
@@ -245,6 +250,14 @@ class TemperServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTokenizer(self, request, context):
+        """Streams the tokenizer files of a base model (as AutoTokenizer.save_pretrained writes them), read
+        from a trainer of that model: a client on another machine, without hub access, loads them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TemperServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -337,6 +350,11 @@ def add_TemperServicer_to_server(servicer, server):
                     servicer.GetUsage,
                     request_deserializer=temper_dot_v1_dot_service__pb2.GetUsageRequest.FromString,
                     response_serializer=temper_dot_v1_dot_service__pb2.UsageResponse.SerializeToString,
+            ),
+            'GetTokenizer': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetTokenizer,
+                    request_deserializer=temper_dot_v1_dot_service__pb2.GetTokenizerRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_types__pb2.FileChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -825,6 +843,33 @@ class Temper:
             '/temper.v1.Temper/GetUsage',
             temper_dot_v1_dot_service__pb2.GetUsageRequest.SerializeToString,
             temper_dot_v1_dot_service__pb2.UsageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/temper.v1.Temper/GetTokenizer',
+            temper_dot_v1_dot_service__pb2.GetTokenizerRequest.SerializeToString,
+            temper_dot_v1_dot_types__pb2.FileChunk.FromString,
             options,
             channel_credentials,
             insecure,

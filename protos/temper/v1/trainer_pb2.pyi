@@ -12,20 +12,22 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("base_model", "tokenizer_id", "vocab_size", "max_context_length", "device", "dtype")
+    __slots__ = ("base_model", "tokenizer_id", "vocab_size", "max_context_length", "device", "dtype", "incarnation")
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     base_model: str
     tokenizer_id: str
     vocab_size: int
     max_context_length: int
     device: str
     dtype: str
-    def __init__(self, base_model: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, base_model: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class CreateAdapterRequest(_message.Message):
     __slots__ = ("training_run_id", "lora_config")
@@ -206,3 +208,7 @@ class RestoreAdapterResponse(_message.Message):
     applied_seq_id: int
     steps: int
     def __init__(self, applied_seq_id: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
+
+class ReadTokenizerRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

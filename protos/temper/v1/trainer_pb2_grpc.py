@@ -85,6 +85,11 @@ class TrainerStub:
                 request_serializer=temper_dot_v1_dot_trainer__pb2.RestoreAdapterRequest.SerializeToString,
                 response_deserializer=temper_dot_v1_dot_trainer__pb2.RestoreAdapterResponse.FromString,
                 _registered_method=True)
+        self.ReadTokenizer = channel.unary_stream(
+                '/temper.v1.Trainer/ReadTokenizer',
+                request_serializer=temper_dot_v1_dot_trainer__pb2.ReadTokenizerRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_types__pb2.FileChunk.FromString,
+                _registered_method=True)
 
 
 class TrainerServicer:
@@ -165,6 +170,13 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadTokenizer(self, request, context):
+        """Streams the base model's tokenizer files (saved with save_pretrained) for GetTokenizer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -217,6 +229,11 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.RestoreAdapter,
                     request_deserializer=temper_dot_v1_dot_trainer__pb2.RestoreAdapterRequest.FromString,
                     response_serializer=temper_dot_v1_dot_trainer__pb2.RestoreAdapterResponse.SerializeToString,
+            ),
+            'ReadTokenizer': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadTokenizer,
+                    request_deserializer=temper_dot_v1_dot_trainer__pb2.ReadTokenizerRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_types__pb2.FileChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -489,6 +506,33 @@ class Trainer:
             '/temper.v1.Trainer/RestoreAdapter',
             temper_dot_v1_dot_trainer__pb2.RestoreAdapterRequest.SerializeToString,
             temper_dot_v1_dot_trainer__pb2.RestoreAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadTokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/temper.v1.Trainer/ReadTokenizer',
+            temper_dot_v1_dot_trainer__pb2.ReadTokenizerRequest.SerializeToString,
+            temper_dot_v1_dot_types__pb2.FileChunk.FromString,
             options,
             channel_credentials,
             insecure,

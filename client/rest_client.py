@@ -1,0 +1,186 @@
+"""RestClient: training runs and checkpoints under the Tinker SDK's RestClient method names, mapped
+to Temper's gRPC verbs. Every method returns an APIFuture; each ``*_async`` gives the result.
+
+Temper's API has no sessions listing, audit log, billing, weight copies or signed download URLs:
+those methods raise ``UnsupportedError`` (a NotImplementedError) naming what to use instead.
+Training runs are listed from GetUsage (every run of the caller's tenant) plus GetInfo per run, as
+the HTTP gateway does (services/gateway/routes_rest.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+from temper.client import convert
+from temper.client import types as t
+from temper.client.errors import unsupported
+from temper.client.futures import APIFuture
+from temper.v1 import service_pb2, types_pb2
+
+if TYPE_CHECKING:
+    from temper.client.runtime import Runtime
+
+
+def _async_of(method: Callable[..., APIFuture]) -> Callable[..., Awaitable[Any]]:
+    async def run(self, *args: Any, **kwargs: Any):
+        return await method(self, *args, **kwargs)
+
+    run.__name__ = f"{method.__name__}_async"
+    run.__doc__ = f"The result of ``{method.__name__}``, awaited."
+    return run
+
+
+def _unsupported(name: str, hint: str) -> Callable[..., APIFuture]:
+    def method(self, *args: Any, **kwargs: Any) -> APIFuture:
+        raise unsupported(f"RestClient.{name}", hint)
+
+    method.__name__ = name
+    return method
+
+
+class RestClient:
+    def __init__(self, _runtime: "Runtime | None" = None, *, base_url: str | None = None, api_key: str | None = None,
+                 connect_timeout: float | None = None):
+        """On a ServiceClient's connection (``service_client.create_rest_client()``), or on its own, as
+        ``tinker.RestClient()`` is: then ``base_url`` / ``api_key`` are read as ServiceClient reads them."""
+        from temper.client.runtime import open_runtime
+
+        self._owns_runtime = _runtime is None
+        self._runtime = _runtime if _runtime is not None else open_runtime(base_url, api_key, connect_timeout=connect_timeout)
+
+    def _submit(self, coro) -> APIFuture:
+        return APIFuture(self._runtime.call_soon(coro))
+
+    async def _call(self, method: str, request):
+        return await self._runtime._call(method, request)
+
+    def close(self) -> None:
+        if self._owns_runtime:
+            self._runtime.close()
+
+    # ---- server -------------------------------------------------------------------------------
+
+    def get_server_capabilities(self) -> APIFuture[t.GetServerCapabilitiesResponse]:
+        async def run():
+            r = await self._call("GetServerCapabilities", service_pb2.GetServerCapabilitiesRequest())
+            return t.GetServerCapabilitiesResponse([
+                t.SupportedModel(m.model_name, m.max_context_length, m.trainable, m.sampleable) for m in r.supported_models])
+
+        return self._submit(run())
+
+    # ---- training runs ------------------------------------------------------------------------
+
+    async def _run(self, run_id: str, checkpoints: list[types_pb2.Checkpoint] | None = None) -> t.TrainingRun:
+        info = await self._call("GetInfo", service_pb2.GetInfoRequest(training_run_id=run_id))
+        if checkpoints is None:
+            checkpoints = list((await self._call("ListCheckpoints", service_pb2.ListCheckpointsRequest(training_run_id=run_id))).checkpoints)
+        mine = [convert.checkpoint_from_proto(c) for c in checkpoints if c.training_run_id == run_id]
+        newest = {kind: max((c for c in mine if c.checkpoint_type == kind), key=lambda c: c.time, default=None)
+                  for kind in ("training", "sampler")}
+        return t.TrainingRun(
+            training_run_id=info.training_run_id, base_model=info.base_model, model_owner="", is_lora=True,
+            last_request_time=max((c.time for c in mine), default=datetime.now(timezone.utc)), lora_rank=info.lora_config.rank,
+            last_checkpoint=newest["training"], last_sampler_checkpoint=newest["sampler"])
+
+    def get_training_run(self, training_run_id: str, access_scope: str = "owned") -> APIFuture[t.TrainingRun]:
+        return self._submit(self._run(training_run_id))
+
+    def get_training_run_by_tinker_path(self, tinker_path: str, access_scope: str = "owned") -> APIFuture[t.TrainingRun]:
+        return self.get_training_run(t.ParsedCheckpointTinkerPath.from_tinker_path(tinker_path).training_run_id)
+
+    def get_weights_info_by_tinker_path(self, tinker_path: str) -> APIFuture[t.WeightsInfoResponse]:
+        run_id = t.ParsedCheckpointTinkerPath.from_tinker_path(tinker_path).training_run_id
+
+        async def run():
+            info = await self._call("GetInfo", service_pb2.GetInfoRequest(training_run_id=run_id))
+            lora = info.lora_config
+            return t.WeightsInfoResponse(base_model=info.base_model, is_lora=True, lora_rank=lora.rank,
+                                         train_unembed=lora.train_unembed, train_mlp=lora.train_mlp, train_attn=lora.train_attn)
+
+        return self._submit(run())
+
+    def list_training_runs(self, limit: int = 20, offset: int = 0, access_scope: str = "owned",
+                           project_id: str | None = None) -> APIFuture[t.TrainingRunsResponse]:
+        async def run():
+            usage = await self._call("GetUsage", service_pb2.GetUsageRequest())
+            run_ids = [r.training_run_id for r in usage.runs]
+            checkpoints = list((await self._call("ListCheckpoints", service_pb2.ListCheckpointsRequest())).checkpoints)
+            page = await asyncio.gather(*(self._run(r, checkpoints) for r in run_ids[offset: offset + limit]))
+            return t.TrainingRunsResponse(list(page), t.Cursor(offset, limit, len(run_ids)))
+
+        return self._submit(run())
+
+    # ---- checkpoints --------------------------------------------------------------------------
+
+    def list_checkpoints(self, training_run_id: str) -> APIFuture[t.CheckpointsListResponse]:
+        async def run():
+            r = await self._call("ListCheckpoints", service_pb2.ListCheckpointsRequest(training_run_id=training_run_id))
+            return t.CheckpointsListResponse([convert.checkpoint_from_proto(c) for c in r.checkpoints])
+
+        return self._submit(run())
+
+    def list_user_checkpoints(self, limit: int = 100, offset: int = 0) -> APIFuture[t.CheckpointsListResponse]:
+        async def run():
+            r = await self._call("ListCheckpoints", service_pb2.ListCheckpointsRequest())
+            every = sorted((convert.checkpoint_from_proto(c) for c in r.checkpoints), key=lambda c: c.time, reverse=True)
+            return t.CheckpointsListResponse(every[offset: offset + limit], t.Cursor(offset, limit, len(every)))
+
+        return self._submit(run())
+
+    def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> APIFuture[None]:
+        """``checkpoint_id``: ``weights/<name>`` or ``sampler_weights/<name>``."""
+        return self.delete_checkpoint_from_tinker_path(f"tinker://{training_run_id}/{checkpoint_id}")
+
+    def delete_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
+        return self._none(self._call("DeleteCheckpoint", service_pb2.DeleteCheckpointRequest(path=tinker_path)))
+
+    def publish_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
+        return self._update(tinker_path, published=True)
+
+    def unpublish_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
+        return self._update(tinker_path, published=False)
+
+    def set_checkpoint_ttl_from_tinker_path(self, tinker_path: str, ttl_seconds: int | None) -> APIFuture[None]:
+        """``ttl_seconds`` from now; None removes the expiry."""
+        return self._update(tinker_path, ttl_seconds=ttl_seconds or 0)
+
+    def _update(self, path: str, **fields: Any) -> APIFuture[None]:
+        return self._none(self._call("UpdateCheckpoint", service_pb2.UpdateCheckpointRequest(path=path, **fields)))
+
+    def _none(self, call: Awaitable[Any]) -> APIFuture[None]:
+        async def run():
+            await call
+            return None
+
+        return self._submit(run())
+
+    # ---- what Temper does not serve -----------------------------------------------------------
+
+    get_external_weights_urls = _unsupported("get_external_weights_urls", "download with ServiceClient.download_checkpoint")
+    copy_weights = _unsupported("copy_weights", "Temper has no projects; load the checkpoint with create_training_client_from_state")
+    get_session = _unsupported("get_session", "the gRPC API has no session queries")
+    list_sessions = _unsupported("list_sessions", "the gRPC API has no session queries")
+    search_sessions = _unsupported("search_sessions", "the gRPC API has no session queries")
+    assign_session_project = _unsupported("assign_session_project", "Temper has no projects")
+    export_session_trace = _unsupported("export_session_trace", "the gRPC API has no session traces")
+    get_sampler = _unsupported("get_sampler", "a SamplingClient knows its base_model and model_path")
+    get_audit_log = _unsupported("get_audit_log", "Temper keeps no audit log")
+    whoami = _unsupported("whoami", "ServiceClient.get_usage() names the caller's tenant")
+    get_billing_usage = _unsupported("get_billing_usage", "ServiceClient.get_usage() gives tokens and steps")
+    get_current_checkpoint_storage_usage = _unsupported("get_current_checkpoint_storage_usage",
+                                                        "ServiceClient.get_usage()['storage_bytes']")
+
+    get_server_capabilities_async = _async_of(get_server_capabilities)
+    get_training_run_async = _async_of(get_training_run)
+    get_training_run_by_tinker_path_async = _async_of(get_training_run_by_tinker_path)
+    get_weights_info_by_tinker_path_async = _async_of(get_weights_info_by_tinker_path)
+    list_training_runs_async = _async_of(list_training_runs)
+    list_checkpoints_async = _async_of(list_checkpoints)
+    list_user_checkpoints_async = _async_of(list_user_checkpoints)
+    delete_checkpoint_async = _async_of(delete_checkpoint)
+    delete_checkpoint_from_tinker_path_async = _async_of(delete_checkpoint_from_tinker_path)
+    publish_checkpoint_from_tinker_path_async = _async_of(publish_checkpoint_from_tinker_path)
+    unpublish_checkpoint_from_tinker_path_async = _async_of(unpublish_checkpoint_from_tinker_path)
+    set_checkpoint_ttl_from_tinker_path_async = _async_of(set_checkpoint_ttl_from_tinker_path)

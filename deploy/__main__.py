@@ -1,0 +1,66 @@
+"""Run Temper on Ray: `python -m temper.deploy` (settings from TEMPER_RAY_*; see deploy/settings.py).
+
+Starts the trainers and samplers as Ray actors and the scheduler beside them, prints
+"TEMPER_READY ray port=<scheduler port> address=<host:port> trainers=<...> samplers=<...>", then
+stays in the foreground: Ray restarts dead actors, this process restarts a scheduler that exits.
+Ctrl-C or SIGTERM stops all of it (and a local Ray cluster it started)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import time
+
+from temper.common.logs import configure_logging
+from temper.deploy.ray_cluster import RayDeployment
+from temper.deploy.settings import RaySettings
+
+log = logging.getLogger("temper.deploy")
+CHECK_SECONDS = 2.0
+
+
+def supervise(deployment: RayDeployment) -> None:
+    """Forever: start the scheduler again (same port, database, workers) when it exits."""
+    while True:
+        time.sleep(CHECK_SECONDS)
+        process = deployment.scheduler.service("scheduler").process
+        if process.poll() is not None:
+            log.warning("the scheduler exited with %s; starting it again", process.returncode)
+            deployment.scheduler.restart_scheduler(crash=True, timeout=deployment.settings.ready_timeout_seconds)
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def usage() -> str:
+    fields = "\n".join(f"  TEMPER_RAY_{name.upper()}: {field.description}" for name, field in RaySettings.model_fields.items())
+    return f"{__doc__}\n\nSettings:\n{fields}"
+
+
+def main() -> None:
+    if any(arg in ("-h", "--help") for arg in sys.argv[1:]):  # no other arguments: settings come from the environment
+        print(usage())
+        return
+    settings = RaySettings()
+    configure_logging(settings.log_level, settings.log_format)
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops everything as Ctrl-C does
+    with RayDeployment(settings) as deployment:
+        try:
+            address = deployment.start()
+            signal.signal(signal.SIGTERM, _interrupt)  # again: ray.init put its own handler there (a stack dump, then exit)
+            workers = {role: ",".join(w.address for w in deployment.of(role)) for role in ("trainer", "sampler")}
+            print(f"TEMPER_READY ray port={address.rsplit(':', 1)[1]} address={address} "
+                  f"trainers={workers['trainer']} samplers={workers['sampler']}", flush=True)
+            log.info("scheduler log: %s; API keys: python -m temper.scheduler.admin create-key --tenant NAME, on the "
+                     "same database", deployment.scheduler.service("scheduler").log_path)
+            supervise(deployment)
+        except KeyboardInterrupt:
+            log.info("stopping")
+        except Exception as exc:
+            sys.exit(f"temper deploy: {exc}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""The gateway's HTTP application: the Tinker SDK's protocol under /api/v1, answered by calls to the
+scheduler's public gRPC API. Routes live in routes_session.py, routes_training.py,
+routes_sampling.py and routes_rest.py, OpenAI-compatible sampling under /v1 in routes_openai.py;
+this module holds what they share (``Gateway``) and the error handling. Routes the gateway does not
+serve answer 404 with a message (never a hang, never a 5xx, which the SDK would resend for minutes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from temper.services.gateway.errors import GatewayError, error_body, failed_result, http_headers, http_status, invalid
+from temper.services.gateway.futures import Futures
+from temper.services.gateway.upstream import Scheduler
+
+log = logging.getLogger("temper.gateway")
+MAX_REMEMBERED_SAMPLERS = 100_000
+
+
+@dataclass
+class Result:
+    """A verb's answer, rendered when retrieved: protobuf for the SDK that asks for it (``proto``),
+    else JSON."""
+
+    json: Callable[[], dict]
+    proto: Callable[[], bytes] | None = None
+
+
+@dataclass
+class SamplerInfo:
+    base_model: str
+    model_path: str | None
+
+
+@dataclass
+class Gateway:
+    scheduler: Scheduler
+    futures: Futures
+    long_poll_seconds: float = 25.0
+    # GET /samplers/{id} answers from what the gateway saw created: the gRPC API has no GetSampler.
+    samplers: "OrderedDict[str, SamplerInfo]" = field(default_factory=OrderedDict)
+    # Runs made from a checkpoint (create-via-load): the load took the scheduler's seq 1, while the SDK
+    # numbers that run's requests from 1 again, so they go to the scheduler one later.
+    seq_offsets: dict[str, int] = field(default_factory=dict)
+
+    def remember_sampler(self, sampler_id: str, base_model: str, model_path: str | None) -> None:
+        self.samplers[sampler_id] = SamplerInfo(base_model, model_path or None)
+        while len(self.samplers) > MAX_REMEMBERED_SAMPLERS:
+            self.samplers.popitem(last=False)
+
+    def scheduler_seq(self, training_run_id: str, seq_id: int) -> int:
+        return seq_id + self.seq_offsets.get(training_run_id, 0)
+
+    def submit(self, key: str | None, request_id: str, work: Callable[[], Awaitable[Any]], **extra) -> dict:
+        """Start a verb behind a future; its failure becomes the future's error result."""
+        async def run():
+            try:
+                return await work()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - every failure reaches the SDK as the future's error
+                error = GatewayError.of(exc)
+                if error.code == grpc.StatusCode.INTERNAL and not isinstance(exc, (GatewayError, grpc.aio.AioRpcError)):
+                    log.exception("%s failed", request_id)
+                return Result(json=lambda: failed_result(error))
+
+        return {"request_id": self.futures.submit(key, request_id, run), **extra}
+
+
+def gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+def api_key(request: Request) -> str:
+    """The caller's key: ``X-API-Key`` as the SDK sends it, or ``Authorization: Bearer``. Not checked
+    here: the scheduler checks it on every call."""
+    key = request.headers.get("x-api-key")
+    if not key:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        key = token.strip() if scheme.lower() == "bearer" else ""
+    if not key:
+        raise GatewayError(grpc.StatusCode.UNAUTHENTICATED, "no API key: set TINKER_API_KEY (a Temper key, tml-...)")
+    return key
+
+
+async def json_body(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw or b"{}")
+    except ValueError as exc:
+        raise invalid(f"the body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise invalid("the body must be a JSON object")
+    return body
+
+
+def error_response(error: GatewayError) -> JSONResponse:
+    status = http_status(error)
+    return JSONResponse(error_body(error), status_code=status, headers=http_headers(status))
+
+
+def create_app(scheduler: Scheduler, long_poll_seconds: float = 25.0, future_keep_seconds: float = 3600.0) -> FastAPI:
+    from temper.services.gateway import routes_openai, routes_rest, routes_sampling, routes_session, routes_training
+
+    state = Gateway(scheduler, Futures(future_keep_seconds), long_poll_seconds)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        sweeper = asyncio.create_task(state.futures.sweep_forever())
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            state.futures.cancel_all()
+            await scheduler.close()
+
+    app = FastAPI(title="Temper gateway (Tinker SDK protocol)", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.gateway = state
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(request: Request, exc: GatewayError):
+        log.info("%s %s -> %s", request.method, request.url.path, exc)
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        return error_response(invalid(f"bad request: {exc.errors()}"))
+
+    for module in (routes_session, routes_training, routes_sampling, routes_rest, routes_openai):
+        app.include_router(module.router)
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
+    async def _not_served(path: str, request: Request):
+        return error_response(GatewayError(grpc.StatusCode.UNIMPLEMENTED,
+                                           f"{request.method} /{path} is not served by Temper's Tinker gateway"))
+
+    return app

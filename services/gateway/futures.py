@@ -1,0 +1,79 @@
+"""In-flight futures: the only state the gateway holds.
+
+A verb's route starts its gRPC call as a task and answers ``{"request_id"}`` at once; the SDK then
+long-polls retrieve_future. Entries are keyed by (API key digest, request id), so one caller can
+neither see nor join another's futures. A request id is derived from what makes the request unique
+(``<run>:<seq>``, ``<sampler>:<seq>``), so a resent submission joins the call already running
+instead of starting a second one. Answered entries are dropped shortly after they are retrieved
+(the grace covers a poll whose answer was lost on the way), unretrieved ones after ``keep_seconds``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+log = logging.getLogger(__name__)
+RETRIEVED_GRACE_SECONDS = 60.0
+
+
+@dataclass
+class Entry:
+    task: asyncio.Task
+    created: float = field(default_factory=time.monotonic)
+    retrieved: float | None = None
+
+
+class Futures:
+    def __init__(self, keep_seconds: float = 3600.0):
+        self.keep_seconds = keep_seconds
+        self._entries: dict[tuple[str, str], Entry] = {}
+
+    @staticmethod
+    def owner(key: str | None) -> str:
+        return hashlib.sha256((key or "").encode()).hexdigest()
+
+    def submit(self, key: str | None, request_id: str, work: Callable[[], Awaitable[Any]]) -> str:
+        """Start ``work()`` under ``request_id`` unless that request is already running or answered."""
+        slot = (self.owner(key), request_id)
+        if slot not in self._entries:
+            self._entries[slot] = Entry(asyncio.get_running_loop().create_task(work(), name=f"gateway {request_id}"))
+        return request_id
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    async def wait(self, key: str | None, request_id: str, timeout: float) -> Entry | None:
+        """The entry once done, or still running after ``timeout`` seconds (the long poll); None if unknown."""
+        entry = self._entries.get((self.owner(key), request_id))
+        if entry is None:
+            return None
+        if not entry.task.done():
+            await asyncio.wait([entry.task], timeout=timeout)
+        if entry.task.done():
+            entry.retrieved = entry.retrieved or time.monotonic()
+        return entry
+
+    def sweep(self, now: float | None = None) -> int:
+        """Drop answered entries retrieved a while ago and any left unretrieved too long."""
+        now = time.monotonic() if now is None else now
+        stale = [slot for slot, e in self._entries.items()
+                 if (e.retrieved is not None and now - e.retrieved > RETRIEVED_GRACE_SECONDS)
+                 or (e.task.done() and now - e.created > self.keep_seconds)]
+        for slot in stale:
+            del self._entries[slot]
+        return len(stale)
+
+    async def sweep_forever(self, interval: float = 15.0) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            if dropped := self.sweep():
+                log.debug("dropped %d answered futures", dropped)
+
+    def cancel_all(self) -> None:
+        for entry in self._entries.values():
+            entry.task.cancel()

@@ -1,0 +1,158 @@
+"""OpenAI-compatible sampling: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (also
+under /oai/api/v1, the path of Tinker's OpenAI-compatible beta).
+
+``model`` is a base model or a sampler checkpoint path (``tinker://<run>/sampler_weights/<name>``;
+Tinker's ``<base model>;<path>`` works too). The key is the usual Temper key, as ``Authorization:
+Bearer tml-…``, forwarded to the scheduler with every call. Each prompt becomes one Sample call
+with ``num_samples=n`` (openai_targets.py resolves the model, openai_convert.py the shapes), so with a
+``seed`` the answer is the one temper.client's ``sample`` gives for the same tokens. Chat renders
+``messages`` with the model's chat template. Logprobs are log p(token) under the raw model
+(temperature 1), as in Temper's Sample. ``stream=true`` is served as server-sent events, but all
+at once when sampling ends (no token-by-token streaming). Errors use OpenAI's JSON shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from temper.common.codec import encode_tokens
+from temper.services.gateway import openai_convert as oc
+from temper.services.gateway.app import api_key, gateway, json_body
+from temper.services.gateway.errors import GatewayError, http_headers, invalid
+from temper.services.gateway.openai_targets import ModelNotFound, Target, Targets
+from temper.v1 import service_pb2, types_pb2
+
+log = logging.getLogger("temper.gateway")
+router = APIRouter()
+
+
+def targets(request: Request) -> Targets:
+    state = request.app.state
+    if getattr(state, "openai_targets", None) is None:
+        state.openai_targets = Targets(gateway(request).scheduler)
+    return state.openai_targets
+
+
+def _error(status: int, body: dict) -> JSONResponse:
+    return JSONResponse(body, status_code=status, headers=http_headers(status))
+
+
+def openai_errors(route):
+    """Every failure of an OpenAI route as OpenAI's error JSON; an unknown model as model_not_found."""
+    @functools.wraps(route)
+    async def wrapper(request: Request):
+        try:
+            return await route(request)
+        except ModelNotFound as error:
+            return _error(*oc.model_not_found(error.model, error))
+        except GatewayError as error:
+            log.info("%s %s -> %s", request.method, request.url.path, error)
+            return _error(*oc.error_body(error))
+        except Exception:  # noqa: BLE001 - answered in OpenAI's shape, logged here
+            log.exception("%s %s failed", request.method, request.url.path)
+            return _error(*oc.error_body(GatewayError.of(RuntimeError())))
+    return wrapper
+
+
+async def _sample(request: Request, gen: oc.Generation, build) -> tuple[Target, list]:
+    """``build(target)`` -> the prompts' token lists; one Sample per prompt. Returns the target and,
+    per prompt, (tokens, SampleResponse)."""
+    scheduler, key = gateway(request).scheduler, api_key(request)
+
+    async def use(target: Target):
+        prompts = build(target)
+        return await asyncio.gather(*(_sample_one(scheduler, key, target, gen, p) for p in prompts))
+
+    return await targets(request).call(gen.model, key, use)
+
+
+async def _sample_one(scheduler, key: str, target: Target, gen: oc.Generation, prompt: list[int]):
+    room = target.max_context_length - len(prompt)
+    max_tokens = gen.max_tokens if gen.max_tokens is not None else room
+    if max_tokens > room or room < 1:
+        raise invalid(f"this model's maximum context length is {target.max_context_length} tokens; the prompt has "
+                      f"{len(prompt)} and max_tokens is {max_tokens}")
+    eos = [target.tokenizer.eos_token_id] if target.tokenizer.eos_token_id is not None else []
+    sample = service_pb2.SampleRequest(
+        sampler_id=target.sampler_id, prompt=types_pb2.ModelInput(chunks=[types_pb2.ModelInputChunk(
+            encoded_text=types_pb2.EncodedTextChunk(tokens=encode_tokens(prompt)))]),
+        num_samples=gen.n, sampling_params=oc.sampling_params(gen, max(max_tokens, 1), eos),
+        include_prompt_logprobs=gen.echo and gen.logprobs is not None, topk_logprobs=gen.logprobs or 0)
+    resp = await scheduler.verb("Sample", sample, key)
+    if max_tokens == 0:  # echo only (scoring a prompt): the one token sampled to get there is dropped
+        for s in resp.sequences:
+            s.tokens, s.logprobs, s.topk, s.topk_token_ids, s.topk_logprobs = b"", b"", 0, b"", b""
+            s.stop_reason = types_pb2.STOP_REASON_LENGTH
+    return prompt, resp
+
+
+def _respond(body: dict, gen: oc.Generation, chat: bool):
+    if gen.stream:
+        return StreamingResponse(oc.stream_events(body, chat, gen.include_usage), media_type="text/event-stream")
+    return body
+
+
+@openai_errors
+async def completions(request: Request):
+    body = await json_body(request)
+    gen, prompts = oc.generation(body, chat=False), oc.completion_prompts(body)
+
+    def build(target: Target) -> list[list[int]]:
+        return [p if isinstance(p, list) else target.tokenizer.encode(p) for p in prompts]
+
+    target, results = await _sample(request, gen, build)
+    choices, generated = [], 0
+    for i, (tokens, resp) in enumerate(results):
+        prompt_lps = oc.prompt_logprobs(resp)
+        prompt_text = prompts[i] if isinstance(prompts[i], str) else target.tokenizer.decode(tokens)
+        for j, choice in enumerate(oc.choices_of(resp, target.tokenizer, gen.stop)):
+            generated += len(choice.tokens)
+            logprobs = None
+            if gen.logprobs is not None:
+                logprobs = oc.completion_logprobs(target.tokenizer, choice, gen.logprobs, tokens if gen.echo else None,
+                                                  prompt_lps if gen.echo else None)
+            choices.append({"index": i * gen.n + j, "text": (prompt_text if gen.echo else "") + choice.text,
+                            "logprobs": logprobs, "finish_reason": choice.finish_reason})
+    use = oc.usage(sum(len(tokens) for tokens, _ in results), generated)
+    return _respond(oc.completion_body(f"cmpl-{uuid.uuid4().hex}", int(time.time()), gen.model, choices, use), gen, False)
+
+
+@openai_errors
+async def chat_completions(request: Request):
+    body = await json_body(request)
+    gen, messages = oc.generation(body, chat=True), oc.chat_messages(body)
+
+    def build(target: Target) -> list[list[int]]:
+        if not getattr(target.tokenizer, "chat_template", None):
+            raise invalid(f"{target.base_model} has no chat template: use /v1/completions")
+        text = target.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return [target.tokenizer.encode(text, add_special_tokens=False)]
+
+    target, [(tokens, resp)] = await _sample(request, gen, build)
+    choices = oc.choices_of(resp, target.tokenizer, gen.stop)
+    out = [oc.chat_choice(j, c, oc.chat_logprobs(target.tokenizer, c, gen.logprobs) if gen.logprobs is not None else None)
+           for j, c in enumerate(choices)]
+    use = oc.usage(len(tokens), sum(len(c.tokens) for c in choices))
+    return _respond(oc.chat_body(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), gen.model, out, use), gen, True)
+
+
+@openai_errors
+async def models(request: Request):
+    caps = await gateway(request).scheduler.call("GetServerCapabilities", service_pb2.GetServerCapabilitiesRequest(),
+                                                 api_key(request))
+    return {"object": "list", "data": [{"id": m.model_name, "object": "model", "created": 0, "owned_by": "temper",
+                                        "max_context_length": m.max_context_length}
+                                       for m in caps.supported_models if m.sampleable]}
+
+
+for prefix in ("/v1", "/oai/api/v1"):
+    router.add_api_route(f"{prefix}/completions", completions, methods=["POST"])
+    router.add_api_route(f"{prefix}/chat/completions", chat_completions, methods=["POST"])
+    router.add_api_route(f"{prefix}/models", models, methods=["GET"])

@@ -1,0 +1,122 @@
+"""The routes of the SDK's RestClient: training runs, checkpoints, weights info.
+
+A checkpoint id is ``<weights|sampler_weights>/<name>``, so it spans two path segments here. The
+listing of training runs comes from GetUsage (every run of the caller's tenant); the gRPC API has
+no ListTrainingRuns yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request
+
+from temper.common.checkpoints import parse_path
+from temper.services.gateway import convert
+from temper.services.gateway.app import api_key, gateway, json_body
+from temper.services.gateway.errors import invalid
+from temper.v1 import service_pb2
+
+router = APIRouter(prefix="/api/v1")
+RUNS_PATH = "/training_runs/{run_id}/checkpoints/{kind}/{name}"
+
+
+def _page(request: Request, default_limit: int) -> tuple[int, int]:
+    try:
+        limit = int(request.query_params.get("limit", default_limit))
+        offset = int(request.query_params.get("offset", 0))
+    except ValueError:
+        raise invalid("limit and offset are integers") from None
+    if limit < 0 or offset < 0:
+        raise invalid("limit and offset must be >= 0")
+    return limit, offset
+
+
+async def _checkpoints(request: Request, run_id: str = "") -> list:
+    resp = await gateway(request).scheduler.call("ListCheckpoints", service_pb2.ListCheckpointsRequest(training_run_id=run_id),
+                                                 api_key(request))
+    return sorted(resp.checkpoints, key=lambda c: c.created_unix_ms)
+
+
+async def _info(request: Request, run_id: str):
+    return await gateway(request).scheduler.call("GetInfo", service_pb2.GetInfoRequest(training_run_id=run_id), api_key(request))
+
+
+@router.get("/training_runs")
+async def list_training_runs(request: Request):
+    limit, offset = _page(request, 20)
+    usage = await gateway(request).scheduler.call("GetUsage", service_pb2.GetUsageRequest(), api_key(request))
+    run_ids = [r.training_run_id for r in usage.runs]
+    page = run_ids[offset: offset + limit]
+    checkpoints = await _checkpoints(request)
+    infos = await asyncio.gather(*(_info(request, run) for run in page), return_exceptions=True)
+    runs = [convert.training_run_to_json(info, [c for c in checkpoints if c.training_run_id == info.training_run_id])
+            for info in infos if not isinstance(info, BaseException)]
+    return {"training_runs": runs, "cursor": {"offset": offset, "limit": limit, "total_count": len(run_ids)}}
+
+
+@router.get("/training_runs/{run_id}")
+async def get_training_run(run_id: str, request: Request):
+    info = await _info(request, run_id)
+    return convert.training_run_to_json(info, await _checkpoints(request, run_id))
+
+
+@router.get("/training_runs/{run_id}/checkpoints")
+async def list_checkpoints(run_id: str, request: Request):
+    return {"checkpoints": [convert.checkpoint_to_json(c) for c in await _checkpoints(request, run_id)]}
+
+
+@router.get("/checkpoints")
+async def list_user_checkpoints(request: Request):
+    limit, offset = _page(request, 100)
+    everything = await _checkpoints(request)
+    return {"checkpoints": [convert.checkpoint_to_json(c) for c in everything[offset: offset + limit]],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(everything)}}
+
+
+@router.post("/weights_info")
+async def weights_info(request: Request):
+    body = await json_body(request)
+    path = parse_path(str(body.get("tinker_path", "")))
+    return convert.weights_info_to_json(await _info(request, path.training_run_id))
+
+
+def _path(run_id: str, kind: str, name: str) -> str:
+    return str(parse_path(convert.tinker_path(run_id, f"{kind}/{name}")))
+
+
+async def _update(request: Request, path: str, **fields) -> None:
+    await gateway(request).scheduler.call("UpdateCheckpoint", service_pb2.UpdateCheckpointRequest(path=path, **fields), api_key(request))
+
+
+@router.delete(RUNS_PATH)
+async def delete_checkpoint(run_id: str, kind: str, name: str, request: Request):
+    await gateway(request).scheduler.call("DeleteCheckpoint", service_pb2.DeleteCheckpointRequest(path=_path(run_id, kind, name)),
+                                          api_key(request))
+    return None
+
+
+@router.post(RUNS_PATH + "/publish")
+async def publish_checkpoint(run_id: str, kind: str, name: str, request: Request):
+    await _update(request, _path(run_id, kind, name), published=True)
+    return None
+
+
+@router.delete(RUNS_PATH + "/publish")
+async def unpublish_checkpoint(run_id: str, kind: str, name: str, request: Request):
+    await _update(request, _path(run_id, kind, name), published=False)
+    return None
+
+
+@router.put(RUNS_PATH + "/ttl")
+async def set_checkpoint_ttl(run_id: str, kind: str, name: str, request: Request):
+    body = await json_body(request)
+    ttl = body.get("ttl_seconds")
+    await _update(request, _path(run_id, kind, name), ttl_seconds=int(ttl) if ttl else 0)
+    return None
+
+
+@router.get(RUNS_PATH + "/external_weights_urls")
+async def external_weights_urls(run_id: str, kind: str, name: str, request: Request):
+    raise invalid(
+        "external weights URLs are not served by Temper; download a checkpoint with temper.client.download_checkpoint")

@@ -1,0 +1,33 @@
+"""Gateway process settings (environment variables with the TEMPER_GATEWAY_ prefix)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from temper.common.settings import ProcessSettings
+
+
+class GatewaySettings(ProcessSettings):
+    """bind, metrics_bind, log_level, log_format and the TLS of our own port (tls_cert_file,
+    tls_key_file, tls_client_ca_file: HTTPS, optionally mutual) come from ProcessSettings."""
+
+    model_config = SettingsConfigDict(env_prefix="TEMPER_GATEWAY_")
+
+    bind: str = Field("127.0.0.1:8000", description="host:port of the HTTP server (port 0 picks a free one).")
+    scheduler_address: str = Field("127.0.0.1:50051", description="host:port of the scheduler's public gRPC API.")
+    scheduler_tls: bool = Field(False, description="Reach the scheduler over TLS, checked against the system's roots "
+                                                   "(or scheduler_tls_ca_file).")
+    scheduler_tls_ca_file: Path | None = Field(None, description="PEM CA of the scheduler's certificate; set: TLS.")
+    scheduler_tls_client_cert_file: Path | None = Field(None, description="PEM client certificate for a scheduler that "
+                                                                          "requires one (mutual TLS).")
+    scheduler_tls_client_key_file: Path | None = Field(None, description="PEM private key of the client certificate.")
+    rpc_timeout_seconds: float = Field(60.0, gt=0, description="Deadline of the scheduler calls that answer at once "
+                                                               "(sessions, info, checkpoints).")
+    unavailable_retry_seconds: float = Field(120.0, ge=0, description="How long a verb behind a future is resent while the "
+                                                                      "scheduler is unreachable before it fails.")
+    long_poll_seconds: float = Field(25.0, gt=0, description="How long retrieve_future holds a poll before answering "
+                                                            "try_again (the SDK's poll times out at 45 s).")
+    future_keep_seconds: float = Field(3600.0, gt=0, description="How long an answered future nobody retrieves is kept.")

@@ -1,0 +1,97 @@
+"""The gateway's one channel to the scheduler's public API, and the calls it makes on a caller's behalf.
+
+Every call carries the caller's own API key as ``authorization: Bearer <key>``: the scheduler checks
+it and takes the tenant from it, so the gateway never decides who anyone is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any
+
+import grpc
+
+from temper.common.server_options import CHANNEL_OPTIONS
+from temper.common.tls import channel_credentials
+from temper.services.gateway.errors import GatewayError
+from temper.v1 import service_pb2_grpc
+
+
+class Scheduler:
+    def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None, timeout: float = 60.0,
+                 unavailable_seconds: float = 120.0):
+        """``timeout``: deadline of the calls that answer at once (sessions, info, listings);
+        ``unavailable_seconds``: how long a verb is resent while the scheduler is unreachable."""
+        self.address = address
+        self.timeout = timeout
+        self.unavailable_seconds = unavailable_seconds
+        self._credentials = credentials
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: service_pb2_grpc.TemperStub | None = None
+
+    @classmethod
+    def from_settings(cls, settings) -> "Scheduler":
+        credentials = None
+        if settings.scheduler_tls_ca_file or settings.scheduler_tls:
+            credentials = channel_credentials(settings.scheduler_tls_ca_file, settings.scheduler_tls_client_cert_file,
+                                              settings.scheduler_tls_client_key_file)
+        return cls(settings.scheduler_address, credentials, settings.rpc_timeout_seconds, settings.unavailable_retry_seconds)
+
+    @property
+    def stub(self) -> service_pb2_grpc.TemperStub:
+        # made on first use, inside the server's event loop (a grpc.aio channel belongs to one loop)
+        if self._stub is None:
+            if self._credentials is None:
+                self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            else:
+                self._channel = grpc.aio.secure_channel(self.address, self._credentials, options=CHANNEL_OPTIONS)
+            self._stub = service_pb2_grpc.TemperStub(self._channel)
+        return self._stub
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._stub = None
+
+    async def call(self, method: str, request: Any, key: str | None) -> Any:
+        """One call with the caller's key; a failed call raises GatewayError. Answers at once or fails
+        (an unreachable scheduler is UNAVAILABLE now, which the SDK resends)."""
+        try:
+            return await getattr(self.stub, method)(request, metadata=_metadata(key), timeout=self.timeout)
+        except grpc.aio.AioRpcError as err:
+            raise GatewayError.of(err) from None
+
+    async def verb(self, method: str, request: Any, key: str | None) -> Any:
+        """A verb behind a future: waits in the scheduler's queues for as long as they take, and is
+        resent on backpressure (for as long as it lasts, as temper.client does) and while the
+        scheduler is unreachable (``unavailable_seconds``). Resending is safe: the scheduler answers a
+        repeated (run, seq) with the first answer."""
+        delay, unreachable_since = 0.05, None
+        while True:
+            try:
+                # not wait_for_ready: an unreachable scheduler must surface (and be bounded) here, not hang
+                return await getattr(self.stub, method)(request, metadata=_metadata(key))
+            except grpc.aio.AioRpcError as err:
+                error = GatewayError.of(err)
+            if not error.transient:
+                raise error
+            if error.code == grpc.StatusCode.UNAVAILABLE:
+                unreachable_since = unreachable_since or time.monotonic()
+                if time.monotonic() - unreachable_since > self.unavailable_seconds:
+                    raise error
+            else:
+                unreachable_since = None
+            await asyncio.sleep(delay * (1 + random.random()))
+            delay = min(delay * 2, 2.0)
+
+    async def stream(self, method: str, request: Any, key: str | None) -> list:
+        try:
+            return [item async for item in getattr(self.stub, method)(request, metadata=_metadata(key), timeout=self.timeout)]
+        except grpc.aio.AioRpcError as err:
+            raise GatewayError.of(err) from None
+
+
+def _metadata(key: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),) if key else ()

@@ -1,0 +1,184 @@
+"""The official tinker SDK, unmodified, against the gateway (services/gateway) on the tiny model: it
+only sees TINKER_BASE_URL and TINKER_API_KEY. Every number it gets equals what temper.client gets
+for the same request on the same stack."""
+
+import time
+
+import numpy as np
+import pytest
+
+tinker = pytest.importorskip("tinker")  # the `gateway` extra (make venv installs it)
+
+from tinker import types as tt  # noqa: E402
+
+from fixtures_stack import sft_datum  # noqa: E402
+from temper.client import AdamParams, ModelInput, SamplingParams  # noqa: E402
+from temper.localstack import LocalStack  # noqa: E402
+
+ADAM = dict(learning_rate=5e-3, eps=1e-8)
+TOKENS = [[5, 17, 42, 9, 77, 3, 18], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
+
+
+@pytest.fixture(scope="module")
+def gw_stack(tiny_model_dir, new_postgres_database, tmp_path_factory):
+    url = new_postgres_database("temper_gateway")
+    with LocalStack(tiny_model_dir, tmp_path_factory.mktemp("gateway"), database_url=url, num_threads=1, gateway=True) as local:
+        local.start()
+        yield local
+
+
+@pytest.fixture
+def sdk(gw_stack, monkeypatch):
+    monkeypatch.setenv("TINKER_BASE_URL", gw_stack.gateway_url)
+    monkeypatch.setenv("TINKER_API_KEY", gw_stack.api_key)
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    client = tinker.ServiceClient()
+    yield client
+    client.close("success")
+
+
+@pytest.fixture
+def ours(gw_stack):
+    client = gw_stack.client()
+    yield client
+    client.close()
+
+
+def sdk_datum(tokens, **inputs):
+    inputs = inputs or {"target_tokens": np.asarray(tokens[1:], np.int64), "weights": np.ones(len(tokens) - 1, np.float32)}
+    return tt.Datum(model_input=tt.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
+
+
+def assert_same_outputs(sdk_out, our_out):
+    assert sdk_out.metrics["loss:sum"] == our_out.metrics["loss:sum"]
+    for a, b in zip(sdk_out.loss_fn_outputs, our_out.loss_fn_outputs, strict=True):
+        np.testing.assert_array_equal(a["logprobs"].to_numpy(), b["logprobs"].to_numpy())
+
+
+def test_sft_loop_checkpoints_and_resume(sdk, ours, tiny_model_dir):
+    tc = sdk.create_lora_training_client(tiny_model_dir, rank=4, seed=3).result()
+    mine = ours.create_lora_training_client(tiny_model_dir, rank=4, seed=3)
+    for _ in range(2):  # submitted before waiting, as the SDK's docs do
+        fb, opt = tc.forward_backward([sdk_datum(t) for t in TOKENS], "cross_entropy"), tc.optim_step(tt.AdamParams(**ADAM))
+        sdk_out, _ = fb.result(), opt.result()
+        our_out = mine.forward_backward([sft_datum(t) for t in TOKENS], "cross_entropy")
+        mine.optim_step(AdamParams(**ADAM)).result()
+        assert_same_outputs(sdk_out, our_out.result())
+
+    state = tc.save_state("step2").result().path
+    assert state == f"tinker://{tc.model_id}/weights/step2"
+    resumed = sdk.create_training_client_from_state_with_optimizer(state).result()
+    assert resumed.model_id != tc.model_id
+    a = tc.forward([sdk_datum(t) for t in TOKENS], "cross_entropy").result()
+    b = resumed.forward([sdk_datum(t) for t in TOKENS], "cross_entropy").result()
+    assert a.metrics["loss:sum"] == b.metrics["loss:sum"]
+    # the resumed run trains on (its SDK seq ids start again at 1)
+    resumed.forward_backward([sdk_datum(t) for t in TOKENS], "cross_entropy").result()
+    resumed.optim_step(tt.AdamParams(**ADAM)).result()
+    resumed.load_state(state).result()  # back to step 2, on the run itself
+    assert resumed.forward([sdk_datum(t) for t in TOKENS], "cross_entropy").result().metrics["loss:sum"] == a.metrics["loss:sum"]
+
+    rest = tinker.RestClient() if hasattr(tinker, "RestClient") else sdk.create_rest_client()  # 0.38 / older
+    ids = [c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints]
+    assert ids == ["weights/step2"]
+    run = rest.get_training_run(tc.model_id).result()
+    assert run.base_model == tiny_model_dir and run.lora_rank == 4 and run.last_checkpoint.tinker_path == state
+    listed = rest.list_training_runs(limit=100).result()
+    assert {tc.model_id, resumed.model_id} <= {r.training_run_id for r in listed.training_runs}
+    info = rest.get_weights_info_by_tinker_path(state).result()
+    assert info.base_model == tiny_model_dir and info.lora_rank == 4
+    rest.publish_checkpoint_from_tinker_path(state).result()
+    assert rest.list_checkpoints(tc.model_id).result().checkpoints[0].public
+    rest.unpublish_checkpoint_from_tinker_path(state).result()
+    rest.set_checkpoint_ttl_from_tinker_path(state, 7200).result()
+    assert rest.list_checkpoints(tc.model_id).result().checkpoints[0].expires_at is not None
+    assert state in [c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints]
+    rest.delete_checkpoint_from_tinker_path(state).result()
+    assert rest.list_checkpoints(tc.model_id).result().checkpoints == []
+
+
+def test_sampling_and_logprobs(sdk, ours, tiny_model_dir):
+    tc = sdk.create_lora_training_client(tiny_model_dir, rank=4, seed=4).result()
+    tc.forward_backward([sdk_datum(t) for t in TOKENS], "cross_entropy").result()
+    tc.optim_step(tt.AdamParams(**ADAM)).result()
+    path = tc.save_weights_for_sampler("w1").result().path
+    assert path == f"tinker://{tc.model_id}/sampler_weights/w1"
+    sc = sdk.create_sampling_client(model_path=path).result()
+    assert sc.get_base_model() == tiny_model_dir
+    prompt = TOKENS[0]
+    params = dict(max_tokens=5, temperature=0.7, seed=1)
+    got = sc.sample(tt.ModelInput.from_ints(prompt), num_samples=2, sampling_params=tt.SamplingParams(**params)).result()
+    mine = ours.create_sampling_client(model_path=path)
+    want = mine.sample(ModelInput.from_ints(prompt), num_samples=2, sampling_params=SamplingParams(**params)).result()
+    assert [s.tokens for s in got.sequences] == [s.tokens for s in want.sequences]
+    assert [s.logprobs for s in got.sequences] == [s.logprobs for s in want.sequences]
+    assert len({s.sequence_id for s in got.sequences}) == 2
+
+    logprobs = sc.compute_logprobs(tt.ModelInput.from_ints(prompt)).result()
+    same = mine.sample(ModelInput.from_ints(prompt), 1, SamplingParams(max_tokens=1), include_prompt_logprobs=True).result()
+    assert logprobs[0] is None and logprobs == same.prompt_logprobs
+    np.testing.assert_allclose(logprobs[1:], mine.compute_logprobs(ModelInput.from_ints(prompt)).result()[1:], rtol=1e-5, atol=1e-6)
+
+    snapshot = tc.save_weights_and_get_sampling_client().result()  # ephemeral: unlisted
+    again = snapshot.sample(tt.ModelInput.from_ints(prompt), num_samples=2, sampling_params=tt.SamplingParams(**params)).result()
+    assert [s.tokens for s in again.sequences] == [s.tokens for s in got.sequences]
+    base = sdk.create_sampling_client(base_model=tiny_model_dir).result()
+    assert len(base.sample(tt.ModelInput.from_ints(prompt), 1, tt.SamplingParams(max_tokens=3, stop=[])).result().sequences[0].tokens) == 3
+
+
+def test_rl_step_and_custom_loss(sdk, ours, tiny_model_dir):
+    import torch
+
+    tc = sdk.create_lora_training_client(tiny_model_dir, rank=4, seed=5).result()
+    mine = ours.create_lora_training_client(tiny_model_dir, rank=4, seed=5)
+    sc = tc.save_weights_and_get_sampling_client().result()
+    prompt = TOKENS[1]
+    out = sc.sample(tt.ModelInput.from_ints(prompt), 2, tt.SamplingParams(max_tokens=4, seed=2, stop=[])).result()
+    sdk_data, our_data = [], []
+    for i, seq in enumerate(out.sequences):
+        tokens = prompt + seq.tokens
+        n = len(tokens) - 1
+        q = np.zeros(n, np.float32)
+        q[len(prompt) - 1:] = seq.logprobs
+        adv = np.zeros(n, np.float32)
+        adv[len(prompt) - 1:] = 1.0 if i == 0 else -1.0
+        inputs = {"target_tokens": np.asarray(tokens[1:], np.int64), "logprobs": q, "advantages": adv}
+        sdk_data.append(sdk_datum(tokens, **inputs))
+        our_data.append(_our_datum(tokens, inputs))
+    got = tc.forward_backward(sdk_data, "importance_sampling").result()
+    want = mine.forward_backward(our_data, "importance_sampling").result()
+    assert_same_outputs(got, want)
+    tc.optim_step(tt.AdamParams(**ADAM)).result()
+    mine.optim_step(AdamParams(**ADAM)).result()
+
+    def loss_fn(data, logprobs):
+        loss = sum((-(lp ** 2)).sum() * 0.01 for lp in logprobs)
+        return loss, {"custom:sum": float(loss.detach())}
+
+    got = tc.forward_backward_custom([sdk_datum(t) for t in TOKENS], loss_fn).result()
+    want = mine.forward_backward_custom([sft_datum(t) for t in TOKENS], loss_fn).result()
+    assert got.metrics["loss:sum"] == pytest.approx(want.metrics["loss:sum"], rel=1e-6)
+    assert torch.isfinite(torch.tensor(got.metrics["loss:sum"]))
+
+
+def _our_datum(tokens, inputs):
+    from temper.client import Datum
+
+    return Datum(model_input=ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
+
+
+def test_errors_reach_the_sdk(sdk, tiny_model_dir):
+    tc = sdk.create_lora_training_client(tiny_model_dir, rank=4, seed=6).result()
+    bad = sdk_datum(TOKENS[0], target_tokens=np.asarray([10**6] * 6, np.int64), weights=np.ones(6, np.float32))
+    with pytest.raises(tinker.RequestFailedError, match="INVALID_ARGUMENT"):
+        tc.forward_backward([bad], "cross_entropy").result()
+    tc.forward_backward([sdk_datum(TOKENS[0])], "cross_entropy").result()  # the refused seq held nothing up
+    with pytest.raises(tinker.RequestFailedError, match="not supported"):
+        tc.save_weights_and_get_sampling_client(kind="inflight").result()
+    tc.optim_step(tt.AdamParams(**ADAM)).result()
+    with pytest.raises(Exception, match="not found|NOT_FOUND|unknown"):
+        sdk.create_lora_training_client("no/such-model", rank=4).result()
+    started = time.monotonic()
+    with pytest.raises(tinker.NotFoundError, match="not served"):  # a route we do not serve: at once, not retried
+        tinker.RestClient().get_session("no-such-session").result()
+    assert time.monotonic() - started < 10
