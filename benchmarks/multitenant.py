@@ -12,8 +12,10 @@ the same run (repetitions interleaved in a rotating order, medians reported with
   (d) memory_ratio       activation memory (peak RSS - RSS before the pass) of a forward_backward of
                          8 x 512 tokens with the engine's chunked logprob path / full logits
                          (B x T x V materialized), each in a fresh subprocess after a short
-                         warm-up pass, with the decoder checkpointed in both (the trainer's
-                         default; --no-activation-checkpointing stores every activation).  goal <= 0.5
+                         warm-up pass, with the decoder checkpointed in both (one pass, every
+                         layer recomputed: the token rule at 0; --no-activation-checkpointing
+                         stores every activation). A further child runs the chunked pass under the
+                         trainer's default memory budget (memory.default_plan).   goal <= 0.5
 
 Every in-process timing is one trainer RunCycle without gRPC (``harness.run_cycle``: the items
 decoded as the trainer's servicer does, then ``engine.run_cycle``) on a TrainerEngine with the
@@ -182,12 +184,28 @@ def main(argv: list[str] | None = None) -> int:
                    f"instead of {ROWS} x {requested_memory_tokens}")
     try:
         memory = {}
+        # (d) compares the logprob heads with the decoder checkpointed in both, as it always has: the
+        # token rule at 0 tokens (one pass of all rows, every layer recomputed). The trainer's default
+        # (the activation memory budget) would store this pass's activations where memory allows, and
+        # then the decoder, not the head, would dominate both sides; the extra child below runs it.
+        forced = argparse.Namespace(**vars(args))
+        if args.checkpoint_min_tokens is None and not args.no_activation_checkpointing:
+            forced.checkpoint_min_tokens = 0
         for variant in memory_variants:
             progress.set_postfix_str(f"memory: {variant}")
-            memory[variant] = run_memory_child(args, variant)
+            memory[variant] = run_memory_child(forced, variant)
             progress.update()
             tqdm.write(f"memory {variant}: peak {memory[variant]['peak_rss_kb'] / 1024:.0f} MiB, "
                        f"delta {memory[variant]['delta_rss_kb'] / 1024:.0f} MiB ({memory[variant]['seconds']:.1f} s)")
+
+        if args.checkpoint_min_tokens is None and not args.no_activation_checkpointing:
+            progress.set_postfix_str("memory: the trainer's default plan")
+            memory["default_plan"] = run_memory_child(args, "chunked")
+            plan = memory["default_plan"]["plan"]
+            tqdm.write(f"memory, default plan {[(p['rows'], p['checkpointed']) for p in plan]}: delta "
+                       f"{memory['default_plan']['delta_rss_kb'] / 1024:.0f} MiB, estimated "
+                       f"{max(p['estimate_mib'] or 0 for p in plan):.0f} MiB, budget "
+                       f"{memory['default_plan']['activation_budget_mib'] or 0:.0f} MiB")
 
         progress.set_postfix_str("loading in-process engine")
         engine = build_engine(args, work / "ckpt", ROWS)
@@ -301,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
             "memory_ratio": f"activation memory delta (peak RSS during the pass - RSS before it, peak mark reset after "
                             f"model load and a short warm-up pass, MALLOC_MMAP_THRESHOLD_=65536) of {ROWS} x "
                             f"{args.memory_tokens} tokens, whole forward_backward, decoder activation checkpointing "
-                            f"{'off' if args.no_activation_checkpointing else 'on'} in both: chunked logprob engine "
-                            f"path / full B x T x V logits",
+                            f"{'off' if args.no_activation_checkpointing else 'on'} in both (one pass, token rule at "
+                            f"{forced.checkpoint_min_tokens}): chunked logprob engine path / full B x T x V logits",
         },
         "memory": {
             "chunked": memory["chunked"], "full": memory["full"],
@@ -311,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
             "full_logits_tensor_mib": ROWS * args.memory_tokens * memory["full"]["vocab"] * 4 / 2**20,
             "head_saving_mib": (memory["full"]["delta_rss_kb"] - memory["chunked"]["delta_rss_kb"]) / 1024,
             **head_breakdown,
+            # the same chunked pass under the trainer's default (the activation memory budget decides):
+            # measured peak growth next to the estimate of its biggest pass and the budget
+            "default_plan": memory.get("default_plan"),
         },
         "stack_idle_check": {"stack_cpu_s_during_inprocess": stack_busy["cpu_s"], "inprocess_wall_s": stack_busy["wall_s"]},
         "config": {

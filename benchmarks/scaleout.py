@@ -26,6 +26,7 @@ database backends are recorded for every measurement, with the machine's busy fr
 
     python benchmarks/scaleout.py            # about 3.5 minutes on 2 CPU cores
     python benchmarks/scaleout.py --quick    # 1 and 2 trainers, 1 rep, short windows: about 30 seconds
+    python benchmarks/scaleout.py --only ceiling   # (b) and (c) alone: about 1 minute
 
 The last stdout line is the result JSON; it is also written to benchmarks/results/scaleout.json, with
 a plot in benchmarks/results/scaleout.png.
@@ -601,13 +602,14 @@ async def measure(args, stacks: dict, databases: Databases, progress) -> dict:
     small = make_data(1, args.small_tokens, rng)
     for stack in stacks.values():
         await connect(stack)
-    for n in args.trainers:
+    throughput_ns = [] if args.only == "ceiling" else args.trainers
+    for n in throughput_ns:
         await create_runs(stacks[f"n{n}"], "throughput", n * args.runs_per_trainer, big)
     await create_runs(stacks["ceiling"], "small", args.ceiling_runs, small)
     await create_runs(stacks[f"n{max(args.trainers)}"], "small", args.ceiling_runs, small)
     progress.update()
 
-    variants = [f"n{n}" for n in args.trainers] + ["ceiling"]
+    variants = [f"n{n}" for n in throughput_ns] + ["ceiling"]
     samples: dict[str, list[dict]] = {v: [] for v in variants}
     progress.set_postfix_str("warm-up")
     for v in variants:  # one short pass each: channels, caches, the first cycles
@@ -650,6 +652,9 @@ async def measure(args, stacks: dict, databases: Databases, progress) -> dict:
 
 
 def summarize(args, samples: dict, latency: dict, clients: Clients, stacks: dict) -> dict:
+    if args.only == "ceiling":
+        return {"benchmark": "scaleout", "throughput": None, "ceiling": summarize_ceiling(args, samples["ceiling"]),
+                "latency": latency, "retries": dict(clients.retries), "errors": {"count": clients.error_count, "first": clients.errors}}
     ideal = 1000.0 / args.seconds_per_1k_tokens if args.seconds_per_1k_tokens > 0 else None
     tps = {str(n): median([s["tokens_per_s"] for s in samples[f"n{n}"]]) for n in args.trainers}
     first = args.trainers[0]  # 1 by default; a larger smallest count is scaled to "per 1 trainer"
@@ -683,19 +688,9 @@ def summarize(args, samples: dict, latency: dict, clients: Clients, stacks: dict
         "runs_per_trainer_seen": {str(n): dict(sorted(Counter(t for r in stacks[f"n{n}"].runs["throughput"] for t in r.trainers).items()))
                                   for n in args.trainers},
     }
-    c = samples["ceiling"]
-    ceiling_median = median([s["verbs_per_s"] for s in c])
-    throughput["verbs_fraction_of_ceiling"] = {k: (v / ceiling_median if v is not None and ceiling_median else None)
+    ceiling = summarize_ceiling(args, samples["ceiling"])
+    throughput["verbs_fraction_of_ceiling"] = {k: (v / ceiling["verbs_per_s"] if v is not None and ceiling["verbs_per_s"] else None)
                                                for k, v in throughput["verbs_per_s"].items()}
-    ceiling = {
-        "verbs_per_s": ceiling_median,
-        "samples_verbs_per_s": [s["verbs_per_s"] for s in c],
-        "trainers": args.ceiling_trainers, "runs": args.ceiling_runs, "tenants": args.tenants, "window_per_run": args.window,
-        "cores": {k: usage_median("ceiling", k) for k in ("scheduler", "workers", "client", "database")},
-        "machine_busy_fraction": median([s["usage"]["machine_busy_fraction"] for s in c]),
-        "verbs_per_cycle": median([s["verbs_per_s"] * args.duration / s["usage"]["scheduler_cycles"]
-                                   for s in c if s["usage"]["scheduler_cycles"]]),
-    }
     return {
         "benchmark": "scaleout",
         "throughput": throughput,
@@ -715,10 +710,25 @@ def summarize(args, samples: dict, latency: dict, clients: Clients, stacks: dict
     }
 
 
+def summarize_ceiling(args, c: list[dict]) -> dict:
+    return {
+        "verbs_per_s": median([s["verbs_per_s"] for s in c]),
+        "samples_verbs_per_s": [s["verbs_per_s"] for s in c],
+        "trainers": args.ceiling_trainers, "runs": args.ceiling_runs, "tenants": args.tenants, "window_per_run": args.window,
+        "cores": {k: median([s["usage"]["cores"].get(k) for s in c]) for k in ("scheduler", "workers", "client", "database")},
+        "machine_busy_fraction": median([s["usage"]["machine_busy_fraction"] for s in c]),
+        "verbs_per_cycle": median([s["verbs_per_s"] * args.duration / s["usage"]["scheduler_cycles"]
+                                   for s in c if s["usage"]["scheduler_cycles"]]),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 and 2 trainers, 1 rep, short windows (a smoke run)")
     parser.add_argument("--trainers", type=int, nargs="+", default=None, help="trainer counts of (a) (default 1 2 4 8)")
+    parser.add_argument("--only", choices=["ceiling"], default=None,
+                        help="ceiling: (b) and (c) alone, on the ceiling stack and the largest --trainers stack (no (a)); "
+                             "writes scaleout-ceiling.json")
     parser.add_argument("--seconds-per-1k-tokens", type=float, default=0.05, help="the fake compute: sleep per 1000 tokens")
     parser.add_argument("--runs-per-trainer", type=int, default=2, help="(a): runs (one tenant each) per trainer")
     parser.add_argument("--fb-datums", type=int, default=4, help="(a): datums per forward_backward")
@@ -763,9 +773,10 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = work / "logs"
     log_dir.mkdir()
     databases = Databases(None if args.sqlite else (args.database_url or DEFAULT_SERVER), work if args.sqlite else None)
-    stacks = {f"n{n}": Stack(f"n{n}", n, args.seconds_per_1k_tokens) for n in args.trainers}
+    stacked = [max(args.trainers)] if args.only == "ceiling" else args.trainers  # the largest one is (c)'s
+    stacks = {f"n{n}": Stack(f"n{n}", n, args.seconds_per_1k_tokens) for n in stacked}
     stacks["ceiling"] = Stack("ceiling", args.ceiling_trainers, 0.0)
-    variants = len(args.trainers) + 1
+    variants = 1 if args.only == "ceiling" else len(args.trainers) + 1
     progress = tqdm(total=len(stacks) * 2 + 2 + args.reps * variants + 1, desc="scaleout", unit="step", file=sys.stderr)
     token = secrets.token_urlsafe(32)
     failed, kept_logs = True, None
@@ -798,7 +809,7 @@ def main(argv: list[str] | None = None) -> int:
         "fb_datums": args.fb_datums, "fb_tokens": args.fb_tokens, "window": args.window, "ceiling_trainers": args.ceiling_trainers,
         "ceiling_runs": args.ceiling_runs, "tenants": args.tenants, "small_tokens": args.small_tokens,
         "latency_fraction": args.latency_fraction, "reps": args.reps, "warmup_s": args.warmup, "duration_s": args.duration,
-        "latency_duration_s": args.latency_duration, "quick": args.quick,
+        "latency_duration_s": args.latency_duration, "quick": args.quick, "only": args.only,
         "database": "sqlite" if args.sqlite else "postgresql", "scheduler_env": scheduler_env,
         "samplers_per_stack": 1, "scheduler_sources": source_digests(), "python": platform.python_version(),
         "grpc": grpc.__version__, "cpu_count": os.cpu_count(), "load_average_at_start": load_at_start,
@@ -807,10 +818,13 @@ def main(argv: list[str] | None = None) -> int:
     result["logs"] = kept_logs
     result["total_seconds"] = time.perf_counter() - started
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "scaleout.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, args.out_dir / "scaleout.png")
+    if args.only == "ceiling":
+        (args.out_dir / "scaleout-ceiling.json").write_text(json.dumps(result, indent=2) + "\n")
+    else:
+        (args.out_dir / "scaleout.json").write_text(json.dumps(result, indent=2) + "\n")
+        plot(result, args.out_dir / "scaleout.png")
     t = result["throughput"]
-    for n in args.trainers:
+    for n in ([] if t is None else args.trainers):
         r = t["ratios"][str(n)] or 0.0
         print(f"throughput x{n:<2d} {t['tokens_per_s'][str(n)]:9.0f} tok/s  ratio {r:5.2f}  (goal >= {GOAL_FRACTION * n:.1f}: "
               f"{'met' if t['goal_met'][str(n)] else 'MISSED'}; trainers busy {t['trainer_busy_fraction'][str(n)]:.2f})",

@@ -9,6 +9,7 @@ import numpy as np
 
 from temper.client import types as t
 from temper.common.codec import decode_array, decode_floats, decode_tokens, encode_array, encode_tokens
+from temper.common.validation import TOPK_MASK_LOGPROB
 from temper.v1 import service_pb2, types_pb2
 
 _STOP = {types_pb2.STOP_REASON_STOP: "stop", types_pb2.STOP_REASON_LENGTH: "length"}
@@ -107,9 +108,14 @@ def sample_from_proto(message: types_pb2.SampleResponse) -> t.SampleResponse:
             lps = decode_floats(s.topk_logprobs).reshape(-1, s.topk)
             topk = [list(zip(row_ids.tolist(), row_lps.tolist())) for row_ids, row_lps in zip(ids, lps)]
         sequences.append(t.SampledSequence(stop_reason=_STOP.get(s.stop_reason, "length"), tokens=decode_tokens(s.tokens).tolist(),
-                                           logprobs=decode_floats(s.logprobs).tolist(), topk_logprobs=topk))
+                                           logprobs=decode_floats(s.logprobs).tolist(), topk_logprobs=topk, sequence_id=s.sequence_id))
     prompt = logprobs_list(message.prompt_logprobs) if message.HasField("prompt_logprobs") else None
-    return t.SampleResponse(sequences=sequences, prompt_logprobs=prompt)
+    top_prompt = None
+    if message.HasField("topk_prompt_token_ids"):
+        ids, lps = decode_array(message.topk_prompt_token_ids), decode_array(message.topk_prompt_logprobs)
+        top_prompt = [None if row_lps[0] == TOPK_MASK_LOGPROB else list(zip(row_ids.tolist(), row_lps.tolist()))
+                      for row_ids, row_lps in zip(ids, lps)]
+    return t.SampleResponse(sequences=sequences, prompt_logprobs=prompt, topk_prompt_logprobs=top_prompt)
 
 
 def logprobs_list(message: types_pb2.Tensor) -> list[float | None]:
@@ -123,6 +129,7 @@ def checkpoint_from_proto(message: types_pb2.Checkpoint) -> t.Checkpoint:
         time=datetime.fromtimestamp(message.created_unix_ms / 1000, tz=timezone.utc), tinker_path=message.path,
         training_run_id=message.training_run_id, size_bytes=message.size_bytes, public=message.published,
         expires_at=datetime.fromtimestamp(message.expires_unix_ms / 1000, tz=timezone.utc) if message.expires_unix_ms else None,
+        user_metadata=dict(message.user_metadata) or None, base_model=message.base_model or None,
     )
 
 

@@ -3,13 +3,10 @@ to Temper's gRPC verbs. Every method returns an APIFuture; each ``*_async`` give
 
 Temper's API has no sessions listing, audit log, billing, weight copies or signed download URLs:
 those methods raise ``UnsupportedError`` (a NotImplementedError) naming what to use instead.
-Training runs are listed from GetUsage (every run of the caller's tenant) plus GetInfo per run, as
-the HTTP gateway does (services/gateway/routes_rest.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
@@ -17,6 +14,7 @@ from temper.client import convert
 from temper.client import types as t
 from temper.client.errors import unsupported
 from temper.client.futures import APIFuture
+from temper.common import checkpoint_search
 from temper.v1 import service_pb2, types_pb2
 
 if TYPE_CHECKING:
@@ -72,17 +70,10 @@ class RestClient:
 
     # ---- training runs ------------------------------------------------------------------------
 
-    async def _run(self, run_id: str, checkpoints: list[types_pb2.Checkpoint] | None = None) -> t.TrainingRun:
+    async def _run(self, run_id: str) -> t.TrainingRun:
         info = await self._call("GetInfo", service_pb2.GetInfoRequest(training_run_id=run_id))
-        if checkpoints is None:
-            checkpoints = list((await self._call("ListCheckpoints", service_pb2.ListCheckpointsRequest(training_run_id=run_id))).checkpoints)
-        mine = [convert.checkpoint_from_proto(c) for c in checkpoints if c.training_run_id == run_id]
-        newest = {kind: max((c for c in mine if c.checkpoint_type == kind), key=lambda c: c.time, default=None)
-                  for kind in ("training", "sampler")}
-        return t.TrainingRun(
-            training_run_id=info.training_run_id, base_model=info.base_model, model_owner="", is_lora=True,
-            last_request_time=max((c.time for c in mine), default=datetime.now(timezone.utc)), lora_rank=info.lora_config.rank,
-            last_checkpoint=newest["training"], last_sampler_checkpoint=newest["sampler"])
+        checkpoints = (await self._call("ListCheckpoints", service_pb2.ListCheckpointsRequest(training_run_id=run_id))).checkpoints
+        return _training_run(info, list(checkpoints))
 
     def get_training_run(self, training_run_id: str, access_scope: str = "owned") -> APIFuture[t.TrainingRun]:
         return self._submit(self._run(training_run_id))
@@ -91,24 +82,27 @@ class RestClient:
         return self.get_training_run(t.ParsedCheckpointTinkerPath.from_tinker_path(tinker_path).training_run_id)
 
     def get_weights_info_by_tinker_path(self, tinker_path: str) -> APIFuture[t.WeightsInfoResponse]:
-        run_id = t.ParsedCheckpointTinkerPath.from_tinker_path(tinker_path).training_run_id
+        t.ParsedCheckpointTinkerPath.from_tinker_path(tinker_path)  # a malformed path fails here
 
         async def run():
-            info = await self._call("GetInfo", service_pb2.GetInfoRequest(training_run_id=run_id))
-            lora = info.lora_config
-            return t.WeightsInfoResponse(base_model=info.base_model, is_lora=True, lora_rank=lora.rank,
+            # from the checkpoint: also another tenant's published one
+            checkpoint = await self._call("GetCheckpoint", service_pb2.GetCheckpointRequest(path=tinker_path))
+            lora = checkpoint.lora_config
+            return t.WeightsInfoResponse(base_model=checkpoint.base_model, is_lora=True, lora_rank=lora.rank,
                                          train_unembed=lora.train_unembed, train_mlp=lora.train_mlp, train_attn=lora.train_attn)
 
         return self._submit(run())
 
     def list_training_runs(self, limit: int = 20, offset: int = 0, access_scope: str = "owned",
                            project_id: str | None = None) -> APIFuture[t.TrainingRunsResponse]:
+        """The caller's runs, newest first."""
         async def run():
-            usage = await self._call("GetUsage", service_pb2.GetUsageRequest())
-            run_ids = [r.training_run_id for r in usage.runs]
-            checkpoints = list((await self._call("ListCheckpoints", service_pb2.ListCheckpointsRequest())).checkpoints)
-            page = await asyncio.gather(*(self._run(r, checkpoints) for r in run_ids[offset: offset + limit]))
-            return t.TrainingRunsResponse(list(page), t.Cursor(offset, limit, len(run_ids)))
+            listed = await self._call("ListTrainingRuns", service_pb2.ListTrainingRunsRequest(limit=limit, offset=offset))
+            checkpoints = []
+            if listed.training_runs:
+                checkpoints = list((await self._call("ListCheckpoints", service_pb2.ListCheckpointsRequest())).checkpoints)
+            page = [_training_run(info, checkpoints) for info in listed.training_runs]
+            return t.TrainingRunsResponse(page, t.Cursor(offset, limit, listed.total_count))
 
         return self._submit(run())
 
@@ -126,6 +120,25 @@ class RestClient:
             r = await self._call("ListCheckpoints", service_pb2.ListCheckpointsRequest())
             every = sorted((convert.checkpoint_from_proto(c) for c in r.checkpoints), key=lambda c: c.time, reverse=True)
             return t.CheckpointsListResponse(every[offset: offset + limit], t.Cursor(offset, limit, len(every)))
+
+        return self._submit(run())
+
+    def search_checkpoints(self, request: t.CheckpointSearchRequest) -> APIFuture[t.CheckpointSearchResponse]:
+        """Tinker 0.39's search: the caller's checkpoints matching ``request``, newest first, a page at a
+        time (pass ``next_cursor`` back as ``request.cursor``); the gateway's POST /api/v1/checkpoints/search
+        runs the same filter (temper.common.checkpoint_search). A bad request raises ValueError here."""
+        query = checkpoint_search.parse_query(request.to_json())
+
+        async def run():
+            caller = None
+            if query.owner == "user":
+                runs = await self._call("ListTrainingRuns", service_pb2.ListTrainingRunsRequest(limit=1))
+                caller = checkpoint_search.owner_of(runs.training_runs)
+            listed = (await self._call("ListCheckpoints", service_pb2.ListCheckpointsRequest())).checkpoints
+            page, after = checkpoint_search.search(listed, query, caller)
+            cursor = None if after is None else t.CheckpointSearchCursor(
+                datetime.fromisoformat(after["last_created_at"]), after["last_checkpoint_uuid"])
+            return t.CheckpointSearchResponse([convert.checkpoint_from_proto(c) for c in page], cursor)
 
         return self._submit(run())
 
@@ -156,6 +169,13 @@ class RestClient:
 
         return self._submit(run())
 
+    def get_sampler(self, sampler_id: str) -> APIFuture[t.GetSamplerResponse]:
+        async def run():
+            info = await self._call("GetSamplingClient", service_pb2.GetSamplingClientRequest(sampler_id=sampler_id))
+            return t.GetSamplerResponse(sampler_id=info.sampler_id, base_model=info.base_model, model_path=info.model_path or None)
+
+        return self._submit(run())
+
     # ---- what Temper does not serve -----------------------------------------------------------
 
     get_external_weights_urls = _unsupported("get_external_weights_urls", "download with ServiceClient.download_checkpoint")
@@ -165,7 +185,6 @@ class RestClient:
     search_sessions = _unsupported("search_sessions", "the gRPC API has no session queries")
     assign_session_project = _unsupported("assign_session_project", "Temper has no projects")
     export_session_trace = _unsupported("export_session_trace", "the gRPC API has no session traces")
-    get_sampler = _unsupported("get_sampler", "a SamplingClient knows its base_model and model_path")
     get_audit_log = _unsupported("get_audit_log", "Temper keeps no audit log")
     whoami = _unsupported("whoami", "ServiceClient.get_usage() names the caller's tenant")
     get_billing_usage = _unsupported("get_billing_usage", "ServiceClient.get_usage() gives tokens and steps")
@@ -177,10 +196,28 @@ class RestClient:
     get_training_run_by_tinker_path_async = _async_of(get_training_run_by_tinker_path)
     get_weights_info_by_tinker_path_async = _async_of(get_weights_info_by_tinker_path)
     list_training_runs_async = _async_of(list_training_runs)
+    get_sampler_async = _async_of(get_sampler)
     list_checkpoints_async = _async_of(list_checkpoints)
     list_user_checkpoints_async = _async_of(list_user_checkpoints)
+    search_checkpoints_async = _async_of(search_checkpoints)
     delete_checkpoint_async = _async_of(delete_checkpoint)
     delete_checkpoint_from_tinker_path_async = _async_of(delete_checkpoint_from_tinker_path)
     publish_checkpoint_from_tinker_path_async = _async_of(publish_checkpoint_from_tinker_path)
     unpublish_checkpoint_from_tinker_path_async = _async_of(unpublish_checkpoint_from_tinker_path)
     set_checkpoint_ttl_from_tinker_path_async = _async_of(set_checkpoint_ttl_from_tinker_path)
+
+
+def _ms(unix_ms: int) -> datetime:
+    return datetime.fromtimestamp(unix_ms / 1000, tz=timezone.utc)
+
+
+def _training_run(info: service_pb2.TrainingRunInfo, checkpoints: list[types_pb2.Checkpoint]) -> t.TrainingRun:
+    """``checkpoints``: any (those of other runs are skipped); the newest of each kind is shown."""
+    mine = [convert.checkpoint_from_proto(c) for c in checkpoints if c.training_run_id == info.training_run_id]
+    newest = {kind: max((c for c in mine if c.checkpoint_type == kind), key=lambda c: c.time, default=None)
+              for kind in ("training", "sampler")}
+    times = [_ms(ms) for ms in (info.last_request_unix_ms, info.created_unix_ms) if ms] + [c.time for c in mine]
+    return t.TrainingRun(
+        training_run_id=info.training_run_id, base_model=info.base_model, model_owner=info.owner, is_lora=True,
+        last_request_time=max(times, default=datetime.now(timezone.utc)), lora_rank=info.lora_config.rank,
+        last_checkpoint=newest["training"], last_sampler_checkpoint=newest["sampler"], user_metadata=dict(info.user_metadata) or None)

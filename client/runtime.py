@@ -7,7 +7,7 @@ import asyncio
 import os
 import random
 import threading
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterable
 
 import grpc
 
@@ -151,6 +151,17 @@ class Runtime:
                 raise from_rpc_error(err) from None
 
         return self.call_soon(collect())
+
+    def upload(self, method: str, messages: Iterable[Any]):
+        """A client-streaming call (sent once, never retried: an upload may have taken effect)."""
+        async def send():
+            try:
+                return await getattr(self.stub, method)(iter(messages), metadata=self.metadata, timeout=self.timeout,
+                                                        wait_for_ready=True)
+            except grpc.aio.AioRpcError as err:
+                raise from_rpc_error(err) from None
+
+        return self.call_soon(send())
 
     def close(self) -> None:
         if self.loop.is_closed():

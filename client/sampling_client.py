@@ -31,16 +31,22 @@ class SamplingClient:
         prompt_logprobs_last_n: int | None = None, *, topk_logprobs: int | None = None,
     ) -> APIFuture[t.SampleResponse]:
         """Tinker's arguments, in Tinker's order. ``topk_sample_logprobs`` (``topk_logprobs``, its
-        older Temper name) returns the k most likely tokens at each generated position."""
-        for name, value in (("topk_prompt_logprobs", topk_prompt_logprobs), ("target_prompt_logprobs", target_prompt_logprobs),
-                            ("prompt_alt_tokens_k", prompt_alt_tokens_k), ("prompt_logprobs_last_n", prompt_logprobs_last_n)):
+        older Temper name) returns the k most likely tokens at each generated position,
+        ``topk_prompt_logprobs`` at each prompt position; ``prompt_logprobs_last_n`` scores only the
+        last N prompt positions (the server computes only those)."""
+        for name, value in (("target_prompt_logprobs", target_prompt_logprobs), ("prompt_alt_tokens_k", prompt_alt_tokens_k)):
             if value:
-                raise unsupported(f"sample({name}=...)", "sample with include_prompt_logprobs=True, or compute_logprobs")
+                raise unsupported(f"sample({name}=...)", "sample with include_prompt_logprobs=True or topk_prompt_logprobs")
+        if prompt_logprobs_last_n is not None and not include_prompt_logprobs:
+            raise ValueError("prompt_logprobs_last_n applies to prompt logprobs; set include_prompt_logprobs")
         request = service_pb2.SampleRequest(
             sampler_id=self.sampler_id, prompt=convert.model_input_to_proto(prompt), num_samples=num_samples,
             sampling_params=convert.sampling_params_to_proto(sampling_params or t.SamplingParams()),
             include_prompt_logprobs=include_prompt_logprobs, topk_logprobs=topk_logprobs or topk_sample_logprobs,
+            topk_prompt_logprobs=topk_prompt_logprobs,
         )
+        if prompt_logprobs_last_n is not None:
+            request.prompt_logprobs_last_n = prompt_logprobs_last_n
         return APIFuture(self._runtime.rpc("Sample", request), convert.sample_from_proto)
 
     async def sample_async(self, *args: Any, **kwargs: Any) -> t.SampleResponse:
@@ -48,18 +54,11 @@ class SamplingClient:
 
     def compute_logprobs(self, prompt: t.ModelInput, prompt_logprobs_last_n: int | None = None) -> APIFuture[list[float | None]]:
         """log p(token_i | tokens_<i) for each prompt token; the first is None. ``prompt_logprobs_last_n``:
-        only the last N are given, earlier ones are None (as in Tinker; Temper still computes them all)."""
-        if prompt_logprobs_last_n is not None and not 1 <= prompt_logprobs_last_n <= prompt.length - 1:
-            raise ValueError(f"prompt_logprobs_last_n must be in [1, {prompt.length - 1}], got {prompt_logprobs_last_n}")
+        only the last N are computed and given, earlier ones are None (as in Tinker)."""
         request = service_pb2.ComputeLogprobsRequest(sampler_id=self.sampler_id, prompt=convert.model_input_to_proto(prompt))
-
-        def done(r) -> list[float | None]:
-            logprobs = convert.logprobs_list(r.logprobs)
-            if prompt_logprobs_last_n is not None:
-                logprobs[: len(logprobs) - prompt_logprobs_last_n] = [None] * (len(logprobs) - prompt_logprobs_last_n)
-            return logprobs
-
-        return APIFuture(self._runtime.rpc("ComputeLogprobs", request), done)
+        if prompt_logprobs_last_n is not None:
+            request.prompt_logprobs_last_n = prompt_logprobs_last_n
+        return APIFuture(self._runtime.rpc("ComputeLogprobs", request), lambda r: convert.logprobs_list(r.logprobs))
 
     async def compute_logprobs_async(self, prompt: t.ModelInput, prompt_logprobs_last_n: int | None = None) -> list[float | None]:
         return await self.compute_logprobs(prompt, prompt_logprobs_last_n)

@@ -18,6 +18,8 @@ from temper.client.rest_client import RestClient
 from temper.client.runtime import DEFAULT_BASE_URL, open_runtime  # noqa: F401  (DEFAULT_BASE_URL: public name)
 from temper.client.sampling_client import SamplingClient
 from temper.client.training_client import TrainingClient
+from temper.common.checkpoints import WEIGHT_FILES
+from temper.common.uploads import file_chunks
 from temper.v1 import service_pb2
 
 HEARTBEAT_SECONDS = 10.0
@@ -105,17 +107,14 @@ class ServiceClient:
 
     def _from_state(self, path: str, base_model: str | None, user_metadata: dict[str, str] | None,
                     with_optimizer: bool) -> ClientFuture[TrainingClient]:
-        source_run = t.ParsedCheckpointTinkerPath.from_tinker_path(path).training_run_id
+        t.ParsedCheckpointTinkerPath.from_tinker_path(path)  # a malformed path fails here
+        # One call: the run takes the checkpoint's LoRA config and base model (yours, or published by
+        # another tenant) and the weights are loaded as part of creation; its first request is seq 1.
+        request = service_pb2.CreateTrainingRunRequest(session_id=self.session_id, base_model=base_model or "", from_path=path,
+                                                       with_optimizer=with_optimizer, user_metadata=user_metadata or {})
 
         async def create() -> TrainingClient:
-            # The source run says the LoRA shape (GetInfo: the caller's own runs only).
-            source = await self.runtime._call("GetInfo", service_pb2.GetInfoRequest(training_run_id=source_run))
-            info = await self.runtime._call("CreateTrainingRun", service_pb2.CreateTrainingRunRequest(
-                session_id=self.session_id, base_model=base_model or source.base_model, lora_config=source.lora_config,
-                user_metadata=user_metadata or {}))
-            client = TrainingClient(self, info)
-            await client._load(path, with_optimizer)
-            return client
+            return TrainingClient(self, await self.runtime._call("CreateTrainingRun", request))
 
         return ClientFuture(self.runtime.call_soon(create()))
 
@@ -144,8 +143,8 @@ class ServiceClient:
 
     @staticmethod
     def _check_sampling_options(record_stability_info: bool) -> None:
-        if record_stability_info:
-            raise unsupported("record_stability_info=True (StableReinforce sampling records)")
+        """Tinker's ``record_stability_info`` is accepted: every sampled sequence carries a stable
+        ``sequence_id`` whether or not it is set."""
 
     def create_rest_client(self) -> RestClient:
         """Training runs and checkpoints, with the Tinker RestClient's method names (on this connection)."""
@@ -207,6 +206,30 @@ class ServiceClient:
             for fh in handles.values():
                 fh.close()
         return folder
+
+    def import_checkpoint(self, source: str | os.PathLike | Mapping[str, bytes], name: str, *, save_state: bool = False,
+                          user_metadata: dict[str, str] | None = None) -> t.ImportCheckpointResponse:
+        """Bring your own adapter: a peft LoRA folder (adapter_config.json, adapter_model.safetensors; or
+        those names mapped to their bytes) trained elsewhere for a base model the server serves becomes
+        a new training run of yours with the adapter's LoRA config, and its checkpoint
+        ``tinker://<run>/sampler_weights/<name>`` (``.path``: create_sampling_client(model_path=...)).
+        ``save_state``: also ``tinker://<run>/weights/<name>`` (``.state_path``: load_state,
+        create_training_client_from_state; weights only, no optimizer state). The server checks the
+        files as its own checkpoints (base model, plain LoRA on whole module groups, tensor names,
+        shapes, finite values): a refused import (InvalidArgument) leaves nothing behind."""
+        if isinstance(source, Mapping):
+            files = {n: bytes(source[n]) for n in WEIGHT_FILES if n in source}
+        else:
+            files = {n: (Path(source) / n).read_bytes() for n in WEIGHT_FILES if (Path(source) / n).is_file()}
+        header = service_pb2.ImportCheckpointHeader(session_id=self.session_id, name=name, save_state=save_state,
+                                                    user_metadata=user_metadata or {})
+        messages = [service_pb2.ImportCheckpointChunk(header=header),
+                    *(service_pb2.ImportCheckpointChunk(file=chunk) for chunk in file_chunks(files))]
+        r = self.runtime.upload("ImportCheckpoint", messages).result()
+        state = convert.checkpoint_from_proto(r.state_checkpoint) if r.HasField("state_checkpoint") else None
+        return t.ImportCheckpointResponse(path=r.checkpoint.path, training_run_id=r.training_run.training_run_id,
+                                          state_path=state.tinker_path if state else None,
+                                          checkpoint=convert.checkpoint_from_proto(r.checkpoint), state_checkpoint=state)
 
     # ---- lifecycle ----------------------------------------------------------------------------
 

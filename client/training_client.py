@@ -12,14 +12,13 @@ import contextlib
 import itertools
 import threading
 import uuid
-import warnings
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from temper.client import convert
 from temper.client import types as t
-from temper.client.errors import NotFoundError, unsupported
+from temper.client.errors import unsupported
 from temper.client.futures import APIFuture, ClientFuture
 from temper.client.tokenizer import load_tokenizer
 from temper.v1 import service_pb2, types_pb2
@@ -153,46 +152,42 @@ class TrainingClient:
 
     # ---- checkpoints --------------------------------------------------------------------------
 
-    def _save(self, name: str, kind: int, ttl_seconds: int | None = None, ephemeral: bool = False):
+    def _save(self, name: str, kind: int, ttl_seconds: int | None = None, ephemeral: bool = False, overwrite: bool = False,
+              user_metadata: dict[str, str] | None = None):
         request = service_pb2.SaveWeightsRequest(training_run_id=self.model_id, seq_id=self._next_seq(), name=name, kind=kind,
-                                                 ttl_seconds=ttl_seconds or 0, ephemeral=ephemeral)
+                                                 ttl_seconds=ttl_seconds or 0, ephemeral=ephemeral, overwrite=overwrite,
+                                                 user_metadata=user_metadata or {})
         return self._runtime.rpc("SaveWeights", request)
 
     def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
                    user_metadata: dict[str, str] | None = None) -> APIFuture[t.SaveWeightsResponse]:
         """Adapter weights + optimizer state: resumable with load_state_with_optimizer. ``ttl_seconds``:
-        deleted that long after saving (None: kept until deleted). ``overwrite``: delete a checkpoint of
-        that name first (else a taken name is refused)."""
-        _metadata_not_stored(user_metadata)
-        if overwrite:
-            self._delete_if_exists(f"tinker://{self.model_id}/weights/{name}")
+        deleted that long after saving (None: kept until deleted). ``overwrite``: replace a checkpoint of
+        that name when the save runs (else a taken name is refused). ``user_metadata``: kept with it."""
 
         def done(r):
             return t.SaveWeightsResponse(path=r.checkpoint.path, checkpoint=convert.checkpoint_from_proto(r.checkpoint))
 
-        return APIFuture(self._save(name, types_pb2.CHECKPOINT_KIND_TRAINING, ttl_seconds), done)
+        return APIFuture(self._save(name, types_pb2.CHECKPOINT_KIND_TRAINING, ttl_seconds, overwrite=overwrite,
+                                    user_metadata=user_metadata), done)
 
     async def save_state_async(self, *args: Any, **kwargs: Any) -> APIFuture[t.SaveWeightsResponse]:
         return self.save_state(*args, **kwargs)
 
-    def _delete_if_exists(self, path: str) -> None:
-        with contextlib.suppress(NotFoundError):
-            self.service.delete_checkpoint(path)
-
     def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None,
                                  user_metadata: dict[str, str] | None = None) -> APIFuture[t.SaveWeightsForSamplerResponse]:
         """Adapter weights only (peft format), pushed to the samplers."""
-        _metadata_not_stored(user_metadata)
-        return self._save_for_sampler(name, ttl_seconds)
+        return self._save_for_sampler(name, ttl_seconds, user_metadata=user_metadata)
 
     async def save_weights_for_sampler_async(self, *args: Any, **kwargs: Any) -> APIFuture[t.SaveWeightsForSamplerResponse]:
         return self.save_weights_for_sampler(*args, **kwargs)
 
-    def _save_for_sampler(self, name: str, ttl_seconds: int | None = None, ephemeral: bool = False):
+    def _save_for_sampler(self, name: str, ttl_seconds: int | None = None, ephemeral: bool = False,
+                          user_metadata: dict[str, str] | None = None):
         def done(r):
             return t.SaveWeightsForSamplerResponse(path=r.checkpoint.path, checkpoint=convert.checkpoint_from_proto(r.checkpoint))
 
-        return APIFuture(self._save(name, types_pb2.CHECKPOINT_KIND_SAMPLER, ttl_seconds, ephemeral), done)
+        return APIFuture(self._save(name, types_pb2.CHECKPOINT_KIND_SAMPLER, ttl_seconds, ephemeral, user_metadata=user_metadata), done)
 
     def save_weights_and_get_sampling_client(self, name: str | None = None, retry_config: Any = None,
                                              record_stability_info: bool = False, kind: str = "snapshot") -> "ClientFuture[SamplingClient]":
@@ -255,9 +250,3 @@ class TrainingClient:
     def get_tokenizer(self) -> Any:
         """The server's tokenizer, fetched from it on a machine without the model (cached: client/tokenizer.py)."""
         return load_tokenizer(self._runtime, self._info.model_data.model_name, self._info.model_data.tokenizer_id)
-
-
-def _metadata_not_stored(user_metadata: dict[str, str] | None) -> None:
-    if user_metadata:
-        warnings.warn("Temper does not store checkpoint user_metadata (Checkpoint.user_metadata is None); "
-                      "run metadata is kept: create_lora_training_client(user_metadata=...)", stacklevel=3)

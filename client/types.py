@@ -192,12 +192,16 @@ class SampledSequence:
     tokens: list[int]
     logprobs: list[float] | None = None
     topk_logprobs: list[list[tuple[int, float]]] | None = None  # per position: (token, logprob), raw model
+    sequence_id: str = ""  # stable per sampled sequence, "<sampler_id>:<request_tag>:<i>" (Tinker's field)
 
 
 @dataclass
 class SampleResponse:
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
+    # per prompt position, the k most likely (token, logprob) pairs; None where not scored (position 0,
+    # before prompt_logprobs_last_n)
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 @dataclass
@@ -210,7 +214,8 @@ class Checkpoint:
     size_bytes: int | None = None
     public: bool = False                # published: readable by other tenants (Tinker's name)
     expires_at: datetime | None = None  # deleted then (a TTL); None: kept until deleted
-    user_metadata: dict[str, str] | None = None  # Tinker's field; Temper does not store checkpoint metadata
+    user_metadata: dict[str, str] | None = None  # as given to save_state / save_weights_for_sampler
+    base_model: str | None = None                # the base model of its run (Tinker 0.39's field)
 
 
 @dataclass
@@ -223,6 +228,17 @@ class SaveWeightsResponse:
 class SaveWeightsForSamplerResponse:
     path: str
     checkpoint: Checkpoint | None = None
+
+
+@dataclass
+class ImportCheckpointResponse:
+    """An imported adapter: ``path`` (sampler checkpoint) samples it, ``state_path`` (with save_state)
+    loads it into a run; both belong to the new run ``training_run_id``."""
+    path: str
+    training_run_id: str
+    state_path: str | None = None
+    checkpoint: Checkpoint | None = None
+    state_checkpoint: Checkpoint | None = None
 
 
 @dataclass
@@ -286,13 +302,90 @@ class CheckpointsListResponse:
     cursor: Cursor | None = None
 
 
+@dataclass(frozen=True)
+class OwnSearchOwner:
+    """The caller's own checkpoints (search_checkpoints' default)."""
+
+    type: Literal["own"] = "own"
+
+
+@dataclass(frozen=True)
+class AccessibleSearchOwner:
+    """Every checkpoint the caller may list: in Temper, the same as its own."""
+
+    type: Literal["accessible"] = "accessible"
+
+
+@dataclass(frozen=True)
+class UserSearchOwner:
+    """The listed owners' checkpoints: Temper's tenant names (TrainingRun.model_owner), 1 to 10."""
+
+    owner_urns: list[str] = field(default_factory=list)
+    type: Literal["user"] = "user"
+
+
+SearchOwner = OwnSearchOwner | AccessibleSearchOwner | UserSearchOwner
+
+
+@dataclass(frozen=True)
+class CheckpointSearchCursor:
+    """Where the next page starts; pass a response's ``next_cursor`` back unchanged."""
+
+    last_created_at: datetime
+    last_checkpoint_uuid: str  # in Temper: the last result's tinker path
+
+
+@dataclass(frozen=True)
+class CheckpointSearchRequest:
+    """Tinker 0.39's checkpoint search (RestClient.search_checkpoints). ``project_ids``: Temper has no
+    projects (None or [] only); ``base_models``: any of them ([] matches none); ``limit``: 1 to 200."""
+
+    project_ids: list[str] | None = None
+    user_metadata: dict[str, str] = field(default_factory=dict)
+    checkpoint_type: CheckpointType | None = None
+    owner: SearchOwner = field(default_factory=OwnSearchOwner)
+    base_models: list[str] | None = None
+    limit: int = 50
+    cursor: CheckpointSearchCursor | None = None
+
+    def model_copy(self, update: Mapping[str, Any] | None = None) -> "CheckpointSearchRequest":
+        """As pydantic's (the SDK's paging loop calls ``request.model_copy(update={"cursor": ...})``)."""
+        from dataclasses import replace
+
+        return replace(self, **dict(update or {}))
+
+    def to_json(self) -> dict[str, Any]:
+        """The body the SDK sends (None fields left out)."""
+        body: dict[str, Any] = {"user_metadata": dict(self.user_metadata), "limit": self.limit,
+                                "owner": {"type": self.owner.type}}
+        if isinstance(self.owner, UserSearchOwner):
+            body["owner"]["owner_urns"] = list(self.owner.owner_urns)
+        for name in ("project_ids", "base_models"):
+            if getattr(self, name) is not None:
+                body[name] = list(getattr(self, name))
+        if self.checkpoint_type is not None:
+            body["checkpoint_type"] = self.checkpoint_type
+        if self.cursor is not None:
+            body["cursor"] = {"last_created_at": self.cursor.last_created_at.isoformat(),
+                              "last_checkpoint_uuid": self.cursor.last_checkpoint_uuid}
+        return body
+
+
+@dataclass
+class CheckpointSearchResponse:
+    """One page of search results, newest first; ``next_cursor`` None once exhausted."""
+
+    checkpoints: list[Checkpoint]
+    next_cursor: CheckpointSearchCursor | None = None
+
+
 @dataclass
 class TrainingRun:
     training_run_id: str
     base_model: str
-    model_owner: str                # the tenant (empty: the API does not say)
+    model_owner: str                # the tenant
     is_lora: bool
-    last_request_time: datetime     # the newest checkpoint's time, else when it was listed
+    last_request_time: datetime     # the newest training request's arrival (its creation before any)
     corrupted: bool = False
     lora_rank: int | None = None
     last_checkpoint: Checkpoint | None = None
@@ -314,6 +407,13 @@ class WeightsInfoResponse:
     train_unembed: bool | None = None
     train_mlp: bool | None = None
     train_attn: bool | None = None
+
+
+@dataclass
+class GetSamplerResponse:
+    sampler_id: str
+    base_model: str
+    model_path: str | None = None
 
 
 @dataclass

@@ -122,17 +122,24 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, authenticate: Authenticator | None = None):
         self.authenticate = authenticate
+        self._wrapped: dict[str, tuple[object, object]] = {}  # method -> (its handler, wrapped): built once, not per call
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
         method = handler_call_details.method
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = handler
         for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
             behavior = getattr(handler, kind)
             if behavior:
-                return handler._replace(**{kind: _wrap(behavior, method, self.authenticate)})
-        return handler
+                wrapped = handler._replace(**{kind: _wrap(behavior, method, self.authenticate)})
+                break
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str):

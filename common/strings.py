@@ -4,6 +4,8 @@ at most a short prefix of what the caller sent."""
 
 from __future__ import annotations
 
+import re
+
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
@@ -22,13 +24,16 @@ def shown(value: str, limit: int = 64) -> str:
     return text if len(text) <= limit else text[: limit - 5] + "...'" + f" ({len(value)} chars)"
 
 
+_CONTROL = re.compile("[\x00-\x1f\x7f]")
+
+
 def check_text(value: str, what: str, identifier: bool) -> None:
     limit = MAX_ID_CHARS if identifier else MAX_TEXT_CHARS
     if len(value) > limit:
         raise InvalidArgument(f"{what} is {len(value)} characters long (at most {limit})")
     if "\x00" in value:
         raise InvalidArgument(f"{what} contains a NUL character")
-    if identifier and any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+    if identifier and _CONTROL.search(value):
         raise InvalidArgument(f"{what} contains control characters: {shown(value)}")
 
 
@@ -38,31 +43,65 @@ def _repeated(field: FieldDescriptor) -> bool:
     return field.label == FieldDescriptor.LABEL_REPEATED
 
 
+_STRING, _MAP, _MESSAGE = 0, 1, 2
+# message type -> its fields that can hold a string (in field-number order, as ListFields gives them):
+# the walk below skips the rest (token bytes, numbers, string-free submessages), which is most of a
+# training request. Built once per type.
+_PLANS: dict = {}
+
+
+def _plan(descriptor, planning: frozenset = frozenset()) -> list[tuple]:
+    plan = _PLANS.get(descriptor)
+    if plan is not None:
+        return plan
+    plan, planning = [], planning | {descriptor}
+    for field in sorted(descriptor.fields, key=lambda f: f.number):
+        identifier = field.name.endswith(_IDENTIFIER_SUFFIXES)
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            key_type, value_type = (field.message_type.fields_by_name[n].type for n in ("key", "value"))
+            if FieldDescriptor.TYPE_STRING in (key_type, value_type) or value_type == FieldDescriptor.TYPE_MESSAGE:
+                plan.append((field.name, _MAP, identifier, True, value_type))
+        elif field.type == FieldDescriptor.TYPE_STRING:
+            plan.append((field.name, _STRING, identifier, _repeated(field), None))
+        elif field.type == FieldDescriptor.TYPE_MESSAGE and (field.message_type in planning  # recursive: kept, to be safe
+                                                             or _plan(field.message_type, planning)):
+            plan.append((field.name, _MESSAGE, identifier, _repeated(field), None))
+    if len(planning) == 1:  # a plan made inside a recursion may have left out what the outer type adds: not kept
+        _PLANS[descriptor] = plan
+    return plan
+
+
 def check_request_strings(message: Message, prefix: str = "", only: tuple[str, ...] | None = None) -> None:
     """Every string of ``message`` (nested messages, repeated fields and maps included); with
     ``only``, just those top-level fields."""
-    for field, value in message.ListFields():
-        if only is not None and field.name not in only:
+    for field_name, kind, identifier, repeated, value_type in _plan(message.DESCRIPTOR):
+        if only is not None and field_name not in only:
             continue
-        name = f"{prefix}{field.name}"
-        identifier = field.name.endswith(_IDENTIFIER_SUFFIXES)
-        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+        name = f"{prefix}{field_name}"
+        if kind == _MAP:
+            value = getattr(message, field_name)
+            if not value:
+                continue
             if len(value) > MAX_ENTRIES:
                 raise InvalidArgument(f"{name} has {len(value)} entries (at most {MAX_ENTRIES})")
-            value_field = field.message_type.fields_by_name["value"]
             for key in value:
                 if isinstance(key, str):
                     check_text(key, f"a key of {name}", identifier=True)
-                if value_field.type == FieldDescriptor.TYPE_STRING:
+                if value_type == FieldDescriptor.TYPE_STRING:
                     check_text(value[key], f"{name}[{shown(str(key), 32)}]", identifier=False)
-                elif value_field.type == FieldDescriptor.TYPE_MESSAGE:
+                elif value_type == FieldDescriptor.TYPE_MESSAGE:
                     check_request_strings(value[key], f"{name}[{shown(str(key), 32)}].")
-        elif field.type == FieldDescriptor.TYPE_STRING:
-            values = value if _repeated(field) else [value]
+        elif kind == _STRING:
+            value = getattr(message, field_name)
+            if not value:
+                continue  # unset (or empty: nothing to check)
+            values = value if repeated else (value,)
             if len(values) > MAX_ENTRIES:
                 raise InvalidArgument(f"{name} has {len(values)} entries (at most {MAX_ENTRIES})")
             for item in values:
                 check_text(item, name, identifier)
-        elif field.type == FieldDescriptor.TYPE_MESSAGE:
-            for i, item in enumerate(value if _repeated(field) else [value]):
-                check_request_strings(item, f"{name}[{i}]." if _repeated(field) else f"{name}.")
+        elif repeated:
+            for i, item in enumerate(getattr(message, field_name)):
+                check_request_strings(item, f"{name}[{i}].")
+        elif message.HasField(field_name):
+            check_request_strings(getattr(message, field_name), f"{name}.")

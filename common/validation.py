@@ -13,6 +13,7 @@ import numpy as np
 
 from temper.common.codec import decode_array, decode_tokens, dtype_name
 from temper.common.errors import InvalidArgument
+from temper.common.prompt_scoring import MAX_TOPK_PROMPT_LOGPROBS, TOPK_MASK_LOGPROB, check_last_n, check_prompt_scoring  # noqa: F401 (re-exported)
 from temper.v1 import types_pb2
 
 
@@ -150,3 +151,4 @@ def validate_adam(params: types_pb2.AdamParams) -> None:
     for ok, message in checks:
         if not ok:
             raise InvalidArgument(message)
+

@@ -1,9 +1,11 @@
 """Admission: the one place a sequenced request (forward_backward, optim_step, save, load) enters.
 
 For each request, in order: the run (metadata held once, in RunRegistry); payload hash and
-validation, in one worker-thread call; dedupe (a retry of a (run, seq) gets the first request's
-answer, from memory or from the database); seq order; capacity (per run, per tenant, global);
-claim (from here a retry waits for this request's answer); the request row; the queue.
+validation (in a worker thread when the request is large); dedupe (a retry of a (run, seq) gets the
+first request's answer, from memory or from the database; the database is asked only about seqs
+that can have a row not in memory: ``RunQueue.lookup_upto``); seq order; capacity (per run, per tenant,
+global); claim (from here a retry waits for this request's answer); the request row, committed
+together with the rows of the requests admitted at the same time (``group_commit.py``); the queue.
 
 A request is answered failed only when it was not and will not be applied. A rejection spends its
 seq (the client numbered later requests after it) but changes nothing else. When the database is
@@ -22,6 +24,8 @@ from typing import Awaitable, Callable
 from temper.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted, TemperError, Unavailable
 from temper.common.strings import check_request_strings
 from temper.scheduler import metrics
+from temper.scheduler.db.request_log import NewRequest
+from temper.scheduler.group_commit import RequestWriter
 from temper.scheduler.quotas import Quotas
 from temper.scheduler.runs import RunInfo, RunRegistry
 from temper.scheduler.settings import SchedulerSettings
@@ -36,6 +40,7 @@ ANSWER_TYPES = {  # what each sequenced verb answers (RequestRecord.result holds
 }
 # the verbs that change an adapter: their requests are logged for replay onto a restored one (forward changes nothing)
 LOGGED_KINDS = (WorkKind.FORWARD_BACKWARD, WorkKind.OPTIM_STEP, WorkKind.LOAD_WEIGHTS)
+INLINE_CHECK_BYTES = 64 * 1024  # smaller requests are hashed and checked on the event loop: cheaper than a thread hop
 Check = Callable[[RunInfo], int]                 # CPU-only validation; returns the request's token count
 AsyncCheck = Callable[[RunInfo], Awaitable[None]]  # validation that needs the database or other runs
 
@@ -49,6 +54,7 @@ class Admission:
         self.queues: dict[str, RunQueue] = {}
         self.recent: OrderedDict[tuple[str, int], Work] = OrderedDict()  # claimed work, answers retried (run, seq)
         self.wake = Wakeup()
+        self.writer = RequestWriter(store)
         metrics.watch_queues(self)
 
     # ---- the request path ---------------------------------------------------------------------
@@ -60,13 +66,17 @@ class Admission:
         await self.quotas.limits(run.tenant)  # fresh in the cache for the capacity check below
         if seq_id < 1:
             raise InvalidArgument(f"seq_id must be >= 1, got {seq_id}")
-        sha, tokens, invalid, serialized = await asyncio.to_thread(_digest_and_check, request, check, run)
+        if request.ByteSize() <= INLINE_CHECK_BYTES:
+            sha, tokens, invalid, serialized = _digest_and_check(request, check, run)
+        else:
+            sha, tokens, invalid, serialized = await asyncio.to_thread(_digest_and_check, request, check, run)
         # the request log of trainer recovery (recovery.py): what a restored adapter replays
         payload = serialized if self.settings.recovery != "off" and kind in LOGGED_KINDS else None
-        queue = self.queues.setdefault(run_id, RunQueue(run_id, run.row.next_seq_id))
+        queue = self.queues.get(run_id) or self.queues.setdefault(
+            run_id, RunQueue(run_id, run.row.next_seq_id, run.recorded_upto, run.tenant))
         existing = self._known(run_id, seq_id)
         recorded = False
-        if existing is None:
+        if existing is None and seq_id <= queue.lookup_upto:  # above it, the database has no row that memory lacks
             record = await asyncio.to_thread(self.store.get_request, run_id, seq_id)
             existing = self._known(run_id, seq_id)  # another retry may have arrived meanwhile
             if existing is None and record is not None:
@@ -97,7 +107,7 @@ class Admission:
             if check_async is not None:
                 await check_async(run)
             if not recorded:
-                await asyncio.to_thread(self.store.add_request, run_id, seq_id, kind.value, sha, "queued", tokens, None, payload)
+                await self.writer.add(NewRequest(run_id, seq_id, kind.value, sha, "queued", tokens, None, payload))
         except Unavailable as exc:
             self._forget(queue, work, exc)
             metrics.ADMISSIONS.labels(kind.value, "UNAVAILABLE").inc()
@@ -120,13 +130,25 @@ class Admission:
             return  # the request this run's work waits for is always admitted, or the run would deadlock
         limits = [(len(queue), self.settings.max_queued_per_run, f"run {run.run_id}")]
         if queue.extends_chain(seq_id):
-            unparked = {tenant: held - parked for tenant, (held, parked) in self.depth_by_tenant().items()}
-            limits += [(unparked.get(run.tenant, 0), self.quotas.cached(run.tenant).max_queued_requests, f"tenant {run.tenant!r}"),
-                       (sum(unparked.values()), self.settings.max_queued_requests, "the scheduler")]
+            tenant_limit, total_limit = self.quotas.cached(run.tenant).max_queued_requests, self.settings.max_queued_requests
+            if tenant_limit or total_limit:
+                mine, everyone = self._unparked(run.tenant)
+                limits += [(mine, tenant_limit, f"tenant {run.tenant!r}"), (everyone, total_limit, "the scheduler")]
         for used, limit, who in limits:
             if limit and used >= limit:
                 metrics.ADMISSIONS.labels(kind.value, "RESOURCE_EXHAUSTED").inc()
                 raise ResourceExhausted(f"{who} has {used} queued requests (limit {limit}); retry with backoff")
+
+    def _unparked(self, tenant: str) -> tuple[int, int]:
+        """Requests held and not parked behind a missing seq: ``tenant``'s, and everyone's (one pass
+        over the queues, the capacity check's share of ``depth_by_tenant``)."""
+        mine = everyone = 0
+        for queue in self.queues.values():
+            if queue.pending and (count := queue.unparked()):
+                everyone += count
+                if queue.tenant == tenant:
+                    mine += count
+        return mine, everyone
 
     def _claim(self, queue: RunQueue, work: Work) -> None:
         work.future = asyncio.get_running_loop().create_future()
@@ -134,7 +156,13 @@ class Admission:
         queue.add(work)
         self.recent[(work.run_id, work.seq_id)] = work
         while len(self.recent) > self.settings.result_cache_size:
-            self.recent.popitem(last=False)
+            self.forgot(*self.recent.popitem(last=False)[0])
+
+    def forgot(self, run_id: str, seq_id: int) -> None:
+        """(run, seq) left ``recent`` while it may have a row: its retries look in the database."""
+        queue = self.queues.get(run_id)
+        if queue is not None:
+            queue.lookup_upto = max(queue.lookup_upto, seq_id)
 
     def _reject(self, work: Work, exc: BaseException) -> None:
         """Bad input: answered now; its seq is spent and skipped when it comes (a retry gets the same answer)."""
@@ -149,6 +177,7 @@ class Admission:
         queue.remove(work)
         if self.recent.get((work.run_id, work.seq_id)) is work:
             del self.recent[(work.run_id, work.seq_id)]
+        self.forgot(work.run_id, work.seq_id)  # an outage may have hidden a committed write
         work.fail(exc)
 
     # ---- the loop's side ----------------------------------------------------------------------
@@ -174,6 +203,7 @@ class Admission:
             self.queues[work.run_id].rewind(work.seq_id)
             if self.recent.get((work.run_id, work.seq_id)) is work:
                 del self.recent[(work.run_id, work.seq_id)]
+            self.forgot(work.run_id, work.seq_id)
             metrics.UNKNOWN_OUTCOMES.labels(work.kind.value).inc()
             work.fail(error)
         self.wake.set()
@@ -201,7 +231,9 @@ class Admission:
         waits = []
         if gaps and self.settings.seq_gap_timeout_seconds > 0:
             waits.append(max(0.0, min(gaps) + self.settings.seq_gap_timeout_seconds - time.monotonic()))
-        throttled = {w[0].tenant for q in self.queues.values() if (w := q.ready())}
+        # tenants held back by their train_tokens_per_minute (only a tenant with such a limit can be)
+        throttled = {q.tenant for q in self.queues.values() if q.pending and self.quotas.cached(q.tenant).train_tokens_per_minute
+                     and q.ready()}
         waits += [wait for tenant in throttled if (wait := self.quotas.train_wait(tenant)) > 0]
         timeout = min(waits) if waits else None
         try:

@@ -14,6 +14,7 @@ from temper.common.errors import NotFound, TemperError, Unavailable
 from temper.common.internal_auth import bearer_interceptors, resolve_token
 from temper.common.server_options import CHANNEL_OPTIONS
 from temper.common.tls import channel_credentials
+from temper.common.uploads import file_chunks
 from temper.scheduler import metrics
 from temper.scheduler.downstream import UNKNOWN_OUTCOME_CODES, downstream
 from temper.scheduler.samplers import SamplerHandle, SamplerRouting
@@ -62,6 +63,17 @@ class TrainerHandle:
         """Create (or replace) the run's adapter on this trainer from a snapshot (applied_seq_id, steps)."""
         return await self.call("RestoreAdapter", trainer_pb2.RestoreAdapterRequest(training_run_id=run_id, checkpoint_key=key))
 
+    async def import_adapter(self, key: str, files: dict[str, bytes]) -> trainer_pb2.ImportAdapterResponse:
+        """Have the trainer check an outside adapter's files and write them under ``key`` (size_bytes,
+        lora_config); INVALID_ARGUMENT: refused, nothing written."""
+        async def messages():
+            yield trainer_pb2.ImportAdapterChunk(checkpoint_key=key)
+            for chunk in file_chunks(files):
+                yield trainer_pb2.ImportAdapterChunk(file=chunk)
+
+        async with downstream(f"trainer {self.address}"):
+            return await self.stub.ImportAdapter(messages(), timeout=self.settings.trainer_call_timeout_seconds)
+
     async def read_checkpoint(self, key: str, weights_only: bool = False):
         request = trainer_pb2.ReadCheckpointRequest(checkpoint_key=key, weights_only=weights_only)
         async with downstream(f"trainer {self.address}"):
@@ -75,6 +87,8 @@ class Backends(SamplerRouting):
     def __init__(self, settings: SchedulerSettings):
         self.settings = settings
         self.trainers: list[TrainerHandle] = []
+        self._trainer_at: dict[str, TrainerHandle] = {}  # address -> the first trainer of self.trainers there
+        self._indexed: tuple[int, int] = (0, -1)           # the list and length _trainer_at was built from
         self.samplers: list[SamplerHandle] = []
         self.placements: dict[str, str] = {}  # run id -> trainer address (training_runs.trainer)
         self.down: set[str] = set()            # trainers whose runs were moved away (recovery.py); no new runs go there
@@ -198,7 +212,11 @@ class Backends(SamplerRouting):
         before placements were recorded, a hash of the run among the model's trainers."""
         address = self.placements.get(run_id)
         if address is not None:
-            placed = next((t for t in self.trainers if t.address == address), None)
+            if self._indexed != (id(self.trainers), len(self.trainers)):  # trainers are only ever added (membership.py)
+                self._trainer_at, self._indexed = {}, (id(self.trainers), len(self.trainers))
+                for t in self.trainers:
+                    self._trainer_at.setdefault(t.address, t)
+            placed = self._trainer_at.get(address)
             if placed is None:
                 raise Unavailable(f"training run {run_id} lives on trainer {address}, which this scheduler does not reach; retry")
             return placed

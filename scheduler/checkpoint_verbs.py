@@ -17,7 +17,7 @@ from temper.common.errors import InvalidArgument
 from temper.scheduler.auth import caller
 from temper.scheduler.db import models as m
 from temper.scheduler.db.outage import now
-from temper.scheduler.loop import checkpoint_message
+from temper.scheduler.views import checkpoint_message
 from temper.v1 import service_pb2
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,12 @@ class CheckpointVerbs:
             rows = await asyncio.to_thread(self.store.list_checkpoints, request.training_run_id)
         else:
             rows = await asyncio.to_thread(self.store.tenant_checkpoints, tenant)
-        return service_pb2.ListCheckpointsResponse(checkpoints=[checkpoint_message(r) for r in rows])
+        runs = await asyncio.to_thread(self.store.run_rows, {r.training_run_id for r in rows})
+        return service_pb2.ListCheckpointsResponse(checkpoints=[checkpoint_message(r, runs.get(r.training_run_id)) for r in rows])
+
+    async def GetCheckpoint(self, request, context):
+        row, run = await asyncio.to_thread(self.store.readable_checkpoint_and_run, str(parse_path(request.path)), caller())
+        return checkpoint_message(row, run)
 
     async def UpdateCheckpoint(self, request, context):
         path = str(parse_path(request.path))
@@ -60,7 +65,7 @@ class CheckpointVerbs:
             expires = now() + timedelta(seconds=ttl) if ttl else None
         published = request.published if request.HasField("published") else None
         row = await asyncio.to_thread(self.store.update_checkpoint, path, caller(), published, expires)
-        return checkpoint_message(row)
+        return checkpoint_message(row, await asyncio.to_thread(self.store.get_training_run, row.training_run_id))
 
     async def DeleteCheckpoint(self, request, context):
         await self.backends.wait_ready()

@@ -43,7 +43,7 @@ class Lane:
         admission, budget = self.loop.admission, self.loop.settings.cycle_token_budget
         while True:
             await admission.wait_for_work(self.woken)
-            while plan := plan_cycle(self.ready(), budget, self.loop.runs.tenant_by_run(), self.share):
+            while plan := plan_cycle(ready := self.ready(), budget, {run: works[0].tenant for run, works in ready.items()}, self.share):
                 if await self.loop.recovery.restore_before(self.trainer, plan):
                     continue  # a run of the plan lost its adapter: rebuilt (or moved, or refused) first; plan again
                 admission.take(plan.all_work())

@@ -19,23 +19,24 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from datetime import timezone
 
-from temper.common.checkpoints import CheckpointPath, KIND_DIRS, parse_path
+from temper.common.checkpoints import CheckpointPath, parse_path
 from temper.common.errors import AlreadyExists, FailedPrecondition, Internal, NotFound, TemperError, Unavailable, from_status_number
 from temper.scheduler import metrics
 from temper.scheduler.admission import Admission
 from temper.scheduler.backends import Backends, TrainerHandle
+from temper.scheduler.checkpoint_verbs import remove_checkpoint
+from temper.scheduler.group_commit import Running
 from temper.scheduler.lanes import Lane
 from temper.scheduler.policy import CyclePlan, FairShare
 from temper.scheduler.recovery import Recovery, adapter_missing
 from temper.scheduler.runs import RunRegistry
 from temper.scheduler.settings import SchedulerSettings
+from temper.scheduler.views import KIND_NAMES, checkpoint_message
 from temper.scheduler.work import Work, WorkKind
 from temper.v1 import service_pb2, trainer_pb2, types_pb2
 
 log = logging.getLogger(__name__)
-KIND_NAMES = {types_pb2.CHECKPOINT_KIND_SAMPLER: "sampler", types_pb2.CHECKPOINT_KIND_TRAINING: "training"}
 
 
 class SchedulerLoop:
@@ -79,7 +80,7 @@ class SchedulerLoop:
             if in_pass:
                 # Recorded before anything reaches a trainer: after a crash, "running" rows are the ones
                 # that may have been applied (see Store.recover_interrupted).
-                await self._persist(self.store.mark_running, [(w.run_id, w.seq_id) for w in in_pass])
+                await self._mark_running(in_pass)
                 outcome = await self._cycle_on(trainer, plan.passes, plan.optim_steps, plan)
             for work in plan.barriers:
                 outcome = _worse(outcome, await self._barrier(trainer, work, plan))
@@ -124,7 +125,7 @@ class SchedulerLoop:
         return "failed" if failed else "held" if len(works) < count else "ok"
 
     async def _barrier(self, trainer: TrainerHandle, work: Work, plan: CyclePlan) -> str:
-        await self._persist(self.store.mark_running, [(work.run_id, work.seq_id)])
+        await self._mark_running([work])
         apply = self._save if work.kind is WorkKind.SAVE_WEIGHTS else self._load
         outcome = await self._call_trainer(trainer, lambda resent: apply(trainer, work, resent or work.resent), [work], plan)
         if isinstance(outcome, str):
@@ -164,6 +165,8 @@ class SchedulerLoop:
     async def _save(self, trainer: TrainerHandle, work: Work, resent: bool) -> service_pb2.SaveWeightsResponse:
         request = work.request
         path = CheckpointPath(work.run_id, request.kind, request.name)
+        if request.overwrite:
+            await self._remove_existing(str(path))
         try:
             saved = await trainer.call("SaveAdapter", trainer_pb2.SaveAdapterRequest(
                 training_run_id=work.run_id, checkpoint_key=path.key,
@@ -175,7 +178,7 @@ class SchedulerLoop:
             # The first attempt wrote it (its answer was lost); nothing of the run has run since.
             size = sum([len(chunk.data) async for chunk in trainer.read_checkpoint(path.key)])
         row = await self._persist(self.store.add_or_get_checkpoint, work.run_id, KIND_NAMES[request.kind], request.name, str(path), size,
-                                  request.ephemeral, request.ttl_seconds)
+                                  request.ephemeral, request.ttl_seconds, dict(request.user_metadata))
         if request.kind == types_pb2.CHECKPOINT_KIND_SAMPLER:
             # Pushed now so a sampling client starts without waiting; if the sampler is down, the first
             # sampling client on this checkpoint pushes it instead.
@@ -185,7 +188,15 @@ class SchedulerLoop:
                 await self.backends.push_checkpoint(trainer, sampler, path.key, tenant=work.tenant, max_resident=limit)
             except TemperError as exc:
                 log.warning("could not push %s to a sampler now: %s", path.key, exc.message)
-        return service_pb2.SaveWeightsResponse(checkpoint=checkpoint_message(row))
+        return service_pb2.SaveWeightsResponse(checkpoint=checkpoint_message(row, self.runs.known(work.run_id).row))
+
+    async def _remove_existing(self, path: str) -> None:
+        """An overwriting save: the checkpoint of that name goes first (files, sampler copies, row)."""
+        try:
+            row = await asyncio.to_thread(self.store.get_checkpoint, path)
+        except NotFound:
+            return
+        await remove_checkpoint(self.store, self.backends, self.runs, row)
 
     async def _load(self, trainer: TrainerHandle, work: Work, resent: bool) -> service_pb2.LoadWeightsResponse:
         request = work.request
@@ -216,6 +227,20 @@ class SchedulerLoop:
                 if w.kind is WorkKind.FORWARD_BACKWARD:
                     metrics.TOKENS_TRAINED.labels(w.tenant).inc(w.num_tokens)
                 w.resolve(outcome)
+
+    async def _mark_running(self, works: list[Work]) -> None:
+        """Store.mark_running, in the request writer's next group commit (with the rows admitted
+        meanwhile: no transaction or thread hop of its own); retried while the database is
+        unavailable, as _persist does."""
+        running = Running([(w.run_id, w.seq_id) for w in works])
+        delay = 0.1
+        while True:
+            try:
+                return await self.admission.writer.add(running)
+            except Unavailable as exc:
+                log.warning("%s; retrying mark_running in %.1f s", exc.message, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     async def _persist(self, fn, *args):
         """A store call, retried for as long as the database is unavailable (the loop can do nothing
@@ -272,18 +297,3 @@ def _worse(a: str, b: str) -> str:
 def describe(plan: CyclePlan) -> str:
     """The plan, one entry per work item, for logs of a failed cycle."""
     return ", ".join(f"{w.kind.value}({w.run_id}#{w.seq_id}, {w.num_tokens} tok, tenant {w.tenant})" for w in plan.all_work())
-
-
-def checkpoint_message(row) -> types_pb2.Checkpoint:
-    kind = {v: k for k, v in KIND_NAMES.items()}[row.kind]
-    return types_pb2.Checkpoint(
-        checkpoint_id=f"{KIND_DIRS[kind]}/{row.name}", kind=kind, path=row.path, training_run_id=row.training_run_id,
-        size_bytes=row.size_bytes, created_unix_ms=_unix_ms(row.created_at), published=bool(row.published),
-        expires_unix_ms=_unix_ms(row.expires_at) if row.expires_at is not None else 0,
-    )
-
-
-def _unix_ms(value) -> int:
-    if value.tzinfo is None:  # SQLite hands back naive UTC
-        value = value.replace(tzinfo=timezone.utc)
-    return int(value.timestamp() * 1000)

@@ -10,6 +10,18 @@ from typing import Callable
 from temper.common.errors import NotFound
 from temper.scheduler.db import models as m
 from temper.scheduler.work import WorkKind
+from temper.v1 import types_pb2
+
+
+def new_run_row(run_id: str, session_id: str, base_model: str, cfg: types_pb2.LoraConfig, user_metadata: dict[str, str],
+                trainer: str, snapshot: str | None) -> m.TrainingRun:
+    """The row of a run being created on ``trainer`` (its adapter made, ``snapshot``: its first one if any)."""
+    return m.TrainingRun(
+        id=run_id, session_id=session_id, base_model=base_model, lora_rank=cfg.rank, lora_alpha=cfg.alpha or 32.0,
+        lora_dropout=cfg.dropout, seed=cfg.seed if cfg.HasField("seed") else None, train_attn=cfg.train_attn,
+        train_mlp=cfg.train_mlp, train_unembed=cfg.train_unembed, user_metadata=dict(user_metadata), next_seq_id=1,
+        trainer=trainer, snapshot_key=snapshot, snapshot_seq=0 if snapshot else None,
+    )
 
 
 @dataclass
@@ -20,6 +32,7 @@ class RunInfo:
     base_model: str
     row: m.TrainingRun        # as loaded or created (lora config, metadata); counters there are not kept current
     closed: bool = False      # its session was closed: the run takes no more work
+    recorded_upto: int = 0    # the highest seq with a request row when this process loaded it (0 for a run it created)
 
 
 class RunRegistry:
@@ -29,8 +42,8 @@ class RunRegistry:
         self._runs: dict[str, RunInfo] = {}
         self._loading: dict[str, asyncio.Future] = {}
 
-    def add(self, row: m.TrainingRun, tenant: str, closed: bool = False) -> RunInfo:
-        info = self._runs[row.id] = RunInfo(row.id, row.session_id, tenant, row.base_model, row, closed)
+    def add(self, row: m.TrainingRun, tenant: str, closed: bool = False, recorded_upto: int = 0) -> RunInfo:
+        info = self._runs[row.id] = RunInfo(row.id, row.session_id, tenant, row.base_model, row, closed, recorded_upto)
         if self.on_load is not None:
             self.on_load(info)
         return info
@@ -58,11 +71,11 @@ class RunRegistry:
             barriers = [kind.value for kind in WorkKind if kind.is_barrier]
             loading = self._loading[run_id] = asyncio.ensure_future(asyncio.to_thread(self.store.load_run, run_id, barriers))
         try:
-            row, owner, closed = await asyncio.shield(loading)
+            row, owner, closed, recorded_upto = await asyncio.shield(loading)
         finally:
             if loading.done():
                 self._loading.pop(run_id, None)
-        info = self._runs.get(run_id) or self.add(row, owner, closed)
+        info = self._runs.get(run_id) or self.add(row, owner, closed, recorded_upto)
         return info
 
     def known(self, run_id: str) -> RunInfo | None:

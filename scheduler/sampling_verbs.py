@@ -8,7 +8,9 @@ waits (quotas.py); a closed session's sampling clients answer FAILED_PRECONDITIO
 from __future__ import annotations
 
 import asyncio
+import re
 import time
+import uuid
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,13 +18,14 @@ import numpy as np
 from temper.common.checkpoints import parse_path
 from temper.common.codec import decode_tokens
 from temper.common.errors import FailedPrecondition, InvalidArgument, NotFound
-from temper.common.validation import check_token_range, model_input_tokens
+from temper.common.validation import check_last_n, check_prompt_scoring, check_token_range, model_input_tokens
 from temper.scheduler import metrics
 from temper.scheduler.auth import caller
 from temper.scheduler.db import models as m
 from temper.scheduler.samplers import SamplerHandle
 from temper.v1 import sampler_pb2, service_pb2, types_pb2
 
+REQUEST_TAG = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 TOUCH_SECONDS = 60.0  # a checkpoint's last use by a sampling client is written at most this often
 
 
@@ -120,12 +123,22 @@ class SamplingVerbs:
         if request.num_samples < 1:
             raise InvalidArgument(f"num_samples must be >= 1, got {request.num_samples}")
         check_token_range(decode_tokens(request.sampling_params.stop_token_ids), target.info.vocab_size, "stop token ids")
+        last_n = request.prompt_logprobs_last_n if request.HasField("prompt_logprobs_last_n") else None
+        check_prompt_scoring(len(target.tokens), request.include_prompt_logprobs, request.topk_prompt_logprobs, last_n)
+        tag = request.request_tag or uuid.uuid4().hex[:16]
+        if not REQUEST_TAG.fullmatch(tag):
+            raise InvalidArgument("request_tag: at most 64 letters, digits, '-', '_' or '.'")
         await self.admission.quotas.wait_to_sample(target.tenant)
-        response = await self._call_sampler(target, "Sample", sampler_pb2.SamplerSampleRequest(
+        sample = sampler_pb2.SamplerSampleRequest(
             checkpoint_key=target.checkpoint_key, prompt_tokens=target.tokens.astype("<i4").tobytes(),
             num_samples=request.num_samples, sampling_params=request.sampling_params,
             include_prompt_logprobs=request.include_prompt_logprobs, topk_logprobs=request.topk_logprobs,
-        ))
+            topk_prompt_logprobs=request.topk_prompt_logprobs)
+        if last_n is not None:
+            sample.prompt_logprobs_last_n = last_n
+        response = await self._call_sampler(target, "Sample", sample)
+        for i, sequence in enumerate(response.sequences):
+            sequence.sequence_id = f"{request.sampler_id}:{tag}:{i}"
         generated = sum(len(s.tokens) // 4 for s in response.sequences)
         self.admission.quotas.sampled.record(target.tenant, generated)
         await asyncio.to_thread(self.store.add_sampled_tokens, request.sampler_id, generated)
@@ -135,6 +148,10 @@ class SamplingVerbs:
     async def ComputeLogprobs(self, request, context):
         await self.backends.wait_ready()
         target = await self._sampling_target(request.sampler_id, request.prompt)
-        response = await self._call_sampler(target, "ComputeLogprobs", sampler_pb2.SamplerLogprobsRequest(
-            checkpoint_key=target.checkpoint_key, prompt_tokens=target.tokens.astype("<i4").tobytes()))
+        logprobs = sampler_pb2.SamplerLogprobsRequest(checkpoint_key=target.checkpoint_key,
+                                                      prompt_tokens=target.tokens.astype("<i4").tobytes())
+        if request.HasField("prompt_logprobs_last_n"):
+            check_last_n(len(target.tokens), request.prompt_logprobs_last_n)
+            logprobs.prompt_logprobs_last_n = request.prompt_logprobs_last_n
+        response = await self._call_sampler(target, "ComputeLogprobs", logprobs)
         return service_pb2.ComputeLogprobsResponse(logprobs=response.logprobs)

@@ -1,5 +1,6 @@
 """The public Temper API: each verb checks its input and hands sequenced work to admission;
-sampling (sampling_verbs.py) is forwarded to a sampler; checkpoints are in checkpoint_verbs.py.
+sampling (sampling_verbs.py) is forwarded to a sampler; checkpoints are in checkpoint_verbs.py,
+importing an outside adapter in import_verbs.py.
 Every verb acts for ``caller()``, the tenant of the call's API key, and sees only that tenant's
 objects (another tenant's id answers NOT_FOUND). Errors are raised, never returned (one
 interceptor maps them)."""
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import math
 from collections import defaultdict
 
 from temper.common.checkpoints import KIND_DIRS, check_name, parse_path
@@ -19,18 +19,17 @@ from temper.scheduler.admission import Admission
 from temper.scheduler.auth import caller
 from temper.scheduler.backends import Backends
 from temper.scheduler.checkpoint_verbs import CheckpointVerbs, check_ttl
+from temper.scheduler.import_verbs import ImportVerbs
+from temper.scheduler.lookup_verbs import CheckpointSource, LookupVerbs, check_lora, check_user_metadata
 from temper.scheduler.db import models as m
-from temper.scheduler.loop import KIND_NAMES
 from temper.scheduler.quotas import check_hard_limit
 from temper.scheduler.recovery import snapshot_key
-from temper.scheduler.runs import RunInfo, RunRegistry
+from temper.scheduler.runs import RunInfo, RunRegistry, new_run_row
 from temper.scheduler.sampling_verbs import SamplingVerbs
 from temper.scheduler.tokenizer_verbs import TokenizerVerbs
+from temper.scheduler.views import KIND_NAMES, lora_of, run_message
 from temper.scheduler.work import WorkKind
 from temper.v1 import service_pb2, service_pb2_grpc, trainer_pb2, types_pb2
-
-MAX_LORA_RANK = 1024
-
 
 def needs_workers(method):
     """The verb waits until the trainers and samplers have answered (UNAVAILABLE after a while):
@@ -44,7 +43,7 @@ def needs_workers(method):
     return wrapper
 
 
-class TemperServicer(SamplingVerbs, CheckpointVerbs, TokenizerVerbs, service_pb2_grpc.TemperServicer):
+class TemperServicer(SamplingVerbs, CheckpointVerbs, ImportVerbs, LookupVerbs, TokenizerVerbs, service_pb2_grpc.TemperServicer):
     def __init__(self, store, backends: Backends, runs: RunRegistry, admission: Admission):
         self.store = store
         self.backends = backends
@@ -87,67 +86,75 @@ class TemperServicer(SamplingVerbs, CheckpointVerbs, TokenizerVerbs, service_pb2
 
     @needs_workers
     async def CreateTrainingRun(self, request, context):
-        cfg = request.lora_config
-        if not 0 < cfg.rank <= MAX_LORA_RANK:
-            raise InvalidArgument(f"lora rank must be in [1, {MAX_LORA_RANK}], got {cfg.rank}")
-        if not (cfg.train_attn or cfg.train_mlp or cfg.train_unembed):
-            raise InvalidArgument("the LoRA config trains nothing: set train_attn, train_mlp or train_unembed")
-        if not math.isfinite(cfg.alpha) or cfg.alpha < 0 or not 0 <= cfg.dropout < 1:
-            raise InvalidArgument("lora alpha must be a finite number >= 0 and dropout in [0, 1)")
+        if request.HasField("run_index") and request.run_index < 0:
+            raise InvalidArgument(f"run_index must be >= 0, got {request.run_index}")
+        check_user_metadata(request.user_metadata)
         tenant = caller()
+        source = await self._checkpoint_source(request, tenant) if request.from_path else None
+        if source is None:
+            if request.with_optimizer:
+                raise InvalidArgument("with_optimizer needs from_path (the checkpoint to load)")
+            check_lora(request.lora_config)
+        base_model, cfg = (source.run.base_model, lora_of(source.run)) if source else (request.base_model, request.lora_config)
         await asyncio.to_thread(self.store.open_session, request.session_id, tenant)
-        self.backends.trainer_for(request.base_model, "")  # an unknown model leaves the session untouched
+        self.backends.trainer_for(base_model, "")  # an unknown model leaves the session untouched
         async with self._creating_runs[tenant]:
             limit = (await self.admission.quotas.limits(tenant)).max_training_runs
             if limit:
                 check_hard_limit("max_training_runs", limit, await asyncio.to_thread(self.store.open_training_runs, tenant))
-            return await self._create_run(request, tenant)
+            return await self._create_run(request, tenant, base_model, cfg, source)
 
-    async def _create_run(self, request, tenant: str) -> service_pb2.TrainingRunInfo:
-        cfg = request.lora_config
-        run_id = await asyncio.to_thread(self.store.next_run_id, request.session_id)
-        trainer = self.backends.place(request.base_model)
+    async def _checkpoint_source(self, request, tenant: str) -> CheckpointSource:
+        """What a run created from ``request.from_path`` starts from; read only (nothing changes)."""
+        path = parse_path(request.from_path)
+        if request.with_optimizer and path.kind != types_pb2.CHECKPOINT_KIND_TRAINING:
+            raise InvalidArgument("optimizer state is only in training checkpoints (tinker://<run>/weights/<name>)")
+        _, run_row = await asyncio.to_thread(self.store.readable_checkpoint_and_run, str(path), tenant)
+        if request.base_model and request.base_model != run_row.base_model:
+            raise InvalidArgument(f"checkpoint {path} is of base model {run_row.base_model}, not {request.base_model}")
+        source = await self.runs.get(run_row.id)  # may be another tenant's: the checkpoint is published
+        # the new run lives where the checkpoint's files are
+        return CheckpointSource(path, run_row, self.backends.trainer_for(source.base_model, source.run_id), request.with_optimizer)
+
+    async def _create_run(self, request, tenant: str, base_model: str, cfg: types_pb2.LoraConfig,
+                          source: CheckpointSource | None) -> service_pb2.TrainingRunInfo:
+        index = request.run_index if request.HasField("run_index") else None
+        run_id = await asyncio.to_thread(self.store.reserve_run_id, request.session_id, index)
         create = trainer_pb2.CreateAdapterRequest(training_run_id=run_id, lora_config=cfg)
-        try:
+        if source is not None:
+            trainer = source.trainer
             await trainer.call("CreateAdapter", create)
-        except Unavailable:  # that trainer is down: another of the model that answers takes the run
-            others = [t for t in self.backends.trainers if t.info.base_model == request.base_model and t is not trainer]
-            answering = [t for t in others if await t.ping()]
-            if not answering:
-                raise
-            trainer = self.backends.place(request.base_model, among=answering)
-            await trainer.call("CreateAdapter", create)
+            await source.load_into(run_id)
+        else:
+            trainer = self.backends.place(base_model)
+            try:
+                await trainer.call("CreateAdapter", create)
+            except Unavailable:  # that trainer is down: another of the model that answers takes the run
+                others = [t for t in self.backends.trainers if t.info.base_model == base_model and t is not trainer]
+                answering = [t for t in others if await t.ping()]
+                if not answering:
+                    raise
+                trainer = self.backends.place(base_model, among=answering)
+                await trainer.call("CreateAdapter", create)
         snapshot = None
-        if not cfg.HasField("seed") and self.admission.settings.recovery != "off":
-            # a random initialisation cannot be created again: trainer recovery restores it from this snapshot
+        if (source is not None or not cfg.HasField("seed")) and self.admission.settings.recovery != "off":
+            # loaded weights or a random initialisation cannot be created again: trainer recovery restores them from this snapshot
             snapshot = snapshot_key(run_id, 0)
             await trainer.snapshot(run_id, snapshot)
-        row = m.TrainingRun(
-            id=run_id, session_id=request.session_id, base_model=request.base_model, lora_rank=cfg.rank,
-            lora_alpha=cfg.alpha or 32.0, lora_dropout=cfg.dropout, seed=cfg.seed if cfg.HasField("seed") else None,
-            train_attn=cfg.train_attn, train_mlp=cfg.train_mlp, train_unembed=cfg.train_unembed,
-            user_metadata=dict(request.user_metadata), next_seq_id=1, trainer=trainer.address,
-            snapshot_key=snapshot, snapshot_seq=0 if snapshot else None,
-        )
+        row = new_run_row(run_id, request.session_id, base_model, cfg, dict(request.user_metadata), trainer.address, snapshot)
         await asyncio.to_thread(self.store.add_training_run, row)
         self.backends.remember_placement(run_id, trainer.address)
         return self._run_info(self.runs.add(row, tenant))
 
     @needs_workers
     async def GetInfo(self, request, context):
-        return self._run_info(await self.runs.get(request.training_run_id, caller()))
+        run = await self.runs.get(request.training_run_id, caller())
+        return self._run_info(run, await asyncio.to_thread(self.store.get_training_run, run.run_id))
 
-    def _run_info(self, run: RunInfo) -> service_pb2.TrainingRunInfo:
-        trainer, row = self.backends.trainer_for(run.base_model, run.run_id), run.row
-        lora = types_pb2.LoraConfig(rank=row.lora_rank, alpha=row.lora_alpha, train_attn=row.train_attn, train_mlp=row.train_mlp,
-                                    train_unembed=row.train_unembed, dropout=row.lora_dropout)
-        if row.seed is not None:
-            lora.seed = row.seed
-        return service_pb2.TrainingRunInfo(
-            training_run_id=run.run_id, base_model=run.base_model, tokenizer_id=trainer.info.tokenizer_id, lora_config=lora,
-            next_seq_id=self.admission.next_seq_id(run), vocab_size=trainer.info.vocab_size,
-            max_context_length=trainer.info.max_context_length,
-        )
+    def _run_info(self, run: RunInfo, fresh: m.TrainingRun | None = None) -> service_pb2.TrainingRunInfo:
+        """``fresh``: the run's row as stored now (its last request time); else the one ``run`` holds."""
+        trainer = self.backends.trainer_for(run.base_model, run.run_id)
+        return run_message(fresh or run.row, run.tenant, self.admission.next_seq_id(run), trainer.info)
 
     # ---- the sequenced verbs: admission owns them ---------------------------------------------
 
@@ -183,10 +190,13 @@ class TemperServicer(SamplingVerbs, CheckpointVerbs, TokenizerVerbs, service_pb2
                 raise InvalidArgument("only sampler checkpoints can be ephemeral")
             check_ttl(request.ttl_seconds)
             check_name(request.name)
+            check_user_metadata(request.user_metadata)
             return 0
 
         async def not_taken(run: RunInfo) -> None:
-            if await asyncio.to_thread(self.store.checkpoint_exists, run.run_id, KIND_NAMES[request.kind], request.name):
+            if request.overwrite:
+                pass  # the checkpoint of that name is removed when this save runs (loop.py)
+            elif await asyncio.to_thread(self.store.checkpoint_exists, run.run_id, KIND_NAMES[request.kind], request.name):
                 raise AlreadyExists(f"checkpoint {KIND_DIRS[request.kind]}/{request.name} already exists for {run.run_id}")
             limit = (await self.admission.quotas.limits(run.tenant)).max_storage_bytes
             if limit and not request.ephemeral:  # snapshots are collected by themselves; named saves are what fills storage

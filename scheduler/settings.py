@@ -115,6 +115,9 @@ class SchedulerSettings(ProcessSettings, InternalTokenSettings):
     default_train_tokens_per_minute: int = Field(0, description="Tokens a tenant trains per minute before its work waits; 0: unlimited.")
     default_sample_tokens_per_minute: int = Field(0, description="Tokens a tenant samples per minute before its sampling waits; 0: unlimited.")
     default_max_storage_bytes: int = Field(0, description="Bytes of checkpoints per tenant before saves are refused; 0: unlimited.")
+    max_import_bytes: int = Field(
+        1 << 30, gt=0, description="Largest adapter a client can import (ImportCheckpoint), both files together; an upload is "
+                                   "held in the scheduler's memory while it is received.")
     snapshot_idle_seconds: float = Field(
         600.0, description="An ephemeral sampler snapshot (save_weights_and_get_sampling_client) no sampling client used for "
                            "this long, and not its run's newest, is deleted.")

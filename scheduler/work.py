@@ -63,9 +63,13 @@ class Work:
 class RunQueue:
     """Pending work of one training run, keyed by seq_id; releases it strictly in order."""
 
-    def __init__(self, run_id: str, next_seq_id: int):
+    def __init__(self, run_id: str, next_seq_id: int, lookup_upto: int = 0, tenant: str = "?"):
         self.run_id = run_id
+        self.tenant = tenant
         self.next_seq_id = next_seq_id
+        # A seq above this has no request row, or its work is still in Admission.recent: the database is
+        # asked about seqs up to it only (rows of earlier processes; work this process forgot, see Admission.forgot)
+        self.lookup_upto = lookup_upto
         self.pending: dict[int, Work] = {}
         self.skipped: list[range] = []   # seqs given up on (see skip_gap)
 

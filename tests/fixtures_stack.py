@@ -29,7 +29,7 @@ def stack(tiny_model_dir, postgres_url, tmp_path_factory):
         yield local
 
 
-class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor, grpc.StreamUnaryClientInterceptor):
     """Adds ``authorization: Bearer <key>`` to every call of a raw channel."""
 
     def __init__(self, key: str):
@@ -43,6 +43,9 @@ class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIntercepto
 
     def intercept_unary_stream(self, continuation, details, request):
         return continuation(self._with_key(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._with_key(details), request_iterator)
 
 
 def keyed_channel(stack, tenant: str = "local") -> grpc.Channel:

@@ -111,6 +111,7 @@ class Checkpoint(Base):
     ephemeral: Mapped[bool] = mapped_column(Boolean, default=False, server_default=sa_false())  # unlisted sampler snapshot
     expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)  # by a sampling client
+    user_metadata: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # as given to its save (NULL before 0007)
 
 
 class SamplingClient(Base):

@@ -1,20 +1,61 @@
-"""The durable request log and adapter snapshots of trainer recovery (``scheduler/recovery.py``).
+"""The durable request log: one ``requests`` row per sequenced request (admission writes it; the
+loop marks it running and records its outcome), and the adapter snapshots of trainer recovery
+(``scheduler/recovery.py``).
 
-A mixin of ``Store`` (same engine, one transaction per method). Admission writes each
-state-changing request's serialized payload into its ``requests`` row (``Store.add_request``); a
-run's latest snapshot is recorded on its ``training_runs`` row, and the payloads it covers are
-cleared in the same transaction.
+A mixin of ``Store`` (same engine, one transaction per method). The hot path (rows admitted
+together, a cycle's outcomes) is SQLAlchemy Core on a connection, a few statements per
+transaction whatever the number of rows: an ORM unit of work per request cost the scheduler more
+CPU than everything else it does per request (benchmarks/README.md, scaleout). Admission writes each
+state-changing request's serialized payload into its row; a run's latest snapshot is recorded on
+its ``training_runs`` row, and the payloads it covers are cleared in the same transaction.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Iterable, NamedTuple
 
-from sqlalchemy import select, update
+from sqlalchemy import bindparam, insert, or_, select, tuple_, update
+from sqlalchemy.exc import IntegrityError
 
-from temper.common.errors import NotFound
+from temper.common.errors import AlreadyExists, NotFound
 from temper.scheduler.db import models as m
-from temper.scheduler.db.outage import database_errors
+from temper.scheduler.db.outage import database_errors, now
+
+REQUESTS = m.RequestRecord.__table__
+RUNS = m.TrainingRun.__table__
+OPEN = ("queued", "running")
+# The hot path's statements, built once: building and cache-keying them on every call cost the
+# scheduler more CPU than executing them (benchmarks/README.md, scaleout). Values are bound per call.
+_KEY = tuple_(REQUESTS.c.training_run_id, REQUESTS.c.seq_id)
+_INSERT_REQUESTS = insert(REQUESTS)
+_TOUCH_RUN = update(RUNS).where(RUNS.c.id == bindparam("b_run")).values(last_request_at=bindparam("b_at"))
+_MARK_RUNNING = update(REQUESTS).where(_KEY.in_(bindparam("b_keys", expanding=True))).values(status="running")
+_STILL_OPEN = select(REQUESTS.c.training_run_id, REQUESTS.c.seq_id).where(
+    _KEY.in_(bindparam("b_keys", expanding=True)), REQUESTS.c.status.in_(OPEN))
+_FINISH = update(REQUESTS).where(  # no IN in executemany
+    REQUESTS.c.training_run_id == bindparam("b_run"), REQUESTS.c.seq_id == bindparam("b_seq"),
+    or_(*(REQUESTS.c.status == status for status in OPEN)))
+_CUT_RESULTS = update(REQUESTS).where(REQUESTS.c.training_run_id == bindparam("b_run"), REQUESTS.c.seq_id < bindparam("b_cut"),
+                                      REQUESTS.c.result.is_not(None)).values(result=None)
+_COUNT_RUN = update(RUNS).where(RUNS.c.id == bindparam("b_run")).values(
+    next_seq_id=bindparam("b_next"), tokens_trained=RUNS.c.tokens_trained + bindparam("b_tokens"),
+    steps=RUNS.c.steps + bindparam("b_steps"))
+_LOCK_SNAPSHOT = select(RUNS.c.snapshot_key).where(RUNS.c.id == bindparam("b_run")).with_for_update()
+_SET_SNAPSHOT = update(RUNS).where(RUNS.c.id == bindparam("b_run")).values(snapshot_key=bindparam("b_key"), snapshot_seq=bindparam("b_seq"))
+_CLEAR_PAYLOADS = update(REQUESTS).where(REQUESTS.c.training_run_id == bindparam("b_run"), REQUESTS.c.seq_id <= bindparam("b_seq"),
+                                         REQUESTS.c.payload.is_not(None)).values(payload=None)
+
+
+class NewRequest(NamedTuple):
+    """A request row to add (``payload``: the serialized request, for replay after a trainer's death)."""
+    run_id: str
+    seq_id: int
+    kind: str
+    sha: str
+    status: str
+    tokens: int
+    error: str | None = None
+    payload: bytes | None = None
 
 
 class LoggedRequest(NamedTuple):
@@ -28,6 +69,94 @@ class LoggedRequest(NamedTuple):
 @database_errors
 class RequestLogStore:
     sessions = None  # sessionmaker, set by Store
+    engine = None
+
+    def get_request(self, run_id: str, seq_id: int) -> m.RequestRecord | None:
+        with self.sessions() as db:
+            return db.scalar(select(m.RequestRecord).where(m.RequestRecord.training_run_id == run_id, m.RequestRecord.seq_id == seq_id))
+
+    def add_request(self, run_id: str, seq_id: int, kind: str, sha: str, status: str, tokens: int, error: str | None = None,
+                    payload: bytes | None = None) -> None:
+        outcome = self.add_requests([NewRequest(run_id, seq_id, kind, sha, status, tokens, error, payload)])[0]
+        if outcome is not None:
+            raise outcome
+
+    def add_requests(self, rows: list[NewRequest]) -> list[AlreadyExists | None]:
+        """Group commit: the rows in one transaction (one multi-row INSERT). Each row's outcome: None
+        (added) or AlreadyExists (its (run, seq) has a row); a duplicate sends the others one by one."""
+        try:
+            with self.engine.begin() as conn:
+                self._insert_requests(conn, rows)
+            return [None] * len(rows)
+        except IntegrityError:
+            if len(rows) == 1:
+                return [AlreadyExists(f"request {rows[0].run_id} seq {rows[0].seq_id} was already submitted")]
+        return [self.add_requests([row])[0] for row in rows]
+
+    def write_group(self, rows: list[NewRequest], running: list[tuple[str, int]]) -> list[AlreadyExists | None]:
+        """``mark_running`` and ``add_requests`` in one transaction: the group commit of the request
+        writer (``group_commit.py``: the lanes' marks join the rows admitted meanwhile). A duplicate
+        row sends the marks on in their own transaction, and the rows as add_requests does."""
+        try:
+            with self.engine.begin() as conn:
+                if running:  # these rows are in no cycle's finish_requests (they have not run yet): no lock-order change
+                    self._mark_running(conn, running)
+                if rows:
+                    self._insert_requests(conn, rows)
+            return [None] * len(rows)
+        except IntegrityError:
+            pass
+        if running:
+            self.mark_running(running)
+        return self.add_requests(rows) if rows else []
+
+    @staticmethod
+    def _insert_requests(conn, rows: list[NewRequest]) -> None:
+        at = now()
+        conn.execute(_INSERT_REQUESTS, [
+            dict(training_run_id=r.run_id, seq_id=r.seq_id, kind=r.kind, payload_sha256=r.sha, status=r.status, num_tokens=r.tokens,
+                 error=r.error, created_at=at, finished_at=at if r.status != "queued" else None, payload=r.payload, result=None)
+            for r in rows])
+        # row by row in run id order, as finish_requests: two transactions never wait on each other's runs in a cycle
+        conn.execute(_TOUCH_RUN, [dict(b_run=run_id, b_at=at) for run_id in sorted({r.run_id for r in rows})])
+
+    def mark_running(self, keys: Iterable[tuple[str, int]]) -> None:
+        """(run, seq) requests are about to go to a trainer. After a crash, "running" means the
+        outcome is unknown; "queued" means it never left the scheduler."""
+        with self.engine.begin() as conn:
+            self._mark_running(conn, list(keys))
+
+    @staticmethod
+    def _mark_running(conn, keys: list[tuple[str, int]]) -> None:
+        conn.execute(_MARK_RUNNING, {"b_keys": keys})
+
+    def finish_requests(self, outcomes: Iterable[tuple[str, int, str, str | None, bytes | None]], trained_tokens: dict[str, int],
+                        steps: dict[str, int], next_seq: dict[str, int], result_window: int = 0) -> None:
+        """Record (run, seq, status, error, serialized result) outcomes and the runs' counters in one
+        transaction; results older than each run's last ``result_window`` seqs are cleared.
+
+        Safe to call again after an error whose commit may nevertheless have happened (the loop
+        resends it): only requests still queued or running are recorded, and a run's counters move
+        only with them, so a resent call that finds its outcomes recorded counts nothing twice."""
+        with self.engine.begin() as conn:
+            self._finish_requests(conn, outcomes, trained_tokens, steps, next_seq, result_window)
+
+    @staticmethod
+    def _finish_requests(conn, outcomes, trained_tokens: dict[str, int], steps: dict[str, int], next_seq: dict[str, int],
+                         result_window: int = 0) -> None:
+        outcomes, at = list(outcomes), now()
+        still_open = set(conn.execute(_STILL_OPEN, {"b_keys": [(run_id, seq_id) for run_id, seq_id, *_ in outcomes]}).tuples())
+        rows = [dict(b_run=run_id, b_seq=seq_id, status=status, error=error, result=result, finished_at=at)
+                for run_id, seq_id, status, error, result in outcomes if (run_id, seq_id) in still_open]
+        if rows:
+            conn.execute(_FINISH, rows)
+        counted = {run_id for run_id, _ in still_open}
+        runs = [dict(b_run=run_id, b_cut=seq - result_window, b_next=seq,
+                     b_tokens=trained_tokens.get(run_id, 0) if run_id in counted else 0,
+                     b_steps=steps.get(run_id, 0) if run_id in counted else 0) for run_id, seq in sorted(next_seq.items())]
+        if runs:
+            conn.execute(_CUT_RESULTS, runs)
+            conn.execute(_COUNT_RUN, runs)
 
     def logged_requests(self, run_id: str, after_seq: int, upto_seq: int) -> list[LoggedRequest]:
         """The run's requests with after_seq < seq <= upto_seq, in seq order."""
@@ -41,15 +170,13 @@ class RequestLogStore:
     def record_snapshot(self, run_id: str, key: str, seq: int) -> str | None:
         """The run's latest snapshot is now ``key``, holding seqs <= ``seq`` applied: payloads up to it
         are cleared. Returns the snapshot it replaces (its files are the caller's to delete), if any."""
-        with self.sessions.begin() as db:
-            run = db.get(m.TrainingRun, run_id, with_for_update=True)
-            if run is None:
+        with self.engine.begin() as conn:
+            found = conn.execute(_LOCK_SNAPSHOT, {"b_run": run_id}).first()
+            if found is None:
                 raise NotFound(f"training run {run_id!r} not found")
-            previous = run.snapshot_key
-            run.snapshot_key, run.snapshot_seq = key, seq
-            db.execute(update(m.RequestRecord).where(
-                m.RequestRecord.training_run_id == run_id, m.RequestRecord.seq_id <= seq,
-                m.RequestRecord.payload.is_not(None)).values(payload=None))
+            conn.execute(_SET_SNAPSHOT, {"b_run": run_id, "b_key": key, "b_seq": seq})
+            conn.execute(_CLEAR_PAYLOADS, {"b_run": run_id, "b_seq": seq})
+        previous = found[0]
         return previous if previous != key else None
 
     def move_run(self, run_id: str, trainer: str) -> None:

@@ -11,7 +11,8 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Iterable
 
-from sqlalchemy import create_engine, event, select, update
+from sqlalchemy import create_engine, event, func, select, update
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
@@ -19,6 +20,7 @@ from temper.common.errors import AlreadyExists, FailedPrecondition, NotFound
 from temper.scheduler.db import models as m
 from temper.scheduler.db.outage import database_errors, now
 from temper.scheduler.db.request_log import RequestLogStore
+from temper.scheduler.db.catalog import CatalogStore
 from temper.scheduler.db.tenancy import TenancyStore
 
 def make_engine(url: str):
@@ -34,7 +36,9 @@ def make_engine(url: str):
 
         return engine
     # A refused or hung connection fails in seconds (then Unavailable), not at the OS's TCP timeout.
-    return create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": 5})
+    # psycopg2: an executemany UPDATE (a cycle's outcomes, request_log.py) is one round trip, not one per row.
+    batch = {"executemany_mode": "values_plus_batch"} if make_url(url).get_driver_name() == "psycopg2" else {}
+    return create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": 5}, **batch)
 
 
 def upgrade_schema(url: str) -> None:
@@ -55,7 +59,7 @@ def upgrade_schema(url: str) -> None:
 
 
 @database_errors
-class Store(TenancyStore, RequestLogStore):
+class Store(TenancyStore, RequestLogStore, CatalogStore):
     def __init__(self, url: str):
         if url.startswith("sqlite:///"):
             Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
@@ -150,39 +154,14 @@ class Store(TenancyStore, RequestLogStore):
 
     # ---- sequenced requests -------------------------------------------------------------------
 
-    def get_request(self, run_id: str, seq_id: int) -> m.RequestRecord | None:
-        with self.sessions() as db:
-            return db.scalar(select(m.RequestRecord).where(m.RequestRecord.training_run_id == run_id, m.RequestRecord.seq_id == seq_id))
-
-    def add_request(self, run_id: str, seq_id: int, kind: str, sha: str, status: str, tokens: int, error: str | None = None,
-                    payload: bytes | None = None) -> None:
-        """``payload``: the serialized request, for replay after a trainer's death (request_log.py)."""
-        try:
-            with self.sessions.begin() as db:
-                db.add(m.RequestRecord(
-                    training_run_id=run_id, seq_id=seq_id, kind=kind, payload_sha256=sha, status=status, num_tokens=tokens,
-                    error=error, finished_at=_now() if status != "queued" else None, payload=payload,
-                ))
-                db.execute(update(m.TrainingRun).where(m.TrainingRun.id == run_id).values(last_request_at=_now()))
-        except IntegrityError:
-            raise AlreadyExists(f"request {run_id} seq {seq_id} was already submitted") from None
-
-    def mark_running(self, keys: Iterable[tuple[str, int]]) -> None:
-        """(run, seq) requests are about to go to a trainer. After a crash, "running" means the
-        outcome is unknown; "queued" means it never left the scheduler."""
-        with self.sessions.begin() as db:
-            for run_id, seq_id in keys:
-                db.execute(update(m.RequestRecord)
-                           .where(m.RequestRecord.training_run_id == run_id, m.RequestRecord.seq_id == seq_id)
-                           .values(status="running"))
-
-    def load_run(self, run_id: str, kinds: Iterable[str]) -> tuple[m.TrainingRun, str, bool]:
-        """A run as an earlier process left it (see recover_interrupted), its tenant, and whether its
-        session is closed."""
+    def load_run(self, run_id: str, kinds: Iterable[str]) -> tuple[m.TrainingRun, str, bool, int]:
+        """A run as an earlier process left it (see recover_interrupted), its tenant, whether its
+        session is closed, and the highest seq it has a request row for (0: none)."""
         run = self.recover_interrupted(run_id, kinds)
         with self.sessions() as db:
             closed = db.scalar(select(m.Session.closed_at).where(m.Session.id == run.session_id)) is not None
-        return run, self.tenant_of_session(run.session_id), closed
+            recorded = db.scalar(select(func.max(m.RequestRecord.seq_id)).where(m.RequestRecord.training_run_id == run_id)) or 0
+        return run, self.tenant_of_session(run.session_id), closed, recorded
 
     def session_closed(self, session_id: str) -> bool:
         with self.sessions() as db:
@@ -210,36 +189,6 @@ class Store(TenancyStore, RequestLogStore):
                 run.next_seq_id = max(run.next_seq_id, record.seq_id + 1)
             return run
 
-    def finish_requests(self, outcomes: Iterable[tuple[str, int, str, str | None, bytes | None]], trained_tokens: dict[str, int],
-                        steps: dict[str, int], next_seq: dict[str, int], result_window: int = 0) -> None:
-        """Record (run, seq, status, error, serialized result) outcomes and the runs' counters in one
-        transaction; results older than each run's last ``result_window`` seqs are cleared.
-
-        Safe to call again after an error whose commit may nevertheless have happened (the loop
-        resends it): only requests still queued or running are recorded, and a run's counters move
-        only with them, so a resent call that finds its outcomes recorded counts nothing twice."""
-        with self.sessions.begin() as db:
-            counted = set()
-            for run_id, seq_id, status, error, result in outcomes:
-                changed = db.execute(
-                    update(m.RequestRecord)
-                    .where(m.RequestRecord.training_run_id == run_id, m.RequestRecord.seq_id == seq_id,
-                           m.RequestRecord.status.in_(("queued", "running")))
-                    .values(status=status, error=error, finished_at=_now(), result=result)
-                ).rowcount
-                if changed:
-                    counted.add(run_id)
-            for run_id, seq in next_seq.items():
-                db.execute(update(m.RequestRecord).where(
-                    m.RequestRecord.training_run_id == run_id, m.RequestRecord.seq_id < seq - result_window,
-                    m.RequestRecord.result.is_not(None)).values(result=None))
-            for run_id, seq in next_seq.items():
-                db.execute(update(m.TrainingRun).where(m.TrainingRun.id == run_id).values(
-                    next_seq_id=seq,
-                    tokens_trained=m.TrainingRun.tokens_trained + (trained_tokens.get(run_id, 0) if run_id in counted else 0),
-                    steps=m.TrainingRun.steps + (steps.get(run_id, 0) if run_id in counted else 0),
-                ))
-
     # ---- checkpoints --------------------------------------------------------------------------
 
     def checkpoint_exists(self, run_id: str, kind: str, name: str) -> bool:
@@ -248,22 +197,22 @@ class Store(TenancyStore, RequestLogStore):
                 m.Checkpoint.training_run_id == run_id, m.Checkpoint.kind == kind, m.Checkpoint.name == name)) is not None
 
     def add_checkpoint(self, run_id: str, kind: str, name: str, path: str, size_bytes: int, ephemeral: bool = False,
-                       ttl_seconds: int = 0) -> m.Checkpoint:
+                       ttl_seconds: int = 0, user_metadata: dict[str, str] | None = None) -> m.Checkpoint:
         expires_at = _now() + timedelta(seconds=ttl_seconds) if ttl_seconds > 0 else None
         try:
             with self.sessions.begin() as db:
                 row = m.Checkpoint(training_run_id=run_id, kind=kind, name=name, path=path, size_bytes=size_bytes,
-                                   ephemeral=ephemeral, expires_at=expires_at)
+                                   ephemeral=ephemeral, expires_at=expires_at, user_metadata=dict(user_metadata or {}))
                 db.add(row)
                 return row
         except IntegrityError:
             raise AlreadyExists(f"checkpoint {path} already exists") from None
 
     def add_or_get_checkpoint(self, run_id: str, kind: str, name: str, path: str, size_bytes: int, ephemeral: bool = False,
-                              ttl_seconds: int = 0) -> m.Checkpoint:
+                              ttl_seconds: int = 0, user_metadata: dict[str, str] | None = None) -> m.Checkpoint:
         """add_checkpoint, or the row an earlier attempt of the same save wrote (its answer was lost)."""
         try:
-            return self.add_checkpoint(run_id, kind, name, path, size_bytes, ephemeral, ttl_seconds)
+            return self.add_checkpoint(run_id, kind, name, path, size_bytes, ephemeral, ttl_seconds, user_metadata)
         except AlreadyExists:
             return self.get_checkpoint(path)
 

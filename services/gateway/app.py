@@ -11,8 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 import grpc
@@ -25,7 +24,6 @@ from temper.services.gateway.futures import Futures
 from temper.services.gateway.upstream import Scheduler
 
 log = logging.getLogger("temper.gateway")
-MAX_REMEMBERED_SAMPLERS = 100_000
 
 
 @dataclass
@@ -38,29 +36,10 @@ class Result:
 
 
 @dataclass
-class SamplerInfo:
-    base_model: str
-    model_path: str | None
-
-
-@dataclass
 class Gateway:
     scheduler: Scheduler
     futures: Futures
     long_poll_seconds: float = 25.0
-    # GET /samplers/{id} answers from what the gateway saw created: the gRPC API has no GetSampler.
-    samplers: "OrderedDict[str, SamplerInfo]" = field(default_factory=OrderedDict)
-    # Runs made from a checkpoint (create-via-load): the load took the scheduler's seq 1, while the SDK
-    # numbers that run's requests from 1 again, so they go to the scheduler one later.
-    seq_offsets: dict[str, int] = field(default_factory=dict)
-
-    def remember_sampler(self, sampler_id: str, base_model: str, model_path: str | None) -> None:
-        self.samplers[sampler_id] = SamplerInfo(base_model, model_path or None)
-        while len(self.samplers) > MAX_REMEMBERED_SAMPLERS:
-            self.samplers.popitem(last=False)
-
-    def scheduler_seq(self, training_run_id: str, seq_id: int) -> int:
-        return seq_id + self.seq_offsets.get(training_run_id, 0)
 
     def submit(self, key: str | None, request_id: str, work: Callable[[], Awaitable[Any]], **extra) -> dict:
         """Start a verb behind a future; its failure becomes the future's error result."""

@@ -17,6 +17,7 @@ from google.protobuf.message import DecodeError
 from temper.client import convert as client_convert
 from temper.client import types as t
 from temper.common.codec import decode_array, decode_floats, decode_tokens, encode_array, encode_tokens
+from temper.common.validation import TOPK_MASK_LOGPROB
 from temper.services.gateway import tinker_wire_pb2 as wire
 from temper.services.gateway.errors import invalid
 from temper.v1 import service_pb2, types_pb2
@@ -46,6 +47,15 @@ def run_id(session_id: str, model_seq_id: int) -> str:
 
 def tinker_path(training_run_id: str, checkpoint_id: str) -> str:
     return f"tinker://{training_run_id}/{checkpoint_id}"
+
+
+def metadata_from_json(obj: Any) -> dict[str, str]:
+    """A ``user_metadata`` body field (a JSON object, or absent) as string pairs."""
+    if obj is None:
+        return {}
+    if not isinstance(obj, Mapping):
+        raise invalid("user_metadata must be an object of strings")
+    return {str(k): str(v) for k, v in obj.items()}
 
 
 # ---- tensors and data in -------------------------------------------------------------------------
@@ -240,16 +250,19 @@ def forward_backward_to_json(out: types_pb2.ForwardBackwardOutput) -> dict:
             "metrics": {metric_key(k): v for k, v in out.metrics.items()}}
 
 
-def _prompt_logprobs(resp: types_pb2.SampleResponse, last_n: int | None) -> np.ndarray | None:
-    if not resp.HasField("prompt_logprobs"):
+def _prompt_logprobs(resp: types_pb2.SampleResponse) -> np.ndarray | None:
+    """NaN where not scored (position 0, before prompt_logprobs_last_n)."""
+    return decode_array(resp.prompt_logprobs).astype(np.float32).reshape(-1) if resp.HasField("prompt_logprobs") else None
+
+
+def _topk_prompt(resp: types_pb2.SampleResponse) -> tuple[np.ndarray, np.ndarray] | None:
+    """(len(prompt), k) ids and logprobs; unscored rows hold Tinker's sentinel (0, -99999)."""
+    if not resp.HasField("topk_prompt_token_ids"):
         return None
-    values = decode_array(resp.prompt_logprobs).astype(np.float32).reshape(-1)
-    if last_n is not None:
-        values[: max(len(values) - last_n, 0)] = np.nan  # scored only the last N, as asked
-    return values
+    return decode_array(resp.topk_prompt_token_ids).astype("<i4"), decode_array(resp.topk_prompt_logprobs).astype("<f4")
 
 
-def sample_to_wire(resp: types_pb2.SampleResponse, prompt_logprobs_last_n: int | None = None) -> bytes:
+def sample_to_wire(resp: types_pb2.SampleResponse) -> bytes:
     msg = wire.SampleResponse()
     for s in resp.sequences:
         seq = msg.sequences.add(stop_reason=_STOP_TO_WIRE.get(s.stop_reason, wire.STOP_REASON_LENGTH), tokens=s.tokens,
@@ -257,27 +270,36 @@ def sample_to_wire(resp: types_pb2.SampleResponse, prompt_logprobs_last_n: int |
         if s.topk:
             seq.topk_sampled_logprobs.CopyFrom(wire.TopkLogprobs(token_ids=s.topk_token_ids, logprobs=s.topk_logprobs, k=s.topk,
                                                                  length=len(s.tokens) // 4))
-    prompt = _prompt_logprobs(resp, prompt_logprobs_last_n)
+    prompt = _prompt_logprobs(resp)
     if prompt is not None:
         msg.prompt_logprobs = prompt.astype("<f4").tobytes()
+    top = _topk_prompt(resp)
+    if top is not None:
+        ids, lps = top
+        msg.topk_prompt_logprobs.CopyFrom(wire.TopkLogprobs(token_ids=ids.tobytes(), logprobs=lps.tobytes(), k=ids.shape[1],
+                                                            length=ids.shape[0]))
     return msg.SerializeToString()
 
 
-def sample_to_json(resp: types_pb2.SampleResponse, sequence_ids: list[str], prompt_logprobs_last_n: int | None = None) -> dict:
+def sample_to_json(resp: types_pb2.SampleResponse) -> dict:
     """For SDKs before 0.25 (JSON results)."""
     sequences = []
-    for s, sequence_id in zip(resp.sequences, sequence_ids):
+    for s in resp.sequences:
         item = {"stop_reason": _STOP_TO_JSON.get(s.stop_reason, "length"), "tokens": decode_tokens(s.tokens).tolist(),
-                "logprobs": decode_floats(s.logprobs).tolist(), "sequence_id": sequence_id}
+                "logprobs": decode_floats(s.logprobs).tolist(), "sequence_id": s.sequence_id}
         if s.topk:
             ids = decode_tokens(s.topk_token_ids).reshape(-1, s.topk)
             lps = decode_floats(s.topk_logprobs).reshape(-1, s.topk)
             item["topk_logprobs"] = [list(zip(r_ids.tolist(), r_lps.tolist())) for r_ids, r_lps in zip(ids, lps)]
         sequences.append(item)
-    prompt = _prompt_logprobs(resp, prompt_logprobs_last_n)
+    prompt = _prompt_logprobs(resp)
     body: dict[str, Any] = {"sequences": sequences, "type": "sample"}
     if prompt is not None:
         body["prompt_logprobs"] = [None if np.isnan(x) else float(x) for x in prompt]
+    top = _topk_prompt(resp)
+    if top is not None:
+        body["topk_prompt_logprobs"] = [None if r_lps[0] == TOPK_MASK_LOGPROB else list(zip(r_ids.tolist(), r_lps.tolist()))
+                                        for r_ids, r_lps in zip(*top)]
     return body
 
 
@@ -290,6 +312,10 @@ def checkpoint_to_json(c: types_pb2.Checkpoint) -> dict:
             "time": _iso(c.created_unix_ms), "tinker_path": c.path, "size_bytes": c.size_bytes, "public": c.published}
     if c.expires_unix_ms:
         body["expires_at"] = _iso(c.expires_unix_ms)
+    if c.user_metadata:
+        body["user_metadata"] = dict(c.user_metadata)
+    if c.base_model:
+        body["base_model"] = c.base_model  # the SDK's Checkpoint.base_model (0.39)
     return body
 
 
@@ -299,26 +325,27 @@ def info_to_json(info: service_pb2.TrainingRunInfo) -> dict:
             "model_data": {"model_name": info.base_model, "tokenizer_id": info.tokenizer_id}}
 
 
-def weights_info_to_json(info: service_pb2.TrainingRunInfo) -> dict:
-    lora = info.lora_config
-    return {"base_model": info.base_model, "optimizer_config": {"type": "adamw"}, "is_lora": True, "lora_rank": lora.rank,
+def weights_info_to_json(checkpoint: types_pb2.Checkpoint) -> dict:
+    """From GetCheckpoint: also for another tenant's published checkpoint."""
+    lora = checkpoint.lora_config
+    return {"base_model": checkpoint.base_model, "optimizer_config": {"type": "adamw"}, "is_lora": True, "lora_rank": lora.rank,
             "train_unembed": lora.train_unembed, "train_mlp": lora.train_mlp, "train_attn": lora.train_attn}
 
 
 def training_run_to_json(info: service_pb2.TrainingRunInfo, checkpoints: list[types_pb2.Checkpoint]) -> dict:
-    """``model_owner`` is left empty: the gateway does not know tenants (the scheduler does).
-    ``last_request_time`` is the newest checkpoint's time, else now (the API does not give it)."""
+    """``checkpoints``: the run's (the newest of each kind is shown)."""
     def newest(kind):
         of_kind = [c for c in checkpoints if c.kind == kind]
         return max(of_kind, key=lambda c: c.created_unix_ms) if of_kind else None
 
     training, sampler = newest(types_pb2.CHECKPOINT_KIND_TRAINING), newest(types_pb2.CHECKPOINT_KIND_SAMPLER)
-    latest = max((c.created_unix_ms for c in checkpoints), default=0)
-    return {"training_run_id": info.training_run_id, "base_model": info.base_model, "model_owner": "", "is_lora": True,
+    latest = max([info.last_request_unix_ms, info.created_unix_ms, *(c.created_unix_ms for c in checkpoints)])
+    return {"training_run_id": info.training_run_id, "base_model": info.base_model, "model_owner": info.owner, "is_lora": True,
             "corrupted": False, "lora_rank": info.lora_config.rank,
             "last_request_time": _iso(latest) if latest else datetime.now(timezone.utc).isoformat(),
             "last_checkpoint": checkpoint_to_json(training) if training else None,
-            "last_sampler_checkpoint": checkpoint_to_json(sampler) if sampler else None}
+            "last_sampler_checkpoint": checkpoint_to_json(sampler) if sampler else None,
+            "user_metadata": dict(info.user_metadata) or None}
 
 
 def capabilities_to_json(resp: service_pb2.GetServerCapabilitiesResponse) -> dict:

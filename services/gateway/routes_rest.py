@@ -1,16 +1,13 @@
-"""The routes of the SDK's RestClient: training runs, checkpoints, weights info.
+"""The routes of the SDK's RestClient: training runs, checkpoints (0.39's search too), weights info.
 
-A checkpoint id is ``<weights|sampler_weights>/<name>``, so it spans two path segments here. The
-listing of training runs comes from GetUsage (every run of the caller's tenant); the gRPC API has
-no ListTrainingRuns yet.
+A checkpoint id is ``<weights|sampler_weights>/<name>``, so it spans two path segments here.
 """
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import APIRouter, Request
 
+from temper.common import checkpoint_search
 from temper.common.checkpoints import parse_path
 from temper.services.gateway import convert
 from temper.services.gateway.app import api_key, gateway, json_body
@@ -45,14 +42,15 @@ async def _info(request: Request, run_id: str):
 @router.get("/training_runs")
 async def list_training_runs(request: Request):
     limit, offset = _page(request, 20)
-    usage = await gateway(request).scheduler.call("GetUsage", service_pb2.GetUsageRequest(), api_key(request))
-    run_ids = [r.training_run_id for r in usage.runs]
-    page = run_ids[offset: offset + limit]
-    checkpoints = await _checkpoints(request)
-    infos = await asyncio.gather(*(_info(request, run) for run in page), return_exceptions=True)
+    if limit == 0:
+        listed = await gateway(request).scheduler.call("ListTrainingRuns", service_pb2.ListTrainingRunsRequest(limit=1), api_key(request))
+        return {"training_runs": [], "cursor": {"offset": offset, "limit": 0, "total_count": listed.total_count}}
+    listed = await gateway(request).scheduler.call("ListTrainingRuns", service_pb2.ListTrainingRunsRequest(
+        limit=min(limit, 1000), offset=offset), api_key(request))
+    checkpoints = await _checkpoints(request) if listed.training_runs else []
     runs = [convert.training_run_to_json(info, [c for c in checkpoints if c.training_run_id == info.training_run_id])
-            for info in infos if not isinstance(info, BaseException)]
-    return {"training_runs": runs, "cursor": {"offset": offset, "limit": limit, "total_count": len(run_ids)}}
+            for info in listed.training_runs]
+    return {"training_runs": runs, "cursor": {"offset": offset, "limit": limit, "total_count": listed.total_count}}
 
 
 @router.get("/training_runs/{run_id}")
@@ -74,11 +72,28 @@ async def list_user_checkpoints(request: Request):
             "cursor": {"offset": offset, "limit": limit, "total_count": len(everything)}}
 
 
+@router.post("/checkpoints/search")
+async def search_checkpoints(request: Request):
+    """Tinker 0.39's RestClient.search_checkpoints: the body is its CheckpointSearchRequest (see
+    temper.common.checkpoint_search), the answer a CheckpointSearchResponse, newest first."""
+    try:
+        query = checkpoint_search.parse_query(await json_body(request))
+    except ValueError as exc:
+        raise invalid(str(exc)) from None
+    caller = None
+    if query.owner == "user":
+        runs = await gateway(request).scheduler.call("ListTrainingRuns", service_pb2.ListTrainingRunsRequest(limit=1), api_key(request))
+        caller = checkpoint_search.owner_of(runs.training_runs)
+    page, next_cursor = checkpoint_search.search(await _checkpoints(request), query, caller)
+    return {"checkpoints": [convert.checkpoint_to_json(c) for c in page], "next_cursor": next_cursor}
+
+
 @router.post("/weights_info")
 async def weights_info(request: Request):
     body = await json_body(request)
-    path = parse_path(str(body.get("tinker_path", "")))
-    return convert.weights_info_to_json(await _info(request, path.training_run_id))
+    path = str(parse_path(str(body.get("tinker_path", ""))))
+    checkpoint = await gateway(request).scheduler.call("GetCheckpoint", service_pb2.GetCheckpointRequest(path=path), api_key(request))
+    return convert.weights_info_to_json(checkpoint)
 
 
 def _path(run_id: str, kind: str, name: str) -> str:

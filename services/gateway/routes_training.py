@@ -13,7 +13,6 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from temper.common.checkpoints import parse_path
 from temper.common.errors import TemperError
 from temper.services.gateway import convert
 from temper.services.gateway.app import Gateway, Result, api_key, gateway, json_body
@@ -36,7 +35,7 @@ async def _spend(gw: Gateway, key: str, run: str, seq: int, error: GatewayError)
 def _sequenced(gw: Gateway, key: str, run: str, sdk_seq: int, build, method: str, render) -> dict:
     """Submit one sequenced verb: ``build(seq)`` makes the request (a GatewayError from it spends the
     seq), ``render(response)`` the Result."""
-    seq = gw.scheduler_seq(run, sdk_seq)
+    seq = sdk_seq
 
     async def work():
         try:
@@ -57,7 +56,9 @@ async def create_model(request: Request):
     session, model_seq_id = body.get("session_id", ""), int(body.get("model_seq_id") or 0)
     create = service_pb2.CreateTrainingRunRequest(
         session_id=session, base_model=body.get("base_model", ""), lora_config=convert.lora_from_json(body.get("lora_config") or {}),
-        user_metadata={str(k): str(v) for k, v in (body.get("user_metadata") or {}).items()})
+        user_metadata=convert.metadata_from_json(body.get("user_metadata")))
+    if body.get("model_seq_id") is not None:
+        create.run_index = model_seq_id  # the run id the SDK computes: <session>:train:<model_seq_id>
 
     async def work():
         info = await gw.scheduler.verb("CreateTrainingRun", create, key)
@@ -134,9 +135,11 @@ async def optim_step(request: Request):
 
 # ---- checkpoints ---------------------------------------------------------------------------------
 
-def _save_request(body: dict, seq: int, kind: int, name: str, ephemeral: bool = False) -> service_pb2.SaveWeightsRequest:
+def _save_request(body: dict, seq: int, kind: int, name: str, ephemeral: bool = False,
+                  overwrite: bool = False) -> service_pb2.SaveWeightsRequest:
     return service_pb2.SaveWeightsRequest(training_run_id=body.get("model_id", ""), seq_id=seq, name=name, kind=kind,
-                                          ttl_seconds=int(body.get("ttl_seconds") or 0), ephemeral=ephemeral)
+                                          ttl_seconds=int(body.get("ttl_seconds") or 0), ephemeral=ephemeral, overwrite=overwrite,
+                                          user_metadata=convert.metadata_from_json(body.get("user_metadata")))
 
 
 @router.post("/save_weights")
@@ -145,9 +148,8 @@ async def save_weights(request: Request):
     run, sdk_seq = body.get("model_id", ""), int(body.get("seq_id") or 0)
 
     def build(seq):
-        if body.get("overwrite"):
-            raise invalid("overwrite=True is not supported: delete the checkpoint first, or save under a new name")
-        return _save_request(body, seq, types_pb2.CHECKPOINT_KIND_TRAINING, body.get("path") or f"state-{sdk_seq}")
+        return _save_request(body, seq, types_pb2.CHECKPOINT_KIND_TRAINING, body.get("path") or f"state-{sdk_seq}",
+                             overwrite=bool(body.get("overwrite")))
 
     def render(resp):
         return Result(json=lambda: {"type": "save_weights", "path": resp.checkpoint.path})
@@ -161,7 +163,7 @@ async def save_weights_for_sampler(request: Request):
     unlisted snapshot, answered with a sampling client on it)."""
     gw, key, body = gateway(request), api_key(request), await json_body(request)
     run, sdk_seq = body.get("model_id", ""), int(body.get("seq_id") or 0)
-    seq = gw.scheduler_seq(run, sdk_seq)
+    seq = sdk_seq
     named = body.get("path") is not None
 
     async def work():
@@ -174,7 +176,6 @@ async def save_weights_for_sampler(request: Request):
             return Result(json=lambda: {"type": "save_weights_for_sampler", "path": saved.checkpoint.path})
         sampler = await gw.scheduler.verb("CreateSamplingClient", service_pb2.CreateSamplingClientRequest(
             session_id=convert.session_of(run), model_path=saved.checkpoint.path), key)
-        gw.remember_sampler(sampler.sampler_id, sampler.base_model, sampler.model_path)
         return Result(json=lambda: {"type": "save_weights_for_sampler", "sampling_session_id": sampler.sampler_id})
 
     return gw.submit(key, f"{run}:{sdk_seq}", work)
@@ -209,21 +210,15 @@ async def load_weights(request: Request):
         return _sequenced(gw, key, run, sdk_seq, build, "LoadWeights", render)
     session, model_seq_id = body.get("session_id", ""), int(body.get("model_seq_id") or 0)
     convert.check_optimizer_config(body.get("optimizer_config"))
+    # One call: the scheduler takes the LoRA config from the checkpoint (also another tenant's published
+    # one) and loads it as part of creation, using no seq, so the SDK's seq 1 is the run's seq 1.
+    create = service_pb2.CreateTrainingRunRequest(
+        session_id=session, base_model=body.get("base_model") or "", from_path=path, with_optimizer=optimizer,
+        run_index=model_seq_id, user_metadata=convert.metadata_from_json(body.get("user_metadata")))
 
     async def work():
-        source = await gw.scheduler.call("GetInfo", service_pb2.GetInfoRequest(training_run_id=parse_path(path).training_run_id), key)
-        base_model = body.get("base_model") or source.base_model
-        created = await gw.scheduler.verb("CreateTrainingRun", service_pb2.CreateTrainingRunRequest(
-            session_id=session, base_model=base_model, lora_config=source.lora_config,
-            user_metadata={str(k): str(v) for k, v in (body.get("user_metadata") or {}).items()}), key)
-        run = created.training_run_id
-        if run != convert.run_id(session, model_seq_id):
-            raise GatewayError.of(TemperError(f"the scheduler named the new run {run}, the SDK expects "
-                                              f"{convert.run_id(session, model_seq_id)}: create training clients one at a time"))
-        gw.seq_offsets[run] = created.next_seq_id  # the load takes this seq; the SDK's seq 1 comes after it
-        await gw.scheduler.verb("LoadWeights", service_pb2.LoadWeightsRequest(
-            training_run_id=run, seq_id=created.next_seq_id, path=path, with_optimizer=optimizer), key)
-        return Result(json=lambda: {"type": "load_weights", "path": path, "model_id": run})
+        created = await gw.scheduler.verb("CreateTrainingRun", create, key)
+        return Result(json=lambda: {"type": "load_weights", "path": path, "model_id": created.training_run_id})
 
     return gw.submit(key, f"{session}:load_model:{model_seq_id}", work)
 

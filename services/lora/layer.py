@@ -3,7 +3,13 @@
 ``y = W x + sum_a [rows of a] scale_a * B_a A_a dropout_a(x)``. Each adapter multiplies only the
 rows routed to it, so the forward and the backward pass touch only the adapter a row belongs to:
 gradients land in exactly one adapter, and rows without an adapter see the base model. Adapters
-of any rank coexist; those of one shape run together as batched matmuls."""
+of any rank coexist; those of one shape run together as a few large kernels over the rows sorted
+by adapter: a batched matmul over a view when the adapters' slices are equally long, a grouped
+matmul (``torch.nn.functional.grouped_mm``) over ragged slices on CUDA, a batched matmul over
+padded slices elsewhere. Inside ``Router.stacking()`` (one trainer call) the adapters' stacked
+weights are built once and their gradients handed back to each adapter's own parameters at the
+end. LoRA math runs in the activations' dtype (``Router.math_dtype``), adapters and their
+gradients stay float32."""
 
 from __future__ import annotations
 
@@ -35,6 +41,8 @@ class Routing:
     contiguous: bool = False                     # groups are already consecutive ranges from row 0
     rows: int = 0
     gathers: dict = field(default_factory=dict)  # padded (G, L) row indices per bucket of segments
+    plans: dict = field(default_factory=dict)    # present adapter keys -> their buckets (_bucket_shapes)
+    offsets: dict = field(default_factory=dict)  # grouped_mm token offsets per bucket of segments
 
     def prepare(self, rows: int) -> bool:
         """Compute the sort order for inputs with ``rows`` leading entries (once per pass);
@@ -63,11 +71,74 @@ class Routing:
         return True
 
 
-class Router:
-    """Shared by every MultiLoraLinear of a model; holds the routing of the pass in progress."""
+    def plan(self, layer: "MultiLoraLinear") -> list["BucketPlan"]:
+        """The buckets of ``layer``'s adapters present in this routing (computed once per set of
+        present adapters: every layer adapted by the same adapters shares it)."""
+        adapters = layer.adapters
+        keys = tuple(key for key, start, stop in self.segments if stop > start and key in adapters)
+        shapes = self.plans.get(keys)
+        if shapes is None:
+            shapes = self.plans[keys] = _bucket_shapes([(key, start, stop) for key, start, stop in self.segments
+                                                        if stop > start and key in adapters], adapters)
+        plans = []
+        for keys, bounds, scale, dropout, width, adjacent, contiguous in shapes:
+            members = [adapters[k] for k in keys]
+            single = (members[0], *bounds[0]) if len(members) == 1 else None
+            plans.append(BucketPlan(keys, members, bounds, scale, dropout, width, adjacent, contiguous, single))
+        return plans
 
-    def __init__(self):
+    def token_offsets(self, bounds: tuple, tokens_per_row: int, device) -> torch.Tensor:
+        """grouped_mm's int32 end offsets of each slice, in tokens from the first slice's start."""
+        key = (bounds, tokens_per_row)
+        offsets = self.offsets.get(key)
+        if offsets is None:
+            first = bounds[0][0]
+            offsets = self.offsets[key] = torch.tensor([(stop - first) * tokens_per_row for _, stop in bounds],
+                                                       dtype=torch.int32, device=device)
+        return offsets
+
+
+def _bucket_shapes(present: list[tuple[str, int, int]], adapters: dict) -> list[tuple]:
+    """Group the present (key, start, stop) slices by (rank, scale, dropout): per bucket (keys,
+    bounds, scale, dropout, width, adjacent, contiguous)."""
+    buckets: dict[tuple, list[tuple[str, int, int]]] = {}
+    for key, start, stop in present:
+        w = adapters[key]
+        buckets.setdefault((w.rank, w.scale, w.dropout), []).append((key, start, stop))
+    shapes = []
+    for (_rank, scale, dropout), members in buckets.items():
+        keys = tuple(key for key, _, _ in members)
+        bounds = tuple((start, stop) for _, start, stop in members)
+        width = max(stop - start for start, stop in bounds)
+        contiguous = all(bounds[g][1] == bounds[g + 1][0] for g in range(len(bounds) - 1))
+        adjacent = contiguous and all(stop - start == width for start, stop in bounds)
+        shapes.append((keys, bounds, scale, dropout, width, adjacent, contiguous))
+    return shapes
+
+
+class StackedWeights:
+    """The stacked A and B of a fixed list of adapters, built once per ``Router.stacking()`` scope as
+    float32 leaves; their gradients are added to each adapter's own parameters when the scope ends."""
+
+    def __init__(self, members: list["LoraWeights"]):
+        self.members = members
+        grad = any(w.lora_A.requires_grad or w.lora_B.requires_grad for w in members)
+        with torch.no_grad():
+            self.lora_a = torch.stack([w.lora_A for w in members]).requires_grad_(grad)   # (G, r, in)
+            self.lora_b = torch.stack([w.lora_B for w in members]).requires_grad_(grad)   # (G, out, r)
+
+
+class Router:
+    """Shared by every MultiLoraLinear of a model; holds the routing of the pass in progress, the
+    dtype of LoRA math, and the stacked weights of the current ``stacking()`` scope."""
+
+    def __init__(self, math_dtype: str = "activation"):
         self._local = threading.local()
+        # "activation": LoRA matmuls in the activations' dtype (bf16 on a bf16 base), "float32":
+        # always float32 (the adapters' own dtype). Gradients reach the float32 adapters either way.
+        self.math_dtype = math_dtype
+        # (id(layer), adapter keys) -> StackedWeights while a stacking() scope is open; None outside
+        self.stacks: dict[tuple, StackedWeights] | None = None
 
     @property
     def current(self) -> Routing | None:
@@ -82,6 +153,48 @@ class Router:
         finally:
             self._local.routing = previous
 
+    @contextlib.contextmanager
+    def stacking(self):
+        """Within the scope (forward and backward passes, no weight changes), adapters sharing a
+        batched matmul use stacked weights built once; at its end their gradients are added to
+        each adapter's parameters (one foreach add and copy for all). An exception drops them."""
+        if self.stacks is not None:  # nested: the outer scope hands the gradients back
+            yield
+            return
+        self.stacks = {}
+        try:
+            yield
+            stacks = self.stacks
+        finally:
+            self.stacks = None
+        _hand_back_gradients(stacks.values())
+
+    def compute_dtype(self, x: torch.Tensor) -> torch.dtype:
+        if self.math_dtype == "activation" and x.dtype in (torch.bfloat16, torch.float16):
+            return x.dtype
+        return torch.float32
+
+
+def _hand_back_gradients(stacks) -> None:
+    add_to, add, fresh_to, fresh = [], [], [], []
+    for stacked in stacks:
+        for leaf, params in ((stacked.lora_a, [w.lora_A for w in stacked.members]),
+                             (stacked.lora_b, [w.lora_B for w in stacked.members])):
+            if leaf.grad is None:
+                continue
+            for p, g in zip(params, leaf.grad.unbind(0)):
+                if p.grad is None:
+                    p.grad = torch.empty_like(p)
+                    fresh_to.append(p.grad)
+                    fresh.append(g)
+                else:
+                    add_to.append(p.grad)
+                    add.append(g)
+    if fresh:
+        torch._foreach_copy_(fresh_to, fresh)
+    if add:
+        torch._foreach_add_(add_to, add)
+
 
 class LoraWeights(nn.Module):
     def __init__(self, in_features: int, out_features: int, rank: int, alpha: float, dropout: float, device, generator=None):
@@ -95,11 +208,11 @@ class LoraWeights(nn.Module):
         with torch.no_grad():
             self.lora_A.uniform_(-bound, bound, generator=generator)
 
-    def delta(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(self.lora_A.dtype)
+    def delta(self, x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        x = x.to(dtype)
         if self.dropout > 0:
             x = F.dropout(x, self.dropout, training=True)
-        return (x @ self.lora_A.t()) @ self.lora_B.t() * self.scale
+        return (x @ self.lora_A.to(dtype).t()) @ self.lora_B.to(dtype).t() * self.scale
 
 
 class MultiLoraLinear(nn.Module):
@@ -128,7 +241,7 @@ class MultiLoraLinear(nn.Module):
             return out
         if not routing.prepare(x.shape[0]):  # one adapter for every row
             key = routing.groups[0][0]
-            return out + self.adapters[key].delta(x).to(out.dtype) if key in self.adapters else out
+            return out + self.adapters[key].delta(x, self.router.compute_dtype(x)).to(out.dtype) if key in self.adapters else out
         if not any(key in self.adapters for key, _, _ in routing.segments):
             return out
         ordered = x if routing.contiguous else x.index_select(0, routing.order)
@@ -152,43 +265,106 @@ class MultiLoraLinear(nn.Module):
     def _grouped_deltas(self, ordered: torch.Tensor, routing: Routing) -> list[tuple[int, int, torch.Tensor]]:
         """The present adapters' deltas as (start, stop, delta) spans of ``ordered``, sorted.
 
-        Adapters with the same rank, scale and dropout run as one batched matmul over their slices:
-        as a plain view when the slices are adjacent and equally long (one span for all of them),
-        else padded to a common length. Many adapters cost a few kernels, not a few each.
+        Adapters with the same rank, scale and dropout run together: as a batched matmul over a
+        plain view when their slices are adjacent and equally long (one span for all of them), as a
+        grouped matmul over ragged adjacent slices on CUDA, else over slices padded to a common
+        length. Many adapters cost a few kernels, not a few each.
         """
-        buckets: dict[tuple, list[tuple[LoraWeights, int, int]]] = {}
-        for key, start, stop in routing.segments:
-            weights = self.adapters.get(key)
-            if weights is not None and stop > start:
-                buckets.setdefault((weights.rank, weights.scale, weights.dropout), []).append((weights, start, stop))
+        dtype = self.router.compute_dtype(ordered)
         spans = []
-        for (rank, scale, dropout), members in buckets.items():
-            if len(members) == 1:
-                weights, start, stop = members[0]
-                spans.append((start, stop, weights.delta(ordered[start:stop])))
+        for plan in routing.plan(self):
+            if plan.single is not None:
+                weights, start, stop = plan.single
+                spans.append((start, stop, weights.delta(ordered[start:stop], dtype)))
                 continue
-            bounds = tuple((start, stop) for _, start, stop in members)
-            width = max(stop - start for start, stop in bounds)
-            adjacent = all(stop - start == width for start, stop in bounds) and all(
-                bounds[g][1] == bounds[g + 1][0] for g in range(len(bounds) - 1))
-            if adjacent:  # (G·L, ..., in) rows viewed as (G, L, ..., in)
-                padded = ordered[bounds[0][0]: bounds[-1][1]].unflatten(0, (len(members), width))
-            else:
+            lora_a, lora_b = self._stacked(plan, dtype)              # (G, r, in), (G, out, r)
+            bounds, width = plan.bounds, plan.width
+            first, last = bounds[0][0], bounds[-1][1]
+            if plan.adjacent:  # (G·L, ..., in) rows viewed as (G, L, ..., in)
+                padded = ordered[first:last].unflatten(0, (len(bounds), width))
+            elif plan.contiguous and _grouped_mm_ok(ordered, dtype, lora_a, lora_b):
+                delta = _grouped_delta(ordered[first:last], lora_a, lora_b, plan, routing, dtype)
+                if delta is not None:
+                    spans.append((first, last, delta))
+                    continue
+            if not plan.adjacent:
                 index = routing.gathers.get(bounds)
                 if index is None:
                     pad = ordered.shape[0]  # points at the zero row appended below
                     rows = [list(range(start, stop)) + [pad] * (width - (stop - start)) for start, stop in bounds]
                     index = routing.gathers[bounds] = torch.tensor(rows, device=ordered.device)
                 padded = torch.cat([ordered, ordered.new_zeros((1,) + ordered.shape[1:])])[index]  # (G, L, ..., in)
-            lora_a = torch.stack([w.lora_A for w, _, _ in members])   # (G, r, in)
-            lora_b = torch.stack([w.lora_B for w, _, _ in members])   # (G, out, r)
-            xs = padded.to(lora_a.dtype).flatten(1, -2)               # (G, L·..., in)
-            if dropout > 0:
-                xs = F.dropout(xs, dropout, training=True)
-            batched = torch.bmm(torch.bmm(xs, lora_a.transpose(1, 2)), lora_b.transpose(1, 2)) * scale
+            xs = padded.to(dtype).flatten(1, -2)                      # (G, L·..., in)
+            if plan.dropout > 0:
+                xs = F.dropout(xs, plan.dropout, training=True)
+            batched = torch.bmm(torch.bmm(xs, lora_a.transpose(1, 2)), lora_b.transpose(1, 2)) * plan.scale
             batched = batched.reshape(padded.shape[:-1] + (lora_b.shape[1],))
-            if adjacent:
-                spans.append((bounds[0][0], bounds[-1][1], batched.flatten(0, 1)))
+            if plan.adjacent:
+                spans.append((first, last, batched.flatten(0, 1)))
             else:
                 spans.extend((start, stop, batched[g, : stop - start]) for g, (start, stop) in enumerate(bounds))
         return sorted(spans, key=lambda span: span[0])
+
+    def _stacked(self, plan: "BucketPlan", dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bucket's stacked A and B in ``dtype``: built once per stacking() scope (gradients
+        handed back at its end), else stacked now (gradients flow through the stack)."""
+        stacks = self.router.stacks
+        if stacks is None:
+            lora_a = torch.stack([w.lora_A for w in plan.members])
+            lora_b = torch.stack([w.lora_B for w in plan.members])
+            return lora_a.to(dtype), lora_b.to(dtype)
+        key = (id(self), plan.keys)
+        stacked = stacks.get(key)
+        if stacked is None:
+            stacked = stacks[key] = StackedWeights(plan.members)
+        if dtype == torch.float32:
+            return stacked.lora_a, stacked.lora_b
+        return stacked.lora_a.to(dtype), stacked.lora_b.to(dtype)
+
+
+@dataclass
+class BucketPlan:
+    """Adapters of one (rank, scale, dropout) in a layer, for one routing."""
+
+    keys: tuple[str, ...]
+    members: list[LoraWeights]
+    bounds: tuple[tuple[int, int], ...]     # their (start, stop) slices of the sorted rows
+    scale: float
+    dropout: float
+    width: int = 0                          # longest slice
+    adjacent: bool = False                  # equally long and back to back: a view
+    contiguous: bool = False                # back to back (ragged): one flat slice
+    single: tuple | None = None             # (weights, start, stop) for a bucket of one
+
+
+# (device type, dtype) pairs where grouped_mm raised: use padded batched matmuls there
+_GROUPED_MM_FAILED: set = set()
+GROUPED_MM = {"enabled": hasattr(F, "grouped_mm"), "cpu": False}   # tests switch the CPU path on
+
+
+def _grouped_delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, plan: BucketPlan, routing: Routing,
+                   dtype: torch.dtype) -> torch.Tensor | None:
+    """The bucket's deltas over its back-to-back ragged slices ``x`` as two grouped matmuls over the
+    flat tokens; None (and never again for this device and dtype) where grouped_mm refuses."""
+    xs = x.to(dtype).flatten(0, -2)                              # (tokens, in), adapter g's rows together
+    if plan.dropout > 0:
+        xs = F.dropout(xs, plan.dropout, training=True)
+    offsets = routing.token_offsets(plan.bounds, x[0].numel() // x.shape[-1], xs.device)
+    try:
+        low = F.grouped_mm(xs, lora_a.transpose(1, 2), offs=offsets)
+        delta = F.grouped_mm(low, lora_b.transpose(1, 2), offs=offsets) * plan.scale
+    except RuntimeError:
+        _GROUPED_MM_FAILED.add((x.device.type, dtype))
+        return None
+    return delta.reshape(x.shape[:-1] + (lora_b.shape[1],))
+
+
+def _grouped_mm_ok(x: torch.Tensor, dtype: torch.dtype, lora_a: torch.Tensor, lora_b: torch.Tensor) -> bool:
+    """grouped_mm where it has kernels: CUDA bf16 (sm80+), or CPU when asked; rank, in and out
+    features must be 16-byte multiples (its backward refuses other strides, and that cannot fall back)."""
+    if not GROUPED_MM["enabled"] or (x.device.type, dtype) in _GROUPED_MM_FAILED:
+        return False
+    if not (GROUPED_MM["cpu"] if x.device.type == "cpu" else x.device.type == "cuda" and dtype == torch.bfloat16):
+        return False
+    size = torch.empty((), dtype=dtype).element_size()
+    return all(n * size % 16 == 0 for n in (lora_a.shape[1], lora_a.shape[2], lora_b.shape[1]))

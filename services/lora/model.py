@@ -56,10 +56,14 @@ class LoraModel:
     """Owns the wrapped base model. ``model`` runs like the original model; inside
     ``route(...)`` each row group gets its adapter."""
 
-    def __init__(self, model: nn.Module, base_model_name: str):
+    def __init__(self, model: nn.Module, base_model_name: str, lora_math_dtype: str = "activation"):
+        """``lora_math_dtype``: "activation" runs LoRA matmuls in the activations' dtype (bf16 on a
+        bf16 base), "float32" always in float32; adapters and their gradients are float32 either way."""
+        if lora_math_dtype not in ("activation", "float32"):
+            raise ValueError(f"lora_math_dtype must be 'activation' or 'float32', not {lora_math_dtype!r}")
         self.model = model
         self.base_model_name = base_model_name
-        self.router = Router()
+        self.router = Router(lora_math_dtype)
         self.layers: dict[str, MultiLoraLinear] = {}   # module path -> wrapper
         self.adapters: dict[str, Adapter] = {}
         for path, module in list(model.named_modules()):
@@ -117,6 +121,12 @@ class LoraModel:
         groups = [(k, rows) for k, rows in groups if k is not None]
         with self.router.route(Routing(groups) if groups else None):
             yield
+
+    def stacking(self):
+        """A scope of forward and backward passes without weight changes (one trainer call): adapters
+        that share batched matmuls use stacked weights built once, and their gradients reach each
+        adapter's own parameters when the scope ends (``Router.stacking``)."""
+        return self.router.stacking()
 
     def checkpoint_decoder_layers(self) -> int:
         """Keep only each decoder layer's input during a grad-enabled forward and recompute the

@@ -14,9 +14,9 @@ from temper.common.registration import start_registration
 from temper.common.server import build_server, mark_serving
 from temper.common.tls import settings_server_credentials
 from temper.services.models.loading import load_model
+from temper.services.sampler.backend import SamplerBackend
 from temper.services.sampler.servicer import SamplerServicer
 from temper.services.sampler.settings import SamplerSettings
-from temper.services.sampler.torch_backend import TorchSamplerBackend
 from temper.v1 import sampler_pb2, sampler_pb2_grpc
 
 log = logging.getLogger("temper.sampler")
@@ -24,13 +24,24 @@ SERVICE = sampler_pb2.DESCRIPTOR.services_by_name["Sampler"].full_name
 PREFIX = SamplerSettings.model_config["env_prefix"].upper()
 
 
+def build_backend(settings: SamplerSettings) -> SamplerBackend:
+    if settings.backend == "sglang":  # imported only when chosen: the CPU install has no sglang
+        from temper.services.sampler.sglang_backend import SGLangSamplerBackend
+
+        return SGLangSamplerBackend(settings)
+    from temper.services.sampler.torch_backend import TorchSamplerBackend
+
+    return TorchSamplerBackend(load_model(settings.base_model, settings.device, settings.dtype, settings.num_threads),
+                               settings.device)
+
+
 async def serve(settings: SamplerSettings, authenticate: Authenticator | None) -> None:
     """``authenticate``: ``worker_authenticator(settings, ...)``; None only with internal_auth=disabled."""
     if authenticate is None:
         log.warning("TEMPER_SAMPLER_INTERNAL_AUTH=disabled: anyone who reaches port %s can call this sampler", settings.bind)
     credentials = settings_server_credentials(settings)  # before the model: a bad file fails fast
-    loaded = load_model(settings.base_model, settings.device, settings.dtype, settings.num_threads)
-    backend = TorchSamplerBackend(loaded, settings.device)
+    backend = build_backend(settings)
+    base_model = backend.describe().base_model
     servicer = SamplerServicer(backend, settings.adapter_dir, settings.max_num_samples,
                                max_adapters=settings.max_adapters, max_adapter_bytes=settings.max_adapter_bytes)
     registration = (sampler_pb2_grpc.add_SamplerServicer_to_server, servicer, SERVICE)
@@ -38,11 +49,11 @@ async def serve(settings: SamplerSettings, authenticate: Authenticator | None) -
     metrics_port = serve_metrics(settings.metrics_bind)
     await server.start()
     await mark_serving(health, [SERVICE])
-    log.info("sampler (%s backend) for %s listening on port %d", backend.name, loaded.name, port)
+    log.info("sampler (%s backend) for %s listening on port %d", backend.name, base_model, port)
     print(ready_line("sampler", port, metrics_port), flush=True)
     # after the server listens (the scheduler dials back before it counts this sampler); held in a
     # local: an unreferenced task can be garbage-collected while it runs
-    registering = start_registration(settings, "sampler", PREFIX, port, loaded.name, settings.max_adapters,
+    registering = start_registration(settings, "sampler", PREFIX, port, base_model, settings.max_adapters,
                                      servicer.incarnation)
     await server.wait_for_termination()
 

@@ -1,5 +1,5 @@
-"""The sampler backend interface. The torch backend implements it for CPU/GPU development; an
-SGLang backend (its HTTP server with --enable-lora) will implement the same methods.
+"""The sampler backend interface. The torch backend implements it for CPU/GPU development; the
+SGLang backend (``sglang_backend.py``, CUDA, an in-process ``sglang.Engine`` with LoRA) for GPU serving.
 
 Transport-free (``convert.py`` maps protobuf onto these types). A sampler serves the base model
 plus the LoRA weights of saved checkpoints, each loaded under its checkpoint key
@@ -39,7 +39,9 @@ class GeneratedSequence:
 @dataclass
 class SampleResult:
     sequences: list[GeneratedSequence]
-    prompt_logprobs: np.ndarray | None = None   # float32 (len(prompt),), NaN at position 0
+    prompt_logprobs: np.ndarray | None = None   # float32 (len(prompt),), NaN where not scored (position 0)
+    topk_prompt_ids: np.ndarray | None = None       # int32 (len(prompt), k); unscored rows: id 0 ...
+    topk_prompt_logprobs: np.ndarray | None = None  # float32 (len(prompt), k); ... and validation.TOPK_MASK_LOGPROB
 
 
 @dataclass
@@ -50,6 +52,8 @@ class SampleRequest:
     options: SamplingOptions
     prompt_logprobs: bool = False
     topk_logprobs: int = 0
+    topk_prompt_logprobs: int = 0
+    prompt_logprobs_last_n: int | None = None   # score only the last n prompt positions
 
 
 @dataclass
@@ -86,5 +90,6 @@ class SamplerBackend(abc.ABC):
         return [self.sample(r.checkpoint_key, r.prompt, r.num_samples, r.options, r.prompt_logprobs) for r in requests]
 
     @abc.abstractmethod
-    def compute_logprobs(self, checkpoint_key: str | None, prompt: np.ndarray) -> np.ndarray:
-        """float32 log p(prompt[i] | prompt[:i]) for each position, NaN at position 0."""
+    def compute_logprobs(self, checkpoint_key: str | None, prompt: np.ndarray, last_n: int | None = None) -> np.ndarray:
+        """float32 log p(prompt[i] | prompt[:i]) for each position, NaN at position 0 (and before the
+        last ``last_n`` positions when given)."""

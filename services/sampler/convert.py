@@ -10,6 +10,7 @@ import numpy as np
 
 from temper.common.codec import decode_tokens, encode_array, encode_floats, encode_tokens
 from temper.common.errors import InvalidArgument
+from temper.common.validation import check_last_n, check_prompt_scoring
 from temper.services.sampler.backend import ModelDescription, SampleRequest, SampleResult, SamplingOptions
 from temper.v1 import sampler_pb2, types_pb2
 
@@ -44,8 +45,13 @@ def sample_request_from_pb(request: sampler_pb2.SamplerSampleRequest, vocab_size
     top = min(vocab_size, MAX_TOPK_LOGPROBS)
     if not 0 <= request.topk_logprobs <= top:
         raise InvalidArgument(f"topk_logprobs must be in [0, {top}], got {request.topk_logprobs}")
-    return SampleRequest(request.checkpoint_key or None, decode_tokens(request.prompt_tokens), request.num_samples, options,
-                         request.include_prompt_logprobs, request.topk_logprobs)
+    prompt = decode_tokens(request.prompt_tokens)
+    last_n = request.prompt_logprobs_last_n if request.HasField("prompt_logprobs_last_n") else None
+    check_prompt_scoring(len(prompt), request.include_prompt_logprobs, request.topk_prompt_logprobs, last_n)
+    if request.topk_prompt_logprobs > vocab_size:
+        raise InvalidArgument(f"topk_prompt_logprobs must be at most the vocabulary size {vocab_size}")
+    return SampleRequest(request.checkpoint_key or None, prompt, request.num_samples, options,
+                         request.include_prompt_logprobs, request.topk_logprobs, request.topk_prompt_logprobs, last_n)
 
 
 def sample_result_to_pb(result: SampleResult, topk_logprobs: int) -> types_pb2.SampleResponse:
@@ -60,12 +66,19 @@ def sample_result_to_pb(result: SampleResult, topk_logprobs: int) -> types_pb2.S
             out.topk_logprobs = encode_floats([x for row in seq.topk_logprobs for x in row])
     if result.prompt_logprobs is not None:
         response.prompt_logprobs.CopyFrom(encode_array(result.prompt_logprobs, "float32"))
+    if result.topk_prompt_ids is not None:
+        response.topk_prompt_token_ids.CopyFrom(encode_array(result.topk_prompt_ids, "int32"))
+        response.topk_prompt_logprobs.CopyFrom(encode_array(result.topk_prompt_logprobs, "float32"))
     return response
 
 
-def logprobs_request_from_pb(request: sampler_pb2.SamplerLogprobsRequest) -> tuple[str | None, np.ndarray]:
-    """(checkpoint key or None for the base model, prompt tokens)."""
-    return request.checkpoint_key or None, decode_tokens(request.prompt_tokens)
+def logprobs_request_from_pb(request: sampler_pb2.SamplerLogprobsRequest) -> tuple[str | None, np.ndarray, int | None]:
+    """(checkpoint key or None for the base model, prompt tokens, last n positions to score or None)."""
+    prompt = decode_tokens(request.prompt_tokens)
+    last_n = request.prompt_logprobs_last_n if request.HasField("prompt_logprobs_last_n") else None
+    if last_n is not None:
+        check_last_n(len(prompt), last_n)
+    return request.checkpoint_key or None, prompt, last_n
 
 
 def logprobs_to_pb(logprobs: np.ndarray) -> sampler_pb2.ComputeLogprobsResponseInternal:

@@ -212,6 +212,6 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
 
     @_counted
     async def ComputeLogprobs(self, request, context):
-        checkpoint_key, prompt = convert.logprobs_request_from_pb(request)
+        checkpoint_key, prompt, last_n = convert.logprobs_request_from_pb(request)
         with self._pinned(checkpoint_key):
-            return convert.logprobs_to_pb(await self._run(self.backend.compute_logprobs, checkpoint_key, prompt))
+            return convert.logprobs_to_pb(await self._run(self.backend.compute_logprobs, checkpoint_key, prompt, last_n))

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from temper.common.errors import AdapterNotLoaded, InvalidArgument
+from temper.common.prompt_scoring import TOPK_MASK_LOGPROB, check_last_n, check_prompt_scoring
 from temper.services.lora.model import LoraModel
 from temper.services.models.loading import LoadedModel
 from temper.services.sampler.backend import (
@@ -39,6 +40,7 @@ class _Live:
     reasons: list[str] = field(default_factory=list)
     alive: list[bool] = field(default_factory=list)
     prompt_logprobs: np.ndarray | None = None
+    topk_prompt: tuple[np.ndarray | None, np.ndarray | None] = (None, None)
 
 
 class TorchSamplerBackend(SamplerBackend):
@@ -95,12 +97,14 @@ class TorchSamplerBackend(SamplerBackend):
     # ---- numerics -----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def compute_logprobs(self, checkpoint_key: str | None, prompt: np.ndarray) -> np.ndarray:
+    def compute_logprobs(self, checkpoint_key: str | None, prompt: np.ndarray, last_n: int | None = None) -> np.ndarray:
         self._check(checkpoint_key, prompt)
+        if last_n is not None:
+            check_last_n(len(prompt), last_n)
         ids = torch.from_numpy(prompt.astype(np.int64)).to(self.device)
         with self.lora.route([(checkpoint_key, None)]):
             logits = self.loaded.model(input_ids=ids[None]).logits[0]
-        return _prompt_logprobs(logits, ids)
+        return _prompt_logprobs(logits, ids, last_n)[0]
 
     def sample(self, checkpoint_key, prompt, num_samples, options, prompt_logprobs) -> SampleResult:
         return self.sample_batch([SampleRequest(checkpoint_key, prompt, num_samples, options, prompt_logprobs)])[0]
@@ -110,6 +114,7 @@ class TorchSamplerBackend(SamplerBackend):
         """Decode every sequence of every request in one left-padded, KV-cached batch."""
         for r in requests:
             self._check(r.checkpoint_key, r.prompt)
+            check_prompt_scoring(len(r.prompt), r.prompt_logprobs, r.topk_prompt_logprobs, r.prompt_logprobs_last_n)
             if len(r.prompt) + r.options.max_tokens > self.loaded.max_context_length:
                 raise InvalidArgument(
                     f"prompt ({len(r.prompt)}) + max_tokens ({r.options.max_tokens}) exceeds the context length "
@@ -140,9 +145,13 @@ class TorchSamplerBackend(SamplerBackend):
         with self.lora.route(routing):
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
             for state in live:
-                if state.request.prompt_logprobs:
-                    n = len(state.request.prompt)
-                    state.prompt_logprobs = _prompt_logprobs(out.logits[state.rows[0], width - n:], ids[state.rows[0], width - n:])
+                r = state.request
+                if r.prompt_logprobs or r.topk_prompt_logprobs:
+                    n = len(r.prompt)
+                    scored, top_ids, top_lps = _prompt_logprobs(out.logits[state.rows[0], width - n:], ids[state.rows[0], width - n:],
+                                                                r.prompt_logprobs_last_n, r.topk_prompt_logprobs)
+                    state.prompt_logprobs = scored if r.prompt_logprobs else None
+                    state.topk_prompt = (top_ids, top_lps)
             logits, past = out.logits[:, -1].float(), out.past_key_values
             for step in range(steps):
                 chosen = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
@@ -182,7 +191,7 @@ class TorchSamplerBackend(SamplerBackend):
         return [
             SampleResult([GeneratedSequence(t, lp, r, ti if s.request.topk_logprobs else None, tl if s.request.topk_logprobs else None)
                           for t, lp, r, ti, tl in zip(s.tokens, s.logprobs, s.reasons, s.topk_ids, s.topk_logprobs)],
-                         s.prompt_logprobs)
+                         s.prompt_logprobs, *s.topk_prompt)
             for s in live
         ]
 
@@ -201,11 +210,27 @@ class TorchSamplerBackend(SamplerBackend):
         return any(s in tail for s in stop_strings)
 
 
-def _prompt_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> np.ndarray:
-    out = np.full(ids.shape[0], np.nan, dtype=np.float32)
-    if ids.shape[0] > 1:
-        out[1:] = logits[:-1].float().log_softmax(-1).gather(-1, ids[1:, None]).squeeze(-1).cpu().numpy()
-    return out
+PROMPT_CHUNK = 512  # prompt positions scored per log_softmax: bounds the (positions, vocab) float32 temporary
+
+
+def _prompt_logprobs(logits: torch.Tensor, ids: torch.Tensor, last_n: int | None = None,
+                     topk: int = 0) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """Score prompt positions [n - last_n, n) (all but position 0 by default): log p(ids[i] | ids[:i])
+    from logits[i - 1], and with ``topk`` the k most likely tokens there. Unscored positions hold NaN
+    (logprobs) and id 0 / TOPK_MASK_LOGPROB (top-k)."""
+    n = ids.shape[0]
+    first = 1 if last_n is None else max(n - last_n, 1)
+    out = np.full(n, np.nan, dtype=np.float32)
+    top_ids = np.zeros((n, topk), dtype=np.int32) if topk else None
+    top_lps = np.full((n, topk), TOPK_MASK_LOGPROB, dtype=np.float32) if topk else None
+    for start in range(first, n, PROMPT_CHUNK):
+        stop = min(start + PROMPT_CHUNK, n)
+        lp = logits[start - 1:stop - 1].float().log_softmax(-1)
+        out[start:stop] = lp.gather(-1, ids[start:stop, None]).squeeze(-1).cpu().numpy()
+        if topk:
+            values, indices = lp.topk(topk, dim=-1)
+            top_ids[start:stop], top_lps[start:stop] = indices.cpu().numpy(), values.cpu().numpy()
+    return out, top_ids, top_lps
 
 
 def _choose(logits: torch.Tensor, options: SamplingOptions, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,7 @@ from temper.services.lora.model import AdapterSpec
 from temper.services.trainer.adapters import lora_targets
 from temper.services.trainer.checkpoints import FilePiece
 from temper.services.trainer.engine import AdamParams, ForwardBackwardItem, ForwardBackwardResult, OptimStepItem, Refused
+from temper.services.trainer.imports import ImportedLora
 from temper.v1 import trainer_pb2, types_pb2
 
 
@@ -35,6 +36,12 @@ def adapter_from_pb(cfg: types_pb2.LoraConfig, default_alpha: float) -> tuple[Ad
         raise InvalidArgument("LoRA config trains nothing: enable train_attn, train_mlp or train_unembed")
     spec = AdapterSpec(rank=cfg.rank, alpha=cfg.alpha or default_alpha, targets=targets, dropout=cfg.dropout)
     return spec, (cfg.seed if cfg.HasField("seed") else None)
+
+
+def imported_lora_to_pb(lora: ImportedLora) -> types_pb2.LoraConfig:
+    """The LoRA config of a run an imported adapter loads into (no seed: its weights come from the file)."""
+    return types_pb2.LoraConfig(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, train_attn=lora.train_attn,
+                                train_mlp=lora.train_mlp, train_unembed=lora.train_unembed)
 
 
 def forward_backward_from_pb(item: trainer_pb2.ForwardBackwardItem, vocab_size: int,

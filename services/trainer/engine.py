@@ -12,6 +12,7 @@ The adapter of a training run lives under the run's id, in the AdapterHost and i
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -23,10 +24,11 @@ from temper.common.errors import FailedPrecondition, InvalidArgument, TemperErro
 from temper.common.optim import AdamParams
 from temper.services.lora.model import AdapterSpec, LoraModel
 from temper.services.models.loading import LoadedModel
-from temper.services.trainer import metrics, numerics, snapshots
+from temper.services.trainer import imports, metrics, numerics, snapshots
 from temper.services.trainer.adapters import AdapterHost, TrainedAdapter
 from temper.services.trainer.checkpoints import CheckpointStore
 from temper.services.trainer.losses import LOSS_FNS
+from temper.services.trainer.memory import ActivationModel, activation_budget_bytes
 from temper.services.trainer.numerics import ForwardBackwardResult, LossGroup, PassOptions, default_logprob_chunk_tokens
 from temper.services.trainer.settings import TrainerSettings
 from temper.services.trainer.snapshots import SnapshotInfo
@@ -67,6 +69,14 @@ class Refused:
     seq_id: int = 0
 
 
+log = logging.getLogger("temper.trainer")
+
+# On CPU a pass's cost per token is lowest around 512-1024 padded tokens and grows past it (SmolLM2,
+# one thread, process CPU seconds per token of a co-batched pass: 9.4 ms at 512 tokens, 9.6 at 1024,
+# 10.0 at 2048; one stored pass of 4096 tokens lost to eight of 512, 0.98: benchmarks/cobatch_sweep.py),
+# so bigger passes are split there even when memory allows them; accelerators let memory alone decide.
+CPU_MICROBATCH_TOKENS = 1024
+
 ANSWERS_KEPT = 16  # per run: a re-sent cycle is one cycle's worth of a run's items
 
 
@@ -75,7 +85,7 @@ class TrainerEngine:
         self.loaded = loaded
         self.settings = settings
         self.device = torch.device(settings.device)
-        self.lora = LoraModel(loaded.model, loaded.name)
+        self.lora = LoraModel(loaded.model, loaded.name, settings.lora_math_dtype)
         self.base_dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")  # snapshots record it
         offload_to = settings.offload_to if settings.offload_to != "auto" else ("disk" if self.device.type == "cpu" else "host")
         self.host = AdapterHost(self.lora, settings.max_resident_adapters, settings.offload_dir, offload_to)
@@ -83,13 +93,38 @@ class TrainerEngine:
         if settings.activation_checkpointing:
             self.lora.checkpoint_decoder_layers()
         self.logprob_chunk_tokens = settings.logprob_chunk_tokens or default_logprob_chunk_tokens(self.device, loaded.vocab_size)
+        dtype = next(loaded.model.parameters()).dtype
+        self.activations = ActivationModel.from_config(loaded.model.config, dtype)
+        # the budget is taken once, at start: the process keeps freed activation memory for reuse
+        # (host_allocator, CUDA's caching allocator), so what is "available" later shrinks by it
+        self.auto_activation_budget = activation_budget_bytes(self.device, 0, settings.activation_memory_fraction)
+        if settings.activation_checkpointing_min_tokens is not None:
+            log.warning("TEMPER_TRAINER_ACTIVATION_CHECKPOINTING_MIN_TOKENS is deprecated: passes of %d tokens or more are "
+                        "checkpointed whatever memory they need; unset it to let the activation memory budget decide",
+                        settings.activation_checkpointing_min_tokens)
+        else:
+            budget = self.activation_budget
+            log.info("activation memory budget %s; a pass stores its activations up to ~%s padded tokens",
+                     "unknown" if budget is None else f"{budget >> 20} MiB",
+                     "?" if budget is None else self.activations.stored_tokens(budget, 1024, self.logprob_chunk_tokens))
+
+    @property
+    def activation_budget(self) -> int | None:
+        """Bytes one pass's activations may use: the setting, else the share of memory available at start."""
+        mib = self.settings.activation_memory_mib
+        return mib << 20 if mib > 0 else self.auto_activation_budget
 
     @property
     def pass_options(self) -> PassOptions:
         """Read from the settings at every call (benchmarks and tests change them on a live engine)."""
         s = self.settings
-        return PassOptions(s.max_tokens_per_microbatch, self.logprob_chunk_tokens,
-                           s.activation_checkpointing_min_tokens if s.activation_checkpointing else None)
+        if s.activation_checkpointing_min_tokens is not None or self.activation_budget is None:  # the token rule
+            min_tokens = s.activation_checkpointing_min_tokens
+            return PassOptions(s.max_tokens_per_microbatch or 4096, self.logprob_chunk_tokens,
+                               (2048 if min_tokens is None else min_tokens) if s.activation_checkpointing else None)
+        cap = s.max_tokens_per_microbatch or (CPU_MICROBATCH_TOKENS if self.device.type == "cpu" else 0)
+        return PassOptions(cap, self.logprob_chunk_tokens, activations=self.activations,
+                           activation_budget=self.activation_budget, checkpointing=s.activation_checkpointing)
 
     # ---- adapters -----------------------------------------------------------------------------
 
@@ -239,6 +274,22 @@ class TrainerEngine:
         folder = self.store.existing(key)
         weights = self.host.read_checkpoint(adapter, folder, with_optimizer)
         self.host.load(adapter, folder, weights, with_optimizer)
+
+    def import_checkpoint(self, key: str, files: dict[str, bytes]) -> tuple[int, imports.ImportedLora]:
+        """An outside peft adapter (file name -> bytes) written as checkpoint ``key`` once it passes
+        ``imports.check_adapter_folder``; its bytes and the LoRA config of a run it fits. A refused
+        upload (InvalidArgument) leaves nothing behind."""
+        staging = self.store.staging_dir(key)
+        try:
+            for name, data in files.items():
+                if name not in (imports.CONFIG_FILE, imports.WEIGHTS_FILE):
+                    raise InvalidArgument(f"unexpected file {name!r}: an adapter is {imports.CONFIG_FILE} and {imports.WEIGHTS_FILE}")
+                (staging / name).write_bytes(data)
+            config = imports.check_adapter_folder(staging, self.lora)
+            return self.store.publish(staging, key), config
+        except BaseException:
+            self.store.discard(staging)
+            raise
 
     # ---- snapshots: a run's whole training state, restorable on any trainer (snapshots.py) ----------
 

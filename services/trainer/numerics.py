@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from temper.services.lora.model import LoraModel
 from temper.services.trainer.losses import LOSS_FNS, loss_positions
+from temper.services.trainer.memory import ActivationModel
 from temper.services.trainer.target_logprobs import target_logprobs
 
 
@@ -51,14 +52,36 @@ class ForwardBackwardResult:
 
 @dataclass(frozen=True)
 class PassOptions:
-    max_tokens_per_microbatch: int = 4096   # rows x longest row, per pass
+    max_tokens_per_microbatch: int = 4096   # rows x longest row, per pass; 0: no cap (memory decides)
     logprob_chunk_tokens: int = 1024        # tokens per lm_head + log-softmax chunk
-    # Checkpoint the decoder (LoraModel.checkpoint_decoder_layers) in passes of at least this many
-    # padded tokens; None: never.
+    # Memory decides (plan_passes): with ``activations`` and ``activation_budget`` (bytes), passes are
+    # split and checkpointed only as far as needed to fit the budget; ``checkpointing`` False never
+    # checkpoints (micro-batches only). Without them, the token rule: checkpoint the decoder
+    # (LoraModel.checkpoint_decoder_layers) in passes of at least ``checkpoint_min_tokens`` padded
+    # tokens; None: never.
     checkpoint_min_tokens: int | None = None
+    activations: ActivationModel | None = None
+    activation_budget: int | None = None
+    checkpointing: bool = True
+    # A stored micro-batch smaller than this (when the pass is bigger) loses more to per-pass
+    # overhead than checkpointing's recompute costs: then a bigger checkpointed one is taken.
+    min_stored_microbatch_tokens: int = 512
 
-    def checkpoint_decoder(self, padded_tokens: int) -> bool:
+    @property
+    def memory_decides(self) -> bool:
+        return self.activations is not None and self.activation_budget is not None
+
+    def checkpoint_decoder(self, padded_tokens: int, width: int | None = None) -> bool:
+        """Whether a single pass of ``padded_tokens`` (rows of ``width``) is checkpointed."""
+        if self.memory_decides:
+            if not self.checkpointing:
+                return False
+            width = width or padded_tokens
+            return self.pass_bytes(padded_tokens, width, False) > self.activation_budget
         return self.checkpoint_min_tokens is not None and padded_tokens >= self.checkpoint_min_tokens
+
+    def pass_bytes(self, padded_tokens: int, width: int, checkpointed: bool) -> float:
+        return self.activations.pass_bytes(padded_tokens, width, checkpointed, self.logprob_chunk_tokens)
 
 
 @dataclass
@@ -92,13 +115,24 @@ def forward_backward(lora: LoraModel, groups: list[LossGroup], options: PassOpti
     stat_sums: list[dict[str, list[float]]] = [defaultdict(lambda: [0.0, 0.0]) for _ in groups]
     # Rows of one adapter side by side: the LoRA layers then work on views of the batch, not copies.
     adapter_rank = {key: n for n, key in enumerate(dict.fromkeys(g.adapter for g in groups))}
+    with lora.stacking():  # stacked adapter weights built once for all passes; gradients handed back at the end
+        _passes(lora, groups, options, device, on_pass, adapter_rank, logprobs, losses, totals, stat_sums)
+    results = []
+    for i, g in enumerate(groups):
+        metrics = {"loss:sum": totals[i], "num_tokens:sum": float(sum(len(d.tokens) for d in g.data))}
+        metrics.update({f"{name}:mean": total / max(count, 1.0) for name, (total, count) in stat_sums[i].items()})
+        results.append(ForwardBackwardResult(logprobs[i], losses[i], metrics))
+    return results
+
+
+def _passes(lora, groups, options, device, on_pass, adapter_rank, logprobs, losses, totals, stat_sums) -> None:
     for grad in (True, False):
         rows = [Row(i, j, d) for i, g in enumerate(groups) if g.forward_only != grad for j, d in enumerate(g.data)]
         rows.sort(key=lambda row: adapter_rank[groups[row.group].adapter])  # stable
-        for batch in microbatches(rows, options.max_tokens_per_microbatch):
+        for batch, checkpointed in plan_passes(rows, options, grad):
             start = time.perf_counter()
             with torch.set_grad_enabled(grad):
-                lp, elementwise, stats = run_pass(lora, groups, batch, options, device)
+                lp, elementwise, stats = run_pass(lora, groups, batch, options, device, checkpointed)
                 if grad:
                     elementwise.sum().backward()
             for r, row in enumerate(batch):
@@ -113,20 +147,69 @@ def forward_backward(lora: LoraModel, groups: list[LossGroup], options: PassOpti
                     stat_sums[i][name][1] += count
             if on_pass is not None:  # the .cpu() copies above waited for the device
                 on_pass(grad, sum(len(row.datum.tokens) for row in batch), time.perf_counter() - start)
-    results = []
-    for i, g in enumerate(groups):
-        metrics = {"loss:sum": totals[i], "num_tokens:sum": float(sum(len(d.tokens) for d in g.data))}
-        metrics.update({f"{name}:mean": total / max(count, 1.0) for name, (total, count) in stat_sums[i].items()})
-        results.append(ForwardBackwardResult(logprobs[i], losses[i], metrics))
-    return results
 
 
 def microbatches(rows: list[Row], max_tokens: int) -> Iterator[list[Row]]:
-    """Group rows (in order) so that rows x longest row stays within ``max_tokens``."""
+    """Group rows (in order) so that rows x longest row stays within ``max_tokens`` (0: no limit)."""
+    yield from _greedy(rows, lambda n, width: not max_tokens or n * width <= max_tokens)
+
+
+def plan_passes(rows: list[Row], options: PassOptions, grad: bool = True) -> Iterator[tuple[list[Row], bool]]:
+    """The passes (rows in order, checkpoint the decoder?) that run ``rows``.
+
+    Memory decides when ``options`` has an activation model and budget: the biggest micro-batches
+    whose stored activations fit the budget, unless they would be small (under
+    ``min_stored_microbatch_tokens`` while the rest is bigger) and checkpointed ones would hold more;
+    what fits neither way runs one row at a time (checkpointed when allowed). No-grad passes keep no
+    activations: only the token cap splits them. Without a memory model, the token rule of
+    ``checkpoint_min_tokens`` on ``max_tokens_per_microbatch``-sized micro-batches."""
+    cap = options.max_tokens_per_microbatch
+    if not options.memory_decides or not grad:
+        for batch in microbatches(rows, cap):
+            padded = len(batch) * max(len(row.datum.tokens) for row in batch)
+            yield batch, grad and not options.memory_decides and options.checkpoint_decoder(padded)
+        return
+
+    def fits(checkpointed: bool):
+        return lambda n, width: (not cap or n * width <= cap) and options.pass_bytes(n * width, width, checkpointed) <= options.activation_budget
+
+    at = 0
+    while at < len(rows):
+        rest = rows[at:]
+        stored = _take(rest, fits(False))
+        checkpointed = False
+        batch = stored
+        if options.checkpointing:
+            small = _tokens(stored) < min(options.min_stored_microbatch_tokens, _tokens(rest))
+            if not stored or small:
+                ckpt = _take(rest, fits(True))
+                if len(ckpt) > len(stored):
+                    batch, checkpointed = ckpt, True
+        if not batch:  # one row alone does not fit: run it anyway, as lean as allowed
+            batch, checkpointed = rest[:1], options.checkpointing
+        yield batch, checkpointed
+        at += len(batch)
+
+
+def _take(rows: list[Row], fits: Callable[[int, int], bool]) -> list[Row]:
+    """The longest prefix of ``rows`` that ``fits(rows, longest row)``."""
+    longest = 0
+    for n, row in enumerate(rows):
+        longest = max(longest, len(row.datum.tokens))
+        if not fits(n + 1, longest):
+            return rows[:n]
+    return rows
+
+
+def _tokens(rows: list[Row]) -> int:
+    return len(rows) * max((len(row.datum.tokens) for row in rows), default=0)
+
+
+def _greedy(rows: list[Row], fits: Callable[[int, int], bool]) -> Iterator[list[Row]]:
     batch, longest = [], 0
     for row in rows:
         n = len(row.datum.tokens)
-        if batch and max(longest, n) * (len(batch) + 1) > max_tokens:
+        if batch and not fits(len(batch) + 1, max(longest, n)):
             yield batch
             batch, longest = [], 0
         batch.append(row)
@@ -135,16 +218,19 @@ def microbatches(rows: list[Row], max_tokens: int) -> Iterator[list[Row]]:
         yield batch
 
 
-def run_pass(lora: LoraModel, groups: list[LossGroup], batch: list[Row], options: PassOptions, device: torch.device):
+def run_pass(lora: LoraModel, groups: list[LossGroup], batch: list[Row], options: PassOptions, device: torch.device,
+             checkpointed: bool | None = None):
     """One micro-batch: target logprobs and elementwise loss, both (B, T, K), and per-group sums of
-    each loss statistic with its token count (for ``name:mean`` metrics)."""
+    each loss statistic with its token count (for ``name:mean`` metrics). ``checkpointed`` None:
+    as ``options.checkpoint_decoder`` says for a pass this size."""
     ids, mask, targets = pack_rows(batch, device)
     rows_of: dict[str, list[int]] = defaultdict(list)
     for r, row in enumerate(batch):
         rows_of[groups[row.group].adapter].append(r)
     routing = [(key, torch.tensor(rs, device=device)) for key, rs in rows_of.items()]
-    lp = target_logprobs_pass(lora, ids, mask, targets, routing, options.logprob_chunk_tokens,
-                              options.checkpoint_decoder(ids.numel()))
+    if checkpointed is None:
+        checkpointed = options.checkpoint_decoder(ids.numel(), ids.shape[1])
+    lp = target_logprobs_pass(lora, ids, mask, targets, routing, options.logprob_chunk_tokens, checkpointed)
     elementwise, stats = apply_losses(lp, mask, groups, batch)
     return lp, elementwise, stats
 
@@ -234,8 +320,12 @@ def target_logprobs_pass(lora: LoraModel, ids: torch.Tensor, mask: torch.Tensor,
     head = model.get_output_embeddings()
     flat_hidden, flat_targets = hidden[mask], targets[mask]
     # the adapter of every real token, for the head's routing
-    token_rows = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)[mask]
-    token_groups = [(key, torch.isin(token_rows, rows).nonzero().squeeze(-1)) for key, rows in routing]
+    head_adapters = getattr(head, "adapters", {})
+    if any(key in head_adapters for key, _ in routing):
+        token_rows = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)[mask]
+        token_groups = [(key, torch.isin(token_rows, rows).nonzero().squeeze(-1)) for key, rows in routing]
+    else:  # no adapter on the head: no per-chunk routing (and none of its device syncs)
+        token_groups = []
     pieces = []
     for start in range(0, flat_hidden.shape[0], chunk_tokens):
         stop = start + chunk_tokens

@@ -7,8 +7,9 @@ import asyncio
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 
-from temper.common.errors import TemperError
-from temper.services.trainer import convert, metrics
+from temper.common.errors import InvalidArgument, TemperError
+from temper.common.uploads import FileAssembly
+from temper.services.trainer import convert, imports, metrics
 from temper.services.trainer.engine import TrainerEngine
 from temper.services.trainer.tokenizer_files import file_pieces, tokenizer_files
 from temper.v1 import trainer_pb2, trainer_pb2_grpc
@@ -91,6 +92,30 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         except Exception as exc:
             count_error("ReadCheckpoint", exc)
             raise
+
+    async def ImportAdapter(self, request_iterator, context):
+        try:
+            key, files = await self._receive_import(request_iterator)
+        except Exception as exc:
+            count_error("ImportAdapter", exc)
+            raise
+        size, lora = await self._run("ImportAdapter", self.engine.import_checkpoint, key, files)
+        return trainer_pb2.ImportAdapterResponse(size_bytes=size, lora_config=convert.imported_lora_to_pb(lora))
+
+    async def _receive_import(self, request_iterator) -> tuple[str, dict[str, bytes]]:
+        """The checkpoint key and the adapter's files, held in memory (bounded by what an adapter of
+        this model can be) until the engine checks and writes them."""
+        key, upload = "", FileAssembly((imports.CONFIG_FILE, imports.WEIGHTS_FILE), imports.max_upload_bytes(self.engine.lora))
+        async for message in request_iterator:
+            if message.WhichOneof("payload") == "checkpoint_key":
+                if key or upload.received:
+                    raise InvalidArgument("only the first ImportAdapter message names the checkpoint")
+                key = message.checkpoint_key
+            else:
+                upload.add(message.file)
+        if not key:
+            raise InvalidArgument("the first ImportAdapter message must name the checkpoint")
+        return key, upload.files()
 
     async def ReadTokenizer(self, request, context):
         if self._tokenizer_files is None:

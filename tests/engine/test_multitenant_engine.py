@@ -237,3 +237,61 @@ def test_evicted_adapters_come_back_with_weights_grads_and_adam_state(tiny_model
             sa, sb = a.optimizer.state.get(a.params[name], {}), b.optimizer.state.get(b.params[name], {})
             assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sb)
         assert len(limited.host.resident()) <= 2
+
+
+def test_memory_decides_checkpointing_and_micro_batching(tiny_model_dir, tmp_path):
+    """Unset token rule: a pass that fits the activation budget stores its activations (one forward
+    per layer), a bigger one is split into stored micro-batches, and only what cannot fit stored
+    in micro-batches of a useful size is checkpointed; results are the same every way."""
+    items = items_for(7)
+    rows = sum(len(i.data) for i in items)
+    engine = make_engine(tiny_model_dir, tmp_path / "m", activation_memory_mib=1 << 20)
+    calls = count_layer_calls(engine)
+    base, _ = engine.run_cycle(items, [])
+    assert calls["n"] == 1  # one stored pass
+    options = engine.pass_options
+    width = max(len(d.tokens) for i in items for d in i.data) - 1
+    one_row = options.pass_bytes(width, width, False)
+    engine.settings.activation_memory_mib = 0
+    engine.auto_activation_budget = int(one_row * 2.5)  # ~2 rows stored per micro-batch
+    engine.settings.activation_checkpointing = False
+    before = calls["n"]
+    split, _ = engine.run_cycle(items, [])
+    assert rows // 2 <= calls["n"] - before <= rows  # several stored micro-batches, no recompute
+    engine.settings.activation_checkpointing = True
+    engine.auto_activation_budget = int(options.pass_bytes(width, width, True) * 1.01)  # one row fits only checkpointed
+    before = calls["n"]
+    engine.run_cycle(items, [])
+    from temper.services.trainer.numerics import Row, plan_passes
+
+    planned = list(plan_passes([Row(i, j, d) for i, item in enumerate(items) for j, d in enumerate(item.data)], engine.pass_options))
+    assert any(checkpointed for _, checkpointed in planned)
+    # a recompute per checkpointed pass, but for rows whose adapter has no decoder layer (r16-unembed)
+    assert len(planned) < calls["n"] - before <= sum(2 if checkpointed else 1 for _, checkpointed in planned)
+    for a, b in zip(base, split):
+        assert a.metrics["loss:sum"] == pytest.approx(b.metrics["loss:sum"], abs=1e-5)
+
+
+def test_plan_passes_prefers_stored_micro_batches_over_checkpointing():
+    from types import SimpleNamespace
+
+    from temper.services.trainer.memory import ActivationModel
+    from temper.services.trainer.numerics import PassOptions, Row, plan_passes
+
+    model = ActivationModel(layers=4, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=100, dtype_bytes=4)
+    rows = [Row(0, i, SimpleNamespace(tokens=np.zeros(256, np.int64))) for i in range(8)]
+
+    def plan(budget, **kw):
+        options = PassOptions(0, 64, activations=model, activation_budget=int(budget) + 1, **kw)
+        return [(len(batch), ckpt) for batch, ckpt in plan_passes(rows, options)]
+
+    everything = model.pass_bytes(8 * 256, 256, False, 64)
+    assert plan(everything) == [(8, False)]                     # fits: one stored pass
+    assert plan(everything / 3.5) == [(2, False)] * 4           # stored micro-batches of 512 tokens
+    one_row = model.pass_bytes(256, 256, False, 64)
+    small = plan(one_row)  # stored: one row (256 < 512 tokens); checkpointed ones hold more
+    assert all(c for _, c in small) and small[0][0] > 1 and sum(n for n, _ in small) == 8
+    assert plan(one_row, checkpointing=False) == [(1, False)] * 8
+    assert plan(1) == [(1, True)] * 8                            # nothing fits: one row at a time, as lean as allowed
+    token_rule = [(len(b), c) for b, c in plan_passes(rows, PassOptions(1024, 64, checkpoint_min_tokens=1024))]
+    assert token_rule == [(4, True), (4, True)]  # the deprecated token rule: padded tokens alone decide

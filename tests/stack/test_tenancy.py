@@ -153,7 +153,7 @@ def test_another_tenant_sees_nothing_and_changes_nothing(tenancy_stack, tiny_mod
         assert code_of(bob.DownloadCheckpoint, service_pb2.DownloadCheckpointRequest(path=missing))[1] == f"checkpoint {missing} not found"
         with tenancy_stack.client("bob") as bob_client:  # the same through the client
             for attempt in (lambda: bob_client.training_client(run.model_id), lambda: bob_client.list_checkpoints(run.model_id),
-                            lambda: bob_client.create_sampling_client(model_path=weights),
+                            lambda: bob_client.create_sampling_client(model_path=weights).result(),
                             lambda: bob_client.download_checkpoint(state, tmp_path / "stolen"),
                             lambda: bob_client.publish_checkpoint(weights), lambda: bob_client.delete_checkpoint(state)):
                 with pytest.raises(NotFound):
@@ -234,7 +234,7 @@ def test_delete_ttl_and_snapshot_collection(tenancy_stack, tiny_model_dir):
 
         expiring = run.save_weights_for_sampler("expiring", ttl_seconds=1).result()
         assert expiring.checkpoint.expires_at is not None
-        snapshots = [run.save_weights_and_get_sampling_client() for _ in range(3)]
+        snapshots = [run.save_weights_and_get_sampling_client().result() for _ in range(3)]
         assert [c.tinker_path for c in hal.list_checkpoints(run.model_id)] == [expiring.path]  # snapshots are unlisted
         deadline = time.monotonic() + 60
         while True:  # expired, and the two older idle snapshots, go; the newest snapshot stays

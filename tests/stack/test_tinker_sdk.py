@@ -126,6 +126,48 @@ def test_sampling_and_logprobs(sdk, ours, tiny_model_dir):
     assert len(base.sample(tt.ModelInput.from_ints(prompt), 1, tt.SamplingParams(max_tokens=3, stop=[])).result().sequences[0].tokens) == 3
 
 
+def test_prompt_topk_logprobs_last_n_and_sequence_ids(sdk, ours, tiny_model_dir):
+    tc = sdk.create_lora_training_client(tiny_model_dir, rank=4, seed=7).result()
+    tc.forward_backward([sdk_datum(t) for t in TOKENS], "cross_entropy").result()
+    tc.optim_step(tt.AdamParams(**ADAM)).result()
+    path = tc.save_weights_for_sampler("topk").result().path
+    sc = sdk.create_sampling_client(model_path=path, record_stability_info=True).result()
+    mine = ours.create_sampling_client(model_path=path, record_stability_info=True)
+    prompt, k, n = TOKENS[1], 4, 3
+    params = dict(max_tokens=2, temperature=0.0)
+    got = sc.sample(tt.ModelInput.from_ints(prompt), 2, tt.SamplingParams(**params), include_prompt_logprobs=True,
+                    topk_prompt_logprobs=k).result()
+    want = mine.sample(ModelInput.from_ints(prompt), 2, SamplingParams(**params), include_prompt_logprobs=True,
+                       topk_prompt_logprobs=k).result()
+    assert got.topk_prompt_logprobs_np.token_ids.shape == (len(prompt), k)
+    assert got.topk_prompt_logprobs[0] is None and want.topk_prompt_logprobs[0] is None
+    assert got.topk_prompt_logprobs == want.topk_prompt_logprobs
+    whole = sc.compute_logprobs(tt.ModelInput.from_ints(prompt)).result()
+    for row, own, token in zip(got.topk_prompt_logprobs[1:], whole[1:], prompt[1:]):
+        assert len(row) == k and [lp for _, lp in row] == sorted((lp for _, lp in row), reverse=True)
+        assert row[0][1] >= own - 1e-6 and all(lp == pytest.approx(own, abs=1e-5) for t, lp in row if t == token)
+    ids = [s.sequence_id for s in got.sequences]
+    assert len(set(ids)) == 2 and all(ids) and len({s.sequence_id for s in want.sequences}) == 2
+
+    last = sc.sample(tt.ModelInput.from_ints(prompt), 1, tt.SamplingParams(**params), include_prompt_logprobs=True,
+                     topk_prompt_logprobs=k, prompt_logprobs_last_n=n).result()
+    cut = len(prompt) - n
+    assert last.prompt_logprobs[:cut] == [None] * cut and last.topk_prompt_logprobs[:cut] == [None] * cut
+    np.testing.assert_allclose(last.prompt_logprobs[cut:], whole[cut:], atol=1e-6)
+    assert last.topk_prompt_logprobs[cut:] == got.topk_prompt_logprobs[cut:]
+    assert sc.compute_logprobs(tt.ModelInput.from_ints(prompt), prompt_logprobs_last_n=n).result()[:cut] == [None] * cut
+    ours_last = mine.compute_logprobs(ModelInput.from_ints(prompt), prompt_logprobs_last_n=n).result()
+    assert ours_last[:cut] == [None] * cut
+    np.testing.assert_allclose(ours_last[cut:], last.prompt_logprobs[cut:], rtol=1e-5, atol=1e-6)
+
+    for bad, match in [(dict(topk_prompt_logprobs=21), "topk_prompt_logprobs"),
+                       (dict(include_prompt_logprobs=True, prompt_logprobs_last_n=len(prompt)), "prompt_logprobs_last_n")]:
+        with pytest.raises(Exception, match=match):
+            sc.sample(tt.ModelInput.from_ints(prompt), 1, tt.SamplingParams(**params), **bad).result()
+        with pytest.raises(Exception, match=match):
+            mine.sample(ModelInput.from_ints(prompt), 1, SamplingParams(**params), **bad).result()
+
+
 def test_rl_step_and_custom_loss(sdk, ours, tiny_model_dir):
     import torch
 
@@ -175,10 +217,132 @@ def test_errors_reach_the_sdk(sdk, tiny_model_dir):
     tc.forward_backward([sdk_datum(TOKENS[0])], "cross_entropy").result()  # the refused seq held nothing up
     with pytest.raises(tinker.RequestFailedError, match="not supported"):
         tc.save_weights_and_get_sampling_client(kind="inflight").result()
+    with pytest.raises(tinker.RequestFailedError, match="dimuon.*not supported"):  # non-Adam: a clear error, the seq spent
+        tc.optim_step(tt.DimuonParams(learning_rate=1e-3)).result()
     tc.optim_step(tt.AdamParams(**ADAM)).result()
+    with pytest.raises(tinker.BadRequestError, match="dimuon.*not supported"):
+        sdk.create_lora_training_client(tiny_model_dir, rank=4, optimizer=tt.DimuonOptimizerConfig()).result()
     with pytest.raises(Exception, match="not found|NOT_FOUND|unknown"):
         sdk.create_lora_training_client("no/such-model", rank=4).result()
     started = time.monotonic()
     with pytest.raises(tinker.NotFoundError, match="not served"):  # a route we do not serve: at once, not retried
         tinker.RestClient().get_session("no-such-session").result()
     assert time.monotonic() - started < 10
+
+
+def test_run_metadata_listing_overwrite_and_published_resume(sdk, gw_stack, tiny_model_dir, monkeypatch):
+    """Run metadata and owner, runs listed newest first, save_state(overwrite=True, user_metadata=...),
+    runs from a checkpoint in a row (ids and seq ids as the SDK computes them), GET /samplers/{id},
+    and another tenant's published checkpoint: weights info and a training client from it."""
+    rest = tinker.RestClient()
+    tc = sdk.create_lora_training_client(tiny_model_dir, rank=4, seed=8, user_metadata={"renderer": "llama3"}).result()
+    run = rest.get_training_run(tc.model_id).result()
+    assert run.user_metadata == {"renderer": "llama3"} and run.model_owner == "local"
+    tc.forward_backward([sdk_datum(t) for t in TOKENS], "cross_entropy").result()
+    tc.optim_step(tt.AdamParams(**ADAM)).result()
+    state = tc.save_state("meta", user_metadata={"step": "1"}).result().path
+    with pytest.raises(tinker.RequestFailedError, match="ALREADY_EXISTS|already exists"):
+        tc.save_state("meta").result()
+    assert tc.save_state("meta", overwrite=True, user_metadata={"step": "2"}).result().path == state
+    [listed] = rest.list_checkpoints(tc.model_id).result().checkpoints
+    assert listed.tinker_path == state and listed.user_metadata == {"step": "2"}
+
+    first = sdk.create_training_client_from_state_with_optimizer(state).result()
+    second = sdk.create_training_client_from_state(state).result()
+    a = first.forward([sdk_datum(t) for t in TOKENS], "cross_entropy").result()
+    b = second.forward([sdk_datum(t) for t in TOKENS], "cross_entropy").result()
+    assert a.metrics["loss:sum"] == b.metrics["loss:sum"] == tc.forward([sdk_datum(t) for t in TOKENS], "cross_entropy").result().metrics["loss:sum"]
+    runs = rest.list_training_runs(limit=3).result().training_runs
+    assert [r.training_run_id for r in runs] == [second.model_id, first.model_id, tc.model_id]  # newest first
+
+    sc = tc.save_weights_and_get_sampling_client().result()
+    sampler = rest.get_sampler(sc._sampling_session_id).result()
+    assert sampler.base_model == tiny_model_dir
+
+    monkeypatch.setenv("TINKER_API_KEY", gw_stack.key_for("sdk-other"))
+    other = tinker.ServiceClient()
+    try:
+        other_rest = tinker.RestClient(api_key=gw_stack.key_for("sdk-other"))
+        with pytest.raises(tinker.NotFoundError):
+            other_rest.get_weights_info_by_tinker_path(state).result()
+        rest.publish_checkpoint_from_tinker_path(state).result()
+        info = other_rest.get_weights_info_by_tinker_path(state).result()
+        assert info.base_model == tiny_model_dir and info.lora_rank == 4
+        theirs = other.create_training_client_from_state(state).result()
+        got = theirs.forward([sdk_datum(t) for t in TOKENS], "cross_entropy").result()
+        assert got.metrics["loss:sum"] == a.metrics["loss:sum"]
+        theirs.forward_backward([sdk_datum(t) for t in TOKENS], "cross_entropy").result()
+        theirs.optim_step(tt.AdamParams(**ADAM)).result()
+        with pytest.raises(tinker.NotFoundError):
+            other_rest.get_training_run(tc.model_id).result()
+    finally:
+        other.close("success")
+
+
+def test_search_checkpoints_base_model_and_sessions_not_served(sdk, ours, gw_stack, tiny_model_dir):
+    """Tinker 0.39's RestClient.search_checkpoints: POST /api/v1/checkpoints/search with its
+    CheckpointSearchRequest body (sent here as 0.39 sends it when the installed SDK predates it), the
+    caller's checkpoints only, cursor paging; Checkpoint.base_model; temper.client's search_checkpoints
+    answers the same; the sessions routes (no gRPC listing) answer 404 at once."""
+    import uuid
+
+    import httpx
+
+    from temper.client import types as t
+
+    tag = uuid.uuid4().hex
+    tc = sdk.create_lora_training_client(tiny_model_dir, rank=4, seed=11).result()
+    saved = [tc.save_state("s1", user_metadata={"search": tag, "n": "1"}).result().path,
+             tc.save_weights_for_sampler("s2", user_metadata={"search": tag, "n": "2"}).result().path,
+             tc.save_state("s3", user_metadata={"search": tag, "n": "3"}).result().path]
+    newest_first = saved[::-1]
+
+    def search(body, key=gw_stack.api_key, status=200):
+        r = httpx.post(f"{gw_stack.gateway_url}/api/v1/checkpoints/search", json=body, headers={"X-API-Key": key}, timeout=30)
+        assert r.status_code == status, r.text
+        return r.json()
+
+    first = search({"user_metadata": {"search": tag}, "owner": {"type": "own"}, "limit": 2})
+    assert [c["tinker_path"] for c in first["checkpoints"]] == newest_first[:2]
+    assert all(c["base_model"] == tiny_model_dir for c in first["checkpoints"])  # Checkpoint.base_model (0.39)
+    assert set(first["next_cursor"]) == {"last_created_at", "last_checkpoint_uuid"}
+    rest_page = search({"user_metadata": {"search": tag}, "limit": 2, "cursor": first["next_cursor"]})
+    assert [c["tinker_path"] for c in rest_page["checkpoints"]] == newest_first[2:] and rest_page["next_cursor"] is None
+    parsed = [tt.Checkpoint.model_validate(c) for c in first["checkpoints"] + rest_page["checkpoints"]]  # the SDK's type
+    assert [c.tinker_path for c in parsed] == newest_first
+
+    only_sampler = search({"user_metadata": {"search": tag}, "checkpoint_type": "sampler"})["checkpoints"]
+    assert [c["tinker_path"] for c in only_sampler] == [saved[1]]
+    assert [c["tinker_path"] for c in search({"user_metadata": {"search": tag, "n": "3"}})["checkpoints"]] == [saved[2]]
+    assert search({"user_metadata": {"search": tag}, "base_models": ["no/such-model"]})["checkpoints"] == []
+    assert len(search({"user_metadata": {"search": tag}, "base_models": [tiny_model_dir]})["checkpoints"]) == 3
+    assert len(search({"user_metadata": {"search": tag}, "owner": {"type": "user", "owner_urns": ["local"]}})["checkpoints"]) == 3
+    assert search({"user_metadata": {"search": tag}, "owner": {"type": "user", "owner_urns": ["sdk-other"]}})["checkpoints"] == []
+    assert "no projects" in str(search({"project_ids": ["p1"]}, status=400))
+    assert "limit" in str(search({"limit": 500}, status=400))
+    # another tenant never sees them, published or not
+    rest = tinker.RestClient()
+    rest.publish_checkpoint_from_tinker_path(saved[0]).result()
+    other = search({"user_metadata": {"search": tag}, "owner": {"type": "accessible"}}, key=gw_stack.key_for("sdk-other"))
+    assert other == {"checkpoints": [], "next_cursor": None}
+
+    if hasattr(rest, "search_checkpoints"):  # SDK 0.39+
+        page = rest.search_checkpoints(tt.CheckpointSearchRequest(user_metadata={"search": tag}, limit=2)).result()
+        assert [c.tinker_path for c in page.checkpoints] == newest_first[:2] and page.checkpoints[0].base_model == tiny_model_dir
+        assert page.next_cursor is not None
+
+    our_rest = ours.create_rest_client()
+    request = t.CheckpointSearchRequest(user_metadata={"search": tag}, limit=2)
+    page = our_rest.search_checkpoints(request).result()
+    assert [c.tinker_path for c in page.checkpoints] == newest_first[:2]
+    assert page.checkpoints[0].base_model == tiny_model_dir and page.next_cursor is not None
+    page2 = our_rest.search_checkpoints(request.model_copy(update={"cursor": page.next_cursor})).result()
+    assert [c.tinker_path for c in page2.checkpoints] == newest_first[2:] and page2.next_cursor is None
+    with pytest.raises(ValueError, match="no projects"):
+        our_rest.search_checkpoints(t.CheckpointSearchRequest(project_ids=["p1"]))
+
+    for call in (lambda: rest.list_sessions().result(), lambda: rest.get_session(tc.model_id.split(":")[0]).result()):
+        with pytest.raises(tinker.NotFoundError, match="not served"):
+            call()
+    r = httpx.post(f"{gw_stack.gateway_url}/api/v1/sessions/search", json={}, headers={"X-API-Key": gw_stack.api_key})
+    assert r.status_code == 404 and "not served" in r.text

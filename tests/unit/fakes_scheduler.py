@@ -123,6 +123,12 @@ class FakeStore:
         self._check()
         self.runs[run_id].trainer = trainer
 
+    def write_group(self, rows, running):
+        self._check()
+        if running:
+            self.mark_running(running)
+        return self.add_requests(rows) if rows else []
+
     def mark_running(self, keys):
         self._check()
         for key in keys:
@@ -273,6 +279,7 @@ class FakeBackends:
         self.placements: dict[str, str] = {run: t.address for run, t in self.placement.items() if t is not None}
         self.down: set[str] = set()
         self.samplers = []
+        self.ready = True  # connected (app.py waits for it with a registry)
 
     async def connect(self):
         return None

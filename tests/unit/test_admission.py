@@ -65,6 +65,35 @@ def test_a_retry_gets_the_first_answer_and_a_different_payload_is_refused():
     asyncio.run(main())
 
 
+def test_the_database_is_asked_only_about_seqs_that_may_have_a_row_memory_lacks():
+    async def main():
+        async with started(runs={"r": "alice"}, result_cache_size=4) as (s, api):
+            # new seqs, even out of order, are not looked up: no row can exist for them
+            answers = await asyncio.gather(*[api.ForwardBackward(fb("r", seq), None) for seq in (3, 1, 4, 2)])
+            for seq in (5, 6):
+                await api.ForwardBackward(fb("r", seq), None)
+            assert s.store.lookups == []
+            # seqs 3 and 1 have left the in-memory results: a retry gets its answer from its row
+            assert await api.ForwardBackward(fb("r", 1), None) == answers[1]
+            assert s.store.lookups == [("r", 1)]
+            assert s.trainer.applied == [("r", seq) for seq in range(1, 7)]
+
+    asyncio.run(main())
+
+
+def test_rows_left_by_an_earlier_process_are_looked_up():
+    async def main():
+        store = FakeStore()
+        store.add_run("r", "alice")
+        store.add_request("r", 1, "forward_backward", "x", "queued", 3)  # accepted by an earlier process, never answered
+        async with started(store=store, runs={}) as (s, api):
+            with pytest.raises(AlreadyExists):  # the seq is taken by another payload
+                await api.ForwardBackward(fb("r", 1), None)
+            assert s.store.lookups == [("r", 1)]
+
+    asyncio.run(main())
+
+
 def test_bad_input_spends_its_seq_and_writes_nothing():
     async def main():
         async with started(runs={"r": "alice"}) as (s, api):

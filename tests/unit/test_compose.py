@@ -301,3 +301,19 @@ def test_gateway_reaches_the_scheduler_on_the_public_network():
     # its healthcheck probes the route the SDK probes, on the port it binds
     probe = " ".join(str(part) for part in gateway["healthcheck"]["test"])
     assert f"127.0.0.1:{port_of(setting('gateway', 'bind'))}/api/v1/healthz" in probe
+
+
+def test_gpu_profile_has_a_cuda_trainer_and_an_sglang_sampler(monkeypatch):
+    monkeypatch.setenv("COMPOSE_PROFILES", "gpu")  # = `docker compose --profile gpu config`
+    proc = _compose_config("--format", "json", token="compose-test-token")
+    assert proc.returncode == 0, proc.stderr
+    resolved = json.loads(proc.stdout)["services"]
+    for name, backend_var in (("trainer-gpu", None), ("sampler-gpu", "TEMPER_SAMPLER_BACKEND")):
+        service = resolved[name]
+        assert service["profiles"] == ["gpu"]
+        assert service["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+        assert any(v == "cuda" for k, v in service["environment"].items() if k.endswith("_DEVICE"))
+        assert "sglang" in service["build"]["args"]["TEMPER_EXTRAS"]
+        if backend_var:
+            assert service["environment"][backend_var] == "sglang"
+    assert "sglang" not in SERVICES["sampler"].get("environment", {}).get("TEMPER_SAMPLER_BACKEND", "torch")

@@ -2,7 +2,6 @@
 Where the official SDK is installed, its own encoders and decoders are the reference."""
 
 import asyncio
-import math
 
 import grpc
 import numpy as np
@@ -61,10 +60,17 @@ def _temper_fwdbwd():
 
 
 def _temper_sample():
-    resp = types_pb2.SampleResponse(prompt_logprobs=encode_array(np.array([np.nan, -1.0, -2.0, -3.0], np.float32), "float32"))
+    resp = types_pb2.SampleResponse(prompt_logprobs=encode_array(np.array([np.nan, np.nan, -2.0, -3.0], np.float32), "float32"))
     resp.sequences.add(stop_reason=types_pb2.STOP_REASON_STOP, tokens=encode_tokens([4, 5]), logprobs=encode_floats([-0.5, -0.25]),
-                       topk=2, topk_token_ids=encode_tokens([4, 1, 5, 2]), topk_logprobs=encode_floats([-0.5, -1, -0.25, -2]))
-    resp.sequences.add(stop_reason=types_pb2.STOP_REASON_LENGTH, tokens=encode_tokens([6]), logprobs=encode_floats([-0.1]))
+                       topk=2, topk_token_ids=encode_tokens([4, 1, 5, 2]), topk_logprobs=encode_floats([-0.5, -1, -0.25, -2]),
+                       sequence_id="s:sample:0:7:0")
+    resp.sequences.add(stop_reason=types_pb2.STOP_REASON_LENGTH, tokens=encode_tokens([6]), logprobs=encode_floats([-0.1]),
+                       sequence_id="s:sample:0:7:1")
+    # top-2 prompt logprobs, scored at the last 2 positions (prompt_logprobs_last_n=2): the others are Tinker's sentinel
+    ids = np.array([[0, 0], [0, 0], [3, 9], [8, 1]], np.int32)
+    lps = np.array([[-99999.0] * 2, [-99999.0] * 2, [-0.5, -2.0], [-0.25, -3.0]], np.float32)
+    resp.topk_prompt_token_ids.CopyFrom(encode_array(ids, "int32"))
+    resp.topk_prompt_logprobs.CopyFrom(encode_array(lps, "float32"))
     return resp
 
 
@@ -72,8 +78,10 @@ def test_results_as_json():
     body = convert.forward_backward_to_json(_temper_fwdbwd())
     assert body["metrics"] == {"loss:sum": 1.5, "bare:mean": 2.0}  # the SDK splits every key at ":"
     assert body["loss_fn_outputs"][1]["logprobs"] == {"data": [-9, -8, -7, -6, -5], "dtype": "float32", "shape": [5]}
-    sample = convert.sample_to_json(_temper_sample(), ["r:0", "r:1"], prompt_logprobs_last_n=2)
+    sample = convert.sample_to_json(_temper_sample())
     assert sample["prompt_logprobs"] == [None, None, -2.0, -3.0]
+    assert sample["topk_prompt_logprobs"] == [None, None, [(3, -0.5), (9, -2.0)], [(8, -0.25), (1, -3.0)]]
+    assert [s["sequence_id"] for s in sample["sequences"]] == ["s:sample:0:7:0", "s:sample:0:7:1"]
     assert [s["stop_reason"] for s in sample["sequences"]] == ["stop", "length"]
     assert sample["sequences"][0]["topk_logprobs"] == [[(4, -0.5), (1, -1.0)], [(5, -0.25), (2, -2.0)]]
 
@@ -149,8 +157,8 @@ def test_results_decode_with_the_sdk():
     assert [s.stop_reason for s in sample.sequences] == ["stop", "length"]
     assert sample.sequences[0].tokens == [4, 5] and sample.sequences[0].logprobs == [-0.5, -0.25]
     assert sample.sequences[0].topk_logprobs is not None
-    assert sample.prompt_logprobs[0] is None or math.isnan(sample.prompt_logprobs[0])
-    assert sample.prompt_logprobs[1:] == [-1.0, -2.0, -3.0]
+    assert sample.prompt_logprobs == [None, None, -2.0, -3.0]
+    assert sample.topk_prompt_logprobs == [None, None, [(3, -0.5), (9, -2.0)], [(8, -0.25), (1, -3.0)]]
 
 
 def test_wire_schema_matches_the_sdk():
@@ -222,6 +230,6 @@ def test_routes_json_body_futures_and_protobuf_results():
 
         assert http.post("/api/v1/create_session", json={}).status_code == 401
         assert http.get("/api/v1/sessions", headers=headers).status_code == 404
-        refused = http.post("/api/v1/asample", json={"sampling_session_id": "s:sample:0", "seq_id": 0, "topk_prompt_logprobs": 3,
+        refused = http.post("/api/v1/asample", json={"sampling_session_id": "s:sample:0", "seq_id": 0, "prompt_alt_tokens_k": 3,
                                                       "prompt": {"chunks": []}, "sampling_params": {}}, headers=headers)
-        assert refused.status_code == 400 and "topk_prompt_logprobs" in refused.json()["error"]
+        assert refused.status_code == 400 and "prompt_alt_tokens_k" in refused.json()["error"]

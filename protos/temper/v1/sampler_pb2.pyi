@@ -54,28 +54,34 @@ class SamplerDropAdapterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SamplerSampleRequest(_message.Message):
-    __slots__ = ("checkpoint_key", "prompt_tokens", "num_samples", "sampling_params", "include_prompt_logprobs", "topk_logprobs")
+    __slots__ = ("checkpoint_key", "prompt_tokens", "num_samples", "sampling_params", "include_prompt_logprobs", "topk_logprobs", "topk_prompt_logprobs", "prompt_logprobs_last_n")
     CHECKPOINT_KEY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOPK_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_LAST_N_FIELD_NUMBER: _ClassVar[int]
     checkpoint_key: str
     prompt_tokens: bytes
     num_samples: int
     sampling_params: _types_pb2.SamplingParams
     include_prompt_logprobs: bool
     topk_logprobs: int
-    def __init__(self, checkpoint_key: _Optional[str] = ..., prompt_tokens: _Optional[bytes] = ..., num_samples: _Optional[int] = ..., sampling_params: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., include_prompt_logprobs: _Optional[bool] = ..., topk_logprobs: _Optional[int] = ...) -> None: ...
+    topk_prompt_logprobs: int
+    prompt_logprobs_last_n: int
+    def __init__(self, checkpoint_key: _Optional[str] = ..., prompt_tokens: _Optional[bytes] = ..., num_samples: _Optional[int] = ..., sampling_params: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., include_prompt_logprobs: _Optional[bool] = ..., topk_logprobs: _Optional[int] = ..., topk_prompt_logprobs: _Optional[int] = ..., prompt_logprobs_last_n: _Optional[int] = ...) -> None: ...
 
 class SamplerLogprobsRequest(_message.Message):
-    __slots__ = ("checkpoint_key", "prompt_tokens")
+    __slots__ = ("checkpoint_key", "prompt_tokens", "prompt_logprobs_last_n")
     CHECKPOINT_KEY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_LAST_N_FIELD_NUMBER: _ClassVar[int]
     checkpoint_key: str
     prompt_tokens: bytes
-    def __init__(self, checkpoint_key: _Optional[str] = ..., prompt_tokens: _Optional[bytes] = ...) -> None: ...
+    prompt_logprobs_last_n: int
+    def __init__(self, checkpoint_key: _Optional[str] = ..., prompt_tokens: _Optional[bytes] = ..., prompt_logprobs_last_n: _Optional[int] = ...) -> None: ...
 
 class ComputeLogprobsResponseInternal(_message.Message):
     __slots__ = ("logprobs",)

@@ -73,7 +73,7 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class CreateTrainingRunRequest(_message.Message):
-    __slots__ = ("session_id", "base_model", "lora_config", "user_metadata")
+    __slots__ = ("session_id", "base_model", "lora_config", "user_metadata", "from_path", "with_optimizer", "run_index")
     class UserMetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -85,14 +85,27 @@ class CreateTrainingRunRequest(_message.Message):
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_CONFIG_FIELD_NUMBER: _ClassVar[int]
     USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    FROM_PATH_FIELD_NUMBER: _ClassVar[int]
+    WITH_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    RUN_INDEX_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     base_model: str
     lora_config: _types_pb2.LoraConfig
     user_metadata: _containers.ScalarMap[str, str]
-    def __init__(self, session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., lora_config: _Optional[_Union[_types_pb2.LoraConfig, _Mapping]] = ..., user_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    from_path: str
+    with_optimizer: bool
+    run_index: int
+    def __init__(self, session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., lora_config: _Optional[_Union[_types_pb2.LoraConfig, _Mapping]] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., from_path: _Optional[str] = ..., with_optimizer: _Optional[bool] = ..., run_index: _Optional[int] = ...) -> None: ...
 
 class TrainingRunInfo(_message.Message):
-    __slots__ = ("training_run_id", "base_model", "tokenizer_id", "lora_config", "next_seq_id", "vocab_size", "max_context_length")
+    __slots__ = ("training_run_id", "base_model", "tokenizer_id", "lora_config", "next_seq_id", "vocab_size", "max_context_length", "user_metadata", "owner", "created_unix_ms", "last_request_unix_ms")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +113,10 @@ class TrainingRunInfo(_message.Message):
     NEXT_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    LAST_REQUEST_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     training_run_id: str
     base_model: str
     tokenizer_id: str
@@ -107,13 +124,33 @@ class TrainingRunInfo(_message.Message):
     next_seq_id: int
     vocab_size: int
     max_context_length: int
-    def __init__(self, training_run_id: _Optional[str] = ..., base_model: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., lora_config: _Optional[_Union[_types_pb2.LoraConfig, _Mapping]] = ..., next_seq_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ...) -> None: ...
+    user_metadata: _containers.ScalarMap[str, str]
+    owner: str
+    created_unix_ms: int
+    last_request_unix_ms: int
+    def __init__(self, training_run_id: _Optional[str] = ..., base_model: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., lora_config: _Optional[_Union[_types_pb2.LoraConfig, _Mapping]] = ..., next_seq_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., owner: _Optional[str] = ..., created_unix_ms: _Optional[int] = ..., last_request_unix_ms: _Optional[int] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ("training_run_id",)
     TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     training_run_id: str
     def __init__(self, training_run_id: _Optional[str] = ...) -> None: ...
+
+class ListTrainingRunsRequest(_message.Message):
+    __slots__ = ("limit", "offset")
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    offset: int
+    def __init__(self, limit: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class ListTrainingRunsResponse(_message.Message):
+    __slots__ = ("training_runs", "total_count")
+    TRAINING_RUNS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_COUNT_FIELD_NUMBER: _ClassVar[int]
+    training_runs: _containers.RepeatedCompositeFieldContainer[TrainingRunInfo]
+    total_count: int
+    def __init__(self, training_runs: _Optional[_Iterable[_Union[TrainingRunInfo, _Mapping]]] = ..., total_count: _Optional[int] = ...) -> None: ...
 
 class ForwardBackwardRequest(_message.Message):
     __slots__ = ("training_run_id", "seq_id", "data", "loss_fn", "loss_fn_config", "forward_only")
@@ -162,20 +199,31 @@ class OptimStepResponse(_message.Message):
     def __init__(self, metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class SaveWeightsRequest(_message.Message):
-    __slots__ = ("training_run_id", "seq_id", "name", "kind", "ttl_seconds", "ephemeral")
+    __slots__ = ("training_run_id", "seq_id", "name", "kind", "ttl_seconds", "ephemeral", "overwrite", "user_metadata")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EPHEMERAL_FIELD_NUMBER: _ClassVar[int]
+    OVERWRITE_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
     training_run_id: str
     seq_id: int
     name: str
     kind: _types_pb2.CheckpointKind
     ttl_seconds: int
     ephemeral: bool
-    def __init__(self, training_run_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., name: _Optional[str] = ..., kind: _Optional[_Union[_types_pb2.CheckpointKind, str]] = ..., ttl_seconds: _Optional[int] = ..., ephemeral: _Optional[bool] = ...) -> None: ...
+    overwrite: bool
+    user_metadata: _containers.ScalarMap[str, str]
+    def __init__(self, training_run_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., name: _Optional[str] = ..., kind: _Optional[_Union[_types_pb2.CheckpointKind, str]] = ..., ttl_seconds: _Optional[int] = ..., ephemeral: _Optional[bool] = ..., overwrite: _Optional[bool] = ..., user_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SaveWeightsResponse(_message.Message):
     __slots__ = ("checkpoint",)
@@ -225,29 +273,45 @@ class SamplingClientInfo(_message.Message):
     vocab_size: int
     def __init__(self, sampler_id: _Optional[str] = ..., base_model: _Optional[str] = ..., model_path: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
+class GetSamplingClientRequest(_message.Message):
+    __slots__ = ("sampler_id",)
+    SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
+    sampler_id: str
+    def __init__(self, sampler_id: _Optional[str] = ...) -> None: ...
+
 class SampleRequest(_message.Message):
-    __slots__ = ("sampler_id", "prompt", "num_samples", "sampling_params", "include_prompt_logprobs", "topk_logprobs")
+    __slots__ = ("sampler_id", "prompt", "num_samples", "sampling_params", "include_prompt_logprobs", "topk_logprobs", "topk_prompt_logprobs", "prompt_logprobs_last_n", "record_stability_info", "request_tag")
     SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOPK_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_LAST_N_FIELD_NUMBER: _ClassVar[int]
+    RECORD_STABILITY_INFO_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_TAG_FIELD_NUMBER: _ClassVar[int]
     sampler_id: str
     prompt: _types_pb2.ModelInput
     num_samples: int
     sampling_params: _types_pb2.SamplingParams
     include_prompt_logprobs: bool
     topk_logprobs: int
-    def __init__(self, sampler_id: _Optional[str] = ..., prompt: _Optional[_Union[_types_pb2.ModelInput, _Mapping]] = ..., num_samples: _Optional[int] = ..., sampling_params: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., include_prompt_logprobs: _Optional[bool] = ..., topk_logprobs: _Optional[int] = ...) -> None: ...
+    topk_prompt_logprobs: int
+    prompt_logprobs_last_n: int
+    record_stability_info: bool
+    request_tag: str
+    def __init__(self, sampler_id: _Optional[str] = ..., prompt: _Optional[_Union[_types_pb2.ModelInput, _Mapping]] = ..., num_samples: _Optional[int] = ..., sampling_params: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., include_prompt_logprobs: _Optional[bool] = ..., topk_logprobs: _Optional[int] = ..., topk_prompt_logprobs: _Optional[int] = ..., prompt_logprobs_last_n: _Optional[int] = ..., record_stability_info: _Optional[bool] = ..., request_tag: _Optional[str] = ...) -> None: ...
 
 class ComputeLogprobsRequest(_message.Message):
-    __slots__ = ("sampler_id", "prompt")
+    __slots__ = ("sampler_id", "prompt", "prompt_logprobs_last_n")
     SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_LAST_N_FIELD_NUMBER: _ClassVar[int]
     sampler_id: str
     prompt: _types_pb2.ModelInput
-    def __init__(self, sampler_id: _Optional[str] = ..., prompt: _Optional[_Union[_types_pb2.ModelInput, _Mapping]] = ...) -> None: ...
+    prompt_logprobs_last_n: int
+    def __init__(self, sampler_id: _Optional[str] = ..., prompt: _Optional[_Union[_types_pb2.ModelInput, _Mapping]] = ..., prompt_logprobs_last_n: _Optional[int] = ...) -> None: ...
 
 class ComputeLogprobsResponse(_message.Message):
     __slots__ = ("logprobs",)
@@ -267,11 +331,54 @@ class ListCheckpointsResponse(_message.Message):
     checkpoints: _containers.RepeatedCompositeFieldContainer[_types_pb2.Checkpoint]
     def __init__(self, checkpoints: _Optional[_Iterable[_Union[_types_pb2.Checkpoint, _Mapping]]] = ...) -> None: ...
 
+class GetCheckpointRequest(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
 class DownloadCheckpointRequest(_message.Message):
     __slots__ = ("path",)
     PATH_FIELD_NUMBER: _ClassVar[int]
     path: str
     def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class ImportCheckpointHeader(_message.Message):
+    __slots__ = ("session_id", "name", "save_state", "user_metadata")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SAVE_STATE_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    name: str
+    save_state: bool
+    user_metadata: _containers.ScalarMap[str, str]
+    def __init__(self, session_id: _Optional[str] = ..., name: _Optional[str] = ..., save_state: _Optional[bool] = ..., user_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class ImportCheckpointChunk(_message.Message):
+    __slots__ = ("header", "file")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    header: ImportCheckpointHeader
+    file: _types_pb2.FileChunk
+    def __init__(self, header: _Optional[_Union[ImportCheckpointHeader, _Mapping]] = ..., file: _Optional[_Union[_types_pb2.FileChunk, _Mapping]] = ...) -> None: ...
+
+class ImportCheckpointResponse(_message.Message):
+    __slots__ = ("checkpoint", "state_checkpoint", "training_run")
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    STATE_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_RUN_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: _types_pb2.Checkpoint
+    state_checkpoint: _types_pb2.Checkpoint
+    training_run: TrainingRunInfo
+    def __init__(self, checkpoint: _Optional[_Union[_types_pb2.Checkpoint, _Mapping]] = ..., state_checkpoint: _Optional[_Union[_types_pb2.Checkpoint, _Mapping]] = ..., training_run: _Optional[_Union[TrainingRunInfo, _Mapping]] = ...) -> None: ...
 
 class UpdateCheckpointRequest(_message.Message):
     __slots__ = ("path", "published", "ttl_seconds")

@@ -65,6 +65,11 @@ class TemperStub:
                 request_serializer=temper_dot_v1_dot_service__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=temper_dot_v1_dot_service__pb2.TrainingRunInfo.FromString,
                 _registered_method=True)
+        self.ListTrainingRuns = channel.unary_unary(
+                '/temper.v1.Temper/ListTrainingRuns',
+                request_serializer=temper_dot_v1_dot_service__pb2.ListTrainingRunsRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_service__pb2.ListTrainingRunsResponse.FromString,
+                _registered_method=True)
         self.ForwardBackward = channel.unary_unary(
                 '/temper.v1.Temper/ForwardBackward',
                 request_serializer=temper_dot_v1_dot_service__pb2.ForwardBackwardRequest.SerializeToString,
@@ -90,6 +95,11 @@ class TemperStub:
                 request_serializer=temper_dot_v1_dot_service__pb2.CreateSamplingClientRequest.SerializeToString,
                 response_deserializer=temper_dot_v1_dot_service__pb2.SamplingClientInfo.FromString,
                 _registered_method=True)
+        self.GetSamplingClient = channel.unary_unary(
+                '/temper.v1.Temper/GetSamplingClient',
+                request_serializer=temper_dot_v1_dot_service__pb2.GetSamplingClientRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_service__pb2.SamplingClientInfo.FromString,
+                _registered_method=True)
         self.Sample = channel.unary_unary(
                 '/temper.v1.Temper/Sample',
                 request_serializer=temper_dot_v1_dot_service__pb2.SampleRequest.SerializeToString,
@@ -105,6 +115,11 @@ class TemperStub:
                 request_serializer=temper_dot_v1_dot_service__pb2.ListCheckpointsRequest.SerializeToString,
                 response_deserializer=temper_dot_v1_dot_service__pb2.ListCheckpointsResponse.FromString,
                 _registered_method=True)
+        self.GetCheckpoint = channel.unary_unary(
+                '/temper.v1.Temper/GetCheckpoint',
+                request_serializer=temper_dot_v1_dot_service__pb2.GetCheckpointRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_types__pb2.Checkpoint.FromString,
+                _registered_method=True)
         self.UpdateCheckpoint = channel.unary_unary(
                 '/temper.v1.Temper/UpdateCheckpoint',
                 request_serializer=temper_dot_v1_dot_service__pb2.UpdateCheckpointRequest.SerializeToString,
@@ -119,6 +134,11 @@ class TemperStub:
                 '/temper.v1.Temper/DownloadCheckpoint',
                 request_serializer=temper_dot_v1_dot_service__pb2.DownloadCheckpointRequest.SerializeToString,
                 response_deserializer=temper_dot_v1_dot_types__pb2.FileChunk.FromString,
+                _registered_method=True)
+        self.ImportCheckpoint = channel.stream_unary(
+                '/temper.v1.Temper/ImportCheckpoint',
+                request_serializer=temper_dot_v1_dot_service__pb2.ImportCheckpointChunk.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_service__pb2.ImportCheckpointResponse.FromString,
                 _registered_method=True)
         self.GetUsage = channel.unary_unary(
                 '/temper.v1.Temper/GetUsage',
@@ -171,6 +191,13 @@ class TemperServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListTrainingRuns(self, request, context):
+        """The calling tenant's training runs, newest first, a page at a time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ForwardBackward(self, request, context):
         """Training verbs carry a per-run seq_id (1, 2, 3, ...); the scheduler executes a run's requests in
         seq_id order, and a retried (run, seq_id) returns the first result without running again.
@@ -203,6 +230,13 @@ class TemperServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetSamplingClient(self, request, context):
+        """One of the calling tenant's sampling clients, as CreateSamplingClient answered it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Sample(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -217,6 +251,13 @@ class TemperServicer:
 
     def ListCheckpoints(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetCheckpoint(self, request, context):
+        """One checkpoint, yours or published by its owner: its base model and LoRA shape (weights info).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -237,6 +278,19 @@ class TemperServicer:
 
     def DownloadCheckpoint(self, request, context):
         """Streams a checkpoint's files (peft adapter folder; optimizer state for training checkpoints).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportCheckpoint(self, request_iterator, context):
+        """Client stream: an ImportCheckpointHeader, then the files of a peft LoRA adapter trained elsewhere
+        (adapter_config.json, adapter_model.safetensors; at most the scheduler's max_import_bytes). They
+        are checked as our own checkpoints are (base model, plain LoRA on whole module groups, tensor
+        names, shapes, finite values) and become a new training run of the caller, with the LoRA config
+        the adapter has, and its checkpoint <run>/sampler_weights/<name> (and <run>/weights/<name> with
+        save_state). INVALID_ARGUMENT: bad files; NOT_FOUND: not your session; RESOURCE_EXHAUSTED: a
+        hard limit (training runs, storage). A refused import leaves no run, checkpoint or file.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -291,6 +345,11 @@ def add_TemperServicer_to_server(servicer, server):
                     request_deserializer=temper_dot_v1_dot_service__pb2.GetInfoRequest.FromString,
                     response_serializer=temper_dot_v1_dot_service__pb2.TrainingRunInfo.SerializeToString,
             ),
+            'ListTrainingRuns': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTrainingRuns,
+                    request_deserializer=temper_dot_v1_dot_service__pb2.ListTrainingRunsRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_service__pb2.ListTrainingRunsResponse.SerializeToString,
+            ),
             'ForwardBackward': grpc.unary_unary_rpc_method_handler(
                     servicer.ForwardBackward,
                     request_deserializer=temper_dot_v1_dot_service__pb2.ForwardBackwardRequest.FromString,
@@ -316,6 +375,11 @@ def add_TemperServicer_to_server(servicer, server):
                     request_deserializer=temper_dot_v1_dot_service__pb2.CreateSamplingClientRequest.FromString,
                     response_serializer=temper_dot_v1_dot_service__pb2.SamplingClientInfo.SerializeToString,
             ),
+            'GetSamplingClient': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSamplingClient,
+                    request_deserializer=temper_dot_v1_dot_service__pb2.GetSamplingClientRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_service__pb2.SamplingClientInfo.SerializeToString,
+            ),
             'Sample': grpc.unary_unary_rpc_method_handler(
                     servicer.Sample,
                     request_deserializer=temper_dot_v1_dot_service__pb2.SampleRequest.FromString,
@@ -331,6 +395,11 @@ def add_TemperServicer_to_server(servicer, server):
                     request_deserializer=temper_dot_v1_dot_service__pb2.ListCheckpointsRequest.FromString,
                     response_serializer=temper_dot_v1_dot_service__pb2.ListCheckpointsResponse.SerializeToString,
             ),
+            'GetCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCheckpoint,
+                    request_deserializer=temper_dot_v1_dot_service__pb2.GetCheckpointRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_types__pb2.Checkpoint.SerializeToString,
+            ),
             'UpdateCheckpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateCheckpoint,
                     request_deserializer=temper_dot_v1_dot_service__pb2.UpdateCheckpointRequest.FromString,
@@ -345,6 +414,11 @@ def add_TemperServicer_to_server(servicer, server):
                     servicer.DownloadCheckpoint,
                     request_deserializer=temper_dot_v1_dot_service__pb2.DownloadCheckpointRequest.FromString,
                     response_serializer=temper_dot_v1_dot_types__pb2.FileChunk.SerializeToString,
+            ),
+            'ImportCheckpoint': grpc.stream_unary_rpc_method_handler(
+                    servicer.ImportCheckpoint,
+                    request_deserializer=temper_dot_v1_dot_service__pb2.ImportCheckpointChunk.FromString,
+                    response_serializer=temper_dot_v1_dot_service__pb2.ImportCheckpointResponse.SerializeToString,
             ),
             'GetUsage': grpc.unary_unary_rpc_method_handler(
                     servicer.GetUsage,
@@ -530,6 +604,33 @@ class Temper:
             _registered_method=True)
 
     @staticmethod
+    def ListTrainingRuns(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Temper/ListTrainingRuns',
+            temper_dot_v1_dot_service__pb2.ListTrainingRunsRequest.SerializeToString,
+            temper_dot_v1_dot_service__pb2.ListTrainingRunsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def ForwardBackward(request,
             target,
             options=(),
@@ -665,6 +766,33 @@ class Temper:
             _registered_method=True)
 
     @staticmethod
+    def GetSamplingClient(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Temper/GetSamplingClient',
+            temper_dot_v1_dot_service__pb2.GetSamplingClientRequest.SerializeToString,
+            temper_dot_v1_dot_service__pb2.SamplingClientInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Sample(request,
             target,
             options=(),
@@ -746,6 +874,33 @@ class Temper:
             _registered_method=True)
 
     @staticmethod
+    def GetCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Temper/GetCheckpoint',
+            temper_dot_v1_dot_service__pb2.GetCheckpointRequest.SerializeToString,
+            temper_dot_v1_dot_types__pb2.Checkpoint.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def UpdateCheckpoint(request,
             target,
             options=(),
@@ -816,6 +971,33 @@ class Temper:
             '/temper.v1.Temper/DownloadCheckpoint',
             temper_dot_v1_dot_service__pb2.DownloadCheckpointRequest.SerializeToString,
             temper_dot_v1_dot_types__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportCheckpoint(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/temper.v1.Temper/ImportCheckpoint',
+            temper_dot_v1_dot_service__pb2.ImportCheckpointChunk.SerializeToString,
+            temper_dot_v1_dot_service__pb2.ImportCheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -212,3 +212,19 @@ class RestoreAdapterResponse(_message.Message):
 class ReadTokenizerRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ImportAdapterChunk(_message.Message):
+    __slots__ = ("checkpoint_key", "file")
+    CHECKPOINT_KEY_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_key: str
+    file: _types_pb2.FileChunk
+    def __init__(self, checkpoint_key: _Optional[str] = ..., file: _Optional[_Union[_types_pb2.FileChunk, _Mapping]] = ...) -> None: ...
+
+class ImportAdapterResponse(_message.Message):
+    __slots__ = ("size_bytes", "lora_config")
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LORA_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    size_bytes: int
+    lora_config: _types_pb2.LoraConfig
+    def __init__(self, size_bytes: _Optional[int] = ..., lora_config: _Optional[_Union[_types_pb2.LoraConfig, _Mapping]] = ...) -> None: ...

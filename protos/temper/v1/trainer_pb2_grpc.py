@@ -90,6 +90,11 @@ class TrainerStub:
                 request_serializer=temper_dot_v1_dot_trainer__pb2.ReadTokenizerRequest.SerializeToString,
                 response_deserializer=temper_dot_v1_dot_types__pb2.FileChunk.FromString,
                 _registered_method=True)
+        self.ImportAdapter = channel.stream_unary(
+                '/temper.v1.Trainer/ImportAdapter',
+                request_serializer=temper_dot_v1_dot_trainer__pb2.ImportAdapterChunk.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_trainer__pb2.ImportAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServicer:
@@ -177,6 +182,16 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ImportAdapter(self, request_iterator, context):
+        """Client stream: the first message names the checkpoint key, the rest carry an outside peft
+        adapter's files (adapter_config.json, adapter_model.safetensors). They are checked against this
+        trainer's base model with the rules of our own checkpoints and written under the key.
+        INVALID_ARGUMENT: refused, nothing written; ALREADY_EXISTS: the key is taken.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -234,6 +249,11 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.ReadTokenizer,
                     request_deserializer=temper_dot_v1_dot_trainer__pb2.ReadTokenizerRequest.FromString,
                     response_serializer=temper_dot_v1_dot_types__pb2.FileChunk.SerializeToString,
+            ),
+            'ImportAdapter': grpc.stream_unary_rpc_method_handler(
+                    servicer.ImportAdapter,
+                    request_deserializer=temper_dot_v1_dot_trainer__pb2.ImportAdapterChunk.FromString,
+                    response_serializer=temper_dot_v1_dot_trainer__pb2.ImportAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -533,6 +553,33 @@ class Trainer:
             '/temper.v1.Trainer/ReadTokenizer',
             temper_dot_v1_dot_trainer__pb2.ReadTokenizerRequest.SerializeToString,
             temper_dot_v1_dot_types__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportAdapter(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/temper.v1.Trainer/ImportAdapter',
+            temper_dot_v1_dot_trainer__pb2.ImportAdapterChunk.SerializeToString,
+            temper_dot_v1_dot_trainer__pb2.ImportAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

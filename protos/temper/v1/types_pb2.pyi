@@ -178,31 +178,44 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., stop_strings: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[bytes] = ..., stop_disabled: _Optional[bool] = ..., processed_logprobs: _Optional[bool] = ...) -> None: ...
 
 class SampledSequence(_message.Message):
-    __slots__ = ("stop_reason", "tokens", "logprobs", "topk", "topk_token_ids", "topk_logprobs")
+    __slots__ = ("stop_reason", "tokens", "logprobs", "topk", "topk_token_ids", "topk_logprobs", "sequence_id")
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
     TOPK_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOPK_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     stop_reason: StopReason
     tokens: bytes
     logprobs: bytes
     topk: int
     topk_token_ids: bytes
     topk_logprobs: bytes
-    def __init__(self, stop_reason: _Optional[_Union[StopReason, str]] = ..., tokens: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., topk: _Optional[int] = ..., topk_token_ids: _Optional[bytes] = ..., topk_logprobs: _Optional[bytes] = ...) -> None: ...
+    sequence_id: str
+    def __init__(self, stop_reason: _Optional[_Union[StopReason, str]] = ..., tokens: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., topk: _Optional[int] = ..., topk_token_ids: _Optional[bytes] = ..., topk_logprobs: _Optional[bytes] = ..., sequence_id: _Optional[str] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
-    __slots__ = ("sequences", "prompt_logprobs")
+    __slots__ = ("sequences", "prompt_logprobs", "topk_prompt_token_ids", "topk_prompt_logprobs")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[SampledSequence]
     prompt_logprobs: Tensor
-    def __init__(self, sequences: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    topk_prompt_token_ids: Tensor
+    topk_prompt_logprobs: Tensor
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., topk_prompt_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., topk_prompt_logprobs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
-    __slots__ = ("checkpoint_id", "kind", "path", "training_run_id", "size_bytes", "created_unix_ms", "published", "expires_unix_ms")
+    __slots__ = ("checkpoint_id", "kind", "path", "training_run_id", "size_bytes", "created_unix_ms", "published", "expires_unix_ms", "base_model", "lora_config", "user_metadata")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +224,9 @@ class Checkpoint(_message.Message):
     CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     PUBLISHED_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    LORA_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     kind: CheckpointKind
     path: str
@@ -219,7 +235,10 @@ class Checkpoint(_message.Message):
     created_unix_ms: int
     published: bool
     expires_unix_ms: int
-    def __init__(self, checkpoint_id: _Optional[str] = ..., kind: _Optional[_Union[CheckpointKind, str]] = ..., path: _Optional[str] = ..., training_run_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., published: _Optional[bool] = ..., expires_unix_ms: _Optional[int] = ...) -> None: ...
+    base_model: str
+    lora_config: LoraConfig
+    user_metadata: _containers.ScalarMap[str, str]
+    def __init__(self, checkpoint_id: _Optional[str] = ..., kind: _Optional[_Union[CheckpointKind, str]] = ..., path: _Optional[str] = ..., training_run_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., published: _Optional[bool] = ..., expires_unix_ms: _Optional[int] = ..., base_model: _Optional[str] = ..., lora_config: _Optional[_Union[LoraConfig, _Mapping]] = ..., user_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class FileChunk(_message.Message):
     __slots__ = ("relative_path", "offset", "data", "total_size")

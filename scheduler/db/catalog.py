@@ -1,0 +1,64 @@
+"""Lookups behind the API's listings and creation from a checkpoint: a tenant's runs a page at a
+time, run rows by id, a readable checkpoint with its run, and run ids asked for by number.
+
+A mixin of ``Store`` (same engine, one transaction per method). Another tenant's objects raise the
+same NotFound as missing ones (tenancy.py)."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from sqlalchemy import func, select
+
+from temper.common.errors import AlreadyExists, NotFound
+from temper.scheduler.db import models as m
+from temper.scheduler.db.outage import database_errors
+
+
+@database_errors
+class CatalogStore:
+    sessions = None  # sessionmaker, set by Store
+
+    def reserve_run_id(self, session_id: str, index: int | None = None) -> str:
+        """Reserve "<session>:train:<n>": the next number, or ``index`` when no number at or above it
+        was used (the ones skipped are never given out). The row is inserted by add_training_run."""
+        with self.sessions.begin() as db:
+            row = db.get(m.Session, session_id, with_for_update=True)
+            if row is None:
+                raise NotFound(f"session {session_id!r} not found")
+            n = row.num_training_runs if index is None else index
+            if n < row.num_training_runs:
+                raise AlreadyExists(f"training run {session_id}:train:{n} already exists (this session's next number is "
+                                    f"{row.num_training_runs})")
+            row.num_training_runs = n + 1
+            return f"{session_id}:train:{n}"
+
+    def add_imported_run(self, run: m.TrainingRun, checkpoints: list[m.Checkpoint]) -> list[m.Checkpoint]:
+        """A run made by an import and its checkpoints, in one transaction: all of them or none."""
+        with self.sessions.begin() as db:
+            db.add(run)
+            db.flush()  # the run's row before the checkpoints that reference it
+            db.add_all(checkpoints)
+            return checkpoints
+
+    def tenant_runs(self, tenant: str, limit: int, offset: int) -> tuple[list[m.TrainingRun], int]:
+        """A page of the tenant's training runs, newest first, and how many it has in all."""
+        owned = (select(m.TrainingRun).join(m.Session, m.Session.id == m.TrainingRun.session_id)
+                 .join(m.Tenant, m.Tenant.id == m.Session.tenant_id).where(m.Tenant.name == tenant))
+        with self.sessions() as db:
+            total = db.scalar(select(func.count()).select_from(owned.subquery())) or 0
+            page = db.scalars(owned.order_by(m.TrainingRun.created_at.desc(), m.TrainingRun.id.desc()).limit(limit).offset(offset))
+            return list(page), int(total)
+
+    def run_rows(self, run_ids: Iterable[str]) -> dict[str, m.TrainingRun]:
+        ids = sorted(set(run_ids))
+        if not ids:
+            return {}
+        with self.sessions() as db:
+            return {row.id: row for row in db.scalars(select(m.TrainingRun).where(m.TrainingRun.id.in_(ids)))}
+
+    def readable_checkpoint_and_run(self, path: str, tenant: str) -> tuple[m.Checkpoint, m.TrainingRun]:
+        """The checkpoint (the tenant's, or published by its owner) and the run that saved it."""
+        row = self.readable_checkpoint(path, tenant)
+        with self.sessions() as db:
+            return row, db.get(m.TrainingRun, row.training_run_id)

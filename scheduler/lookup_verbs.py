@@ -1,0 +1,99 @@
+"""Lookups of the caller's objects (ListTrainingRuns, GetSamplingClient), the checks shared by
+run creation, and what a run created from a checkpoint starts from (``CheckpointSource``).
+
+Every lookup sees only the caller's tenant: another tenant's id answers the same NOT_FOUND as a
+missing one. Nothing here changes state except ``CheckpointSource.load_into`` on a run being made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+from temper.common.checkpoints import CheckpointPath
+from temper.common.errors import InvalidArgument, TemperError
+from temper.scheduler.auth import caller
+from temper.scheduler.backends import TrainerHandle
+from temper.scheduler.db import models as m
+from temper.scheduler.views import run_message
+from temper.v1 import service_pb2, trainer_pb2, types_pb2
+
+log = logging.getLogger(__name__)
+MAX_LORA_RANK = 1024
+DEFAULT_RUNS_PAGE, MAX_RUNS_PAGE = 20, 1000
+MAX_METADATA_ENTRIES, MAX_METADATA_CHARS = 64, 4096
+
+
+def check_lora(cfg: types_pb2.LoraConfig) -> None:
+    if not 0 < cfg.rank <= MAX_LORA_RANK:
+        raise InvalidArgument(f"lora rank must be in [1, {MAX_LORA_RANK}], got {cfg.rank}")
+    if not (cfg.train_attn or cfg.train_mlp or cfg.train_unembed):
+        raise InvalidArgument("the LoRA config trains nothing: set train_attn, train_mlp or train_unembed")
+    if not math.isfinite(cfg.alpha) or cfg.alpha < 0 or not 0 <= cfg.dropout < 1:
+        raise InvalidArgument("lora alpha must be a finite number >= 0 and dropout in [0, 1)")
+
+
+def check_user_metadata(metadata: Mapping[str, str]) -> None:
+    if len(metadata) > MAX_METADATA_ENTRIES:
+        raise InvalidArgument(f"user_metadata has {len(metadata)} entries, at most {MAX_METADATA_ENTRIES}")
+    if any(len(k) + len(v) > MAX_METADATA_CHARS for k, v in metadata.items()):
+        raise InvalidArgument(f"a user_metadata entry is longer than {MAX_METADATA_CHARS} characters")
+
+
+@dataclass
+class CheckpointSource:
+    """A readable checkpoint a new run starts from, the run that saved it, and the trainer holding its files."""
+
+    path: CheckpointPath
+    run: m.TrainingRun
+    trainer: TrainerHandle
+    with_optimizer: bool
+
+    async def load_into(self, run_id: str) -> None:
+        """Load the checkpoint into the new run's adapter; if that fails, the adapter is dropped again."""
+        try:
+            await self.trainer.call("LoadAdapter", trainer_pb2.LoadAdapterRequest(
+                training_run_id=run_id, checkpoint_key=self.path.key, with_optimizer=self.with_optimizer))
+        except BaseException:
+            try:
+                await self.trainer.call("DropAdapter", trainer_pb2.DropAdapterRequest(training_run_id=run_id))
+            except TemperError as exc:
+                log.warning("could not drop the adapter of %s after its load failed: %s", run_id, exc.message)
+            raise
+
+
+class LookupVerbs:
+    """Mixed into TemperServicer (store, backends, runs, admission come from it)."""
+
+    async def ListTrainingRuns(self, request, context):
+        limit = request.limit or DEFAULT_RUNS_PAGE
+        if not 0 < limit <= MAX_RUNS_PAGE or request.offset < 0:
+            raise InvalidArgument(f"limit must be in [0, {MAX_RUNS_PAGE}] (0: {DEFAULT_RUNS_PAGE}) and offset >= 0")
+        await self.backends.wait_ready()
+        tenant = caller()
+        rows, total = await asyncio.to_thread(self.store.tenant_runs, tenant, limit, request.offset)
+        response = service_pb2.ListTrainingRunsResponse(total_count=total)
+        for row in rows:
+            known = self.runs.known(row.id)
+            next_seq = self.admission.next_seq_id(known) if known is not None else row.next_seq_id
+            response.training_runs.append(run_message(row, tenant, next_seq, self._model_info(row.base_model)))
+        return response
+
+    def _model_info(self, base_model: str) -> trainer_pb2.ModelInfo | None:
+        try:
+            return self.backends.trainer_for(base_model, "").info
+        except TemperError:  # no trainer serves that model now: listed without tokenizer and sizes
+            return None
+
+    async def GetSamplingClient(self, request, context):
+        row, _, _ = await asyncio.to_thread(self.store.get_sampling_client, request.sampler_id, caller())
+        info = service_pb2.SamplingClientInfo(sampler_id=row.id, base_model=row.base_model, model_path=row.model_path or "")
+        try:
+            model = self.backends.sampler_info(row.base_model)
+            info.tokenizer_id, info.vocab_size = model.tokenizer_id, model.vocab_size
+        except TemperError:  # no sampler of that model now
+            pass
+        return info

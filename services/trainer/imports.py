@@ -1,0 +1,120 @@
+"""Checks on an outside peft LoRA adapter (adapter_config.json + adapter_model.safetensors) before it
+becomes a checkpoint: the same rules as our own files, stated up front so a bad upload is refused
+(InvalidArgument) before anything is written.
+
+What is accepted is what a Temper run could have saved: plain LoRA on this trainer's base model,
+targets one of the module groups a run trains (attention, MLP, unembedding, or a union of them), the
+tensor names and shapes ``LoraModel.add`` would make, float weights that are all finite. Such an
+adapter can be sampled and loaded into a run (``load_state``) like one trained here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from itertools import product
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from temper.common.errors import InvalidArgument
+from temper.services.lora.model import AdapterSpec, LoraModel
+from temper.services.trainer.adapters import lora_targets
+
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+MAX_CONFIG_BYTES = 64 << 10
+MAX_RANK = 512
+HEADER_SLACK_BYTES = 1 << 20  # the safetensors header (names, shapes) on top of the tensor bytes
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# peft options that change what the weights mean: refused unless at their plain-LoRA value
+_PLAIN = {"use_dora": False, "use_rslora": False, "fan_in_fan_out": False, "bias": "none", "modules_to_save": None,
+          "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None, "layer_replication": None}
+
+
+def max_weights_bytes(lora: LoraModel, spec: AdapterSpec) -> int:
+    """The largest adapter_model.safetensors an adapter of ``spec`` can be (float32) on this model."""
+    return sum(a * b for a, b in lora.param_shapes(spec).values()) * 4 + HEADER_SLACK_BYTES
+
+
+def max_upload_bytes(lora: LoraModel) -> int:
+    """The largest upload (both files) an acceptable adapter can be on this model: rank MAX_RANK on every layer."""
+    widest = AdapterSpec(rank=MAX_RANK, alpha=1.0, targets=tuple(sorted(lora.available_targets())))
+    return max_weights_bytes(lora, widest) + MAX_CONFIG_BYTES
+
+
+@dataclass(frozen=True)
+class ImportedLora:
+    """The LoRA config (LoraConfig's fields) of a run the imported adapter fits; a plain value because
+    the engine imports no protobuf (the servicer converts)."""
+    rank: int
+    alpha: float
+    dropout: float
+    train_attn: bool
+    train_mlp: bool
+    train_unembed: bool
+
+
+def read_config(data: bytes, base_model: str, available: set[str]) -> tuple[AdapterSpec, ImportedLora]:
+    """The adapter's spec and the LoRA config of a run with the same adapter layout."""
+    if len(data) > MAX_CONFIG_BYTES:
+        raise InvalidArgument(f"{CONFIG_FILE} is over {MAX_CONFIG_BYTES} bytes")
+    try:
+        config = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidArgument(f"{CONFIG_FILE} is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise InvalidArgument(f"{CONFIG_FILE} must hold a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise InvalidArgument(f"only LoRA adapters can be imported, not peft_type {config.get('peft_type')!r}")
+    if config.get("base_model_name_or_path") != base_model:
+        raise InvalidArgument(f"the adapter is for base model {config.get('base_model_name_or_path')!r}, not {base_model!r}")
+    for key, plain in _PLAIN.items():
+        if config.get(key, plain) not in (plain, None, {}, [], False):
+            raise InvalidArgument(f"adapter_config {key}={config[key]!r} is not supported (plain LoRA only)")
+    try:
+        spec = AdapterSpec.from_peft_config(config)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidArgument(f"bad {CONFIG_FILE}: {exc!r}") from None
+    if not 1 <= spec.rank <= MAX_RANK:
+        raise InvalidArgument(f"LoRA rank must be in [1, {MAX_RANK}], got {spec.rank}")
+    if not math.isfinite(spec.alpha) or spec.alpha <= 0 or not 0 <= spec.dropout < 1:
+        raise InvalidArgument("lora_alpha must be a finite number > 0 and lora_dropout in [0, 1)")
+    for attn, mlp, unembed in product((False, True), repeat=3):
+        if spec.targets and spec.targets == lora_targets(attn, mlp, unembed) and set(spec.targets) <= available:
+            return spec, ImportedLora(rank=spec.rank, alpha=spec.alpha, dropout=spec.dropout, train_attn=attn,
+                                              train_mlp=mlp, train_unembed=unembed)
+    raise InvalidArgument(f"target_modules {list(spec.targets)} must be whole groups Temper trains: attention "
+                          f"{list(lora_targets(attn=True))}, MLP {list(lora_targets(mlp=True))}, unembedding ['lm_head'], "
+                          f"or unions of them, of layers this model has")
+
+
+def check_adapter_folder(folder: Path, lora: LoraModel) -> ImportedLora:
+    """Check an uploaded adapter folder against ``lora``'s base model; the LoRA config of a run it fits.
+    Reads, never writes."""
+    names = sorted(p.name for p in folder.iterdir())
+    if names != sorted([CONFIG_FILE, WEIGHTS_FILE]):
+        raise InvalidArgument(f"an adapter is exactly {CONFIG_FILE} and {WEIGHTS_FILE}, got {names}")
+    spec, config = read_config((folder / CONFIG_FILE).read_bytes(), lora.base_model_name, lora.available_targets())
+    weights_file = folder / WEIGHTS_FILE
+    if weights_file.stat().st_size > max_weights_bytes(lora, spec):
+        raise InvalidArgument(f"{WEIGHTS_FILE} is larger than a rank-{spec.rank} adapter of this model can be")
+    try:
+        weights = load_file(str(weights_file))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise InvalidArgument(f"{WEIGHTS_FILE} is not a readable safetensors file: {exc}") from None
+    expected = lora.param_shapes(spec)
+    if set(weights) != set(expected):
+        extra, missing = sorted(set(weights) - set(expected)), sorted(set(expected) - set(weights))
+        raise InvalidArgument(f"adapter tensors do not match a rank-{spec.rank} LoRA of {list(spec.targets)} on this model: "
+                              f"unexpected {extra[:3]}, missing {missing[:3]}")
+    for name, tensor in weights.items():
+        if tuple(tensor.shape) != expected[name]:
+            raise InvalidArgument(f"{name}: shape {tuple(tensor.shape)}, expected {expected[name]}")
+        if tensor.dtype not in _FLOAT_DTYPES:
+            raise InvalidArgument(f"{name}: dtype {tensor.dtype}; LoRA weights are float32, bfloat16 or float16")
+        if not bool(torch.isfinite(tensor).all()):
+            raise InvalidArgument(f"{name} holds NaN or infinite values")
+    return config

@@ -1,0 +1,312 @@
+"""The SGLang sampler backend against a fake ``sglang`` (tests/engine/sglang_fake.py: the calls we
+make, shaped as in sglang 0.5.23, backed by the tiny model): it samples what the torch backend
+samples, reports raw logprobs by default and processed ones on request, maps or refuses every
+option by name, keeps one SGLang adapter per checkpoint version through load / use / evict / reload,
+and turns SGLang's errors into Temper's statuses. sglang itself is never imported."""
+
+import asyncio
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+import sglang_fake
+from temper.common.checkpoints import WEIGHT_FILES
+from temper.common.codec import decode_floats, decode_tokens, encode_tokens
+from temper.common.errors import AdapterNotLoaded, Internal, InvalidArgument, TemperError, Unavailable
+from temper.services.lora.model import AdapterSpec, LoraModel
+from temper.services.models.loading import load_model
+from temper.services.sampler.backend import SampleRequest, SamplingOptions
+from temper.services.sampler.servicer import SamplerServicer
+from temper.services.sampler.settings import SamplerSettings
+from temper.services.sampler.sglang_backend import SGLangSamplerBackend, engine_kwargs
+from temper.services.sampler.sglang_requests import ModelFacts, check_options, derive_seed
+from temper.services.sampler.torch_backend import TorchSamplerBackend
+from temper.v1 import sampler_pb2, types_pb2
+
+SPECS = {
+    "run1/sampler_weights/a": AdapterSpec(rank=2, alpha=4, targets=("q_proj", "v_proj")),
+    "run2/sampler_weights/b": AdapterSpec(rank=8, alpha=8, targets=("gate_proj", "up_proj")),
+    "run3/sampler_weights/c": AdapterSpec(rank=4, alpha=16, targets=("down_proj", "k_proj", "o_proj", "q_proj")),
+}
+A, B, C = SPECS
+GREEDY = SamplingOptions(max_tokens=8, temperature=0.0, stop_disabled=True)
+
+
+@pytest.fixture(scope="module")
+def folders(tiny_model_dir, tmp_path_factory):
+    scratch = LoraModel(load_model(tiny_model_dir).model, tiny_model_dir)
+    out = {}
+    for i, (key, spec) in enumerate(SPECS.items()):
+        scratch.add(key, spec, seed=i)
+        with torch.no_grad():
+            for p in scratch.adapters[key].params.values():
+                p.normal_(0, 0.3, generator=torch.Generator().manual_seed(20 + i))
+        out[key] = tmp_path_factory.mktemp("adapter")
+        scratch.save(key, out[key])
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, folders):
+    backend = TorchSamplerBackend(load_model(tiny_model_dir))
+    for key, folder in folders.items():
+        backend.load_adapter(key, folder)
+    return backend
+
+
+@pytest.fixture(scope="module")
+def module_patch():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def make_backend(tiny_model_dir, patch, **overrides) -> SGLangSamplerBackend:
+    sglang_fake.install(patch)
+    patch.delenv("SGLANG_RETURN_ORIGINAL_LOGPROB", raising=False)  # the backend must set it itself
+    settings = SamplerSettings(base_model=tiny_model_dir, backend="sglang", **overrides)
+    return SGLangSamplerBackend(settings)
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model_dir, folders, module_patch):
+    backend = make_backend(tiny_model_dir, module_patch)
+    for key, folder in folders.items():
+        backend.load_adapter(key, folder)
+    yield backend
+    backend.close()
+
+
+def engine_of(backend) -> "sglang_fake.Engine":
+    return backend._engine
+
+
+def test_engine_is_started_for_multi_lora_and_raw_logprobs(backend):
+    engine = engine_of(backend)
+    args = engine.args
+    assert args["enable_lora"] and args["max_loaded_loras"] is None and args["max_loras_per_batch"] == 8
+    assert args["sampling_defaults"] == "openai" and args["enable_deterministic_inference"]
+    assert engine.original_logprob, "SGLANG_RETURN_ORIGINAL_LOGPROB must be set before the engine starts"
+    assert set(engine.adapters) == {f"{key}@{i + 1}" for i, key in enumerate(SPECS)}  # one name per version
+    assert backend.describe().loaded_checkpoints == sorted(SPECS)
+
+
+def test_greedy_mixed_adapter_batch_equals_the_torch_backend(backend, reference):
+    rng = np.random.default_rng(0)
+    requests = [SampleRequest(key, rng.integers(3, 500, n).astype(np.int32), samples, GREEDY, prompt_logprobs=True,
+                              topk_logprobs=3, topk_prompt_logprobs=4)
+                for key, n, samples in [(A, 5, 2), (None, 9, 1), (B, 3, 1), (C, 12, 2), (A, 7, 1)]]
+    calls = len(engine_of(backend).generate_calls)
+    got = backend.sample_batch(requests)
+    assert len(engine_of(backend).generate_calls) == calls + 1, "one batch is one generate call"
+    lora = engine_of(backend).generate_calls[-1].lora_path
+    assert len({name for name in lora if name}) == 3 and None in lora  # many adapters (and the base) together
+    want = reference.sample_batch(requests)
+    for g, w in zip(got, want):
+        for gs, ws in zip(g.sequences, w.sequences):
+            assert gs.tokens == ws.tokens and gs.stop_reason == ws.stop_reason
+            np.testing.assert_allclose(gs.logprobs, ws.logprobs, atol=1e-5)
+            assert [row for row in gs.topk_ids] == [row for row in ws.topk_ids]
+            np.testing.assert_allclose(gs.topk_logprobs, ws.topk_logprobs, atol=1e-5)
+        np.testing.assert_allclose(g.prompt_logprobs, w.prompt_logprobs, atol=1e-5)
+        np.testing.assert_array_equal(g.topk_prompt_ids, w.topk_prompt_ids)
+        np.testing.assert_allclose(g.topk_prompt_logprobs, w.topk_prompt_logprobs, atol=1e-5)
+
+
+def test_sampled_logprobs_are_the_raw_models(backend, reference):
+    prompt = np.array([5, 17, 42, 99, 7], dtype=np.int32)
+    options = SamplingOptions(max_tokens=10, temperature=0.7, top_k=20, top_p=0.9, seed=1234, stop_disabled=True)
+    first = backend.sample(B, prompt, 3, options, False)
+    again = backend.sample(B, prompt, 3, options, False)
+    assert [s.tokens for s in first.sequences] == [s.tokens for s in again.sequences]  # seeded
+    assert len({tuple(s.tokens) for s in first.sequences}) > 1  # each sample its own seed
+    items = engine_of(backend).generate_calls[-1].sampling_params
+    assert [p["sampling_seed"] for p in items] == [derive_seed(1234, i) for i in range(3)]
+    for seq in first.sequences:
+        full = np.concatenate([prompt, np.array(seq.tokens, dtype=np.int32)])
+        raw = reference.compute_logprobs(B, full)[len(prompt):]
+        np.testing.assert_allclose(seq.logprobs, raw, atol=1e-5)  # temperature 1, full vocabulary
+
+
+def test_processed_logprobs_are_the_sampling_distribution(backend, reference):
+    prompt = np.array([5, 17, 42, 99, 7], dtype=np.int32)
+    options = SamplingOptions(max_tokens=8, temperature=0.7, top_k=20, seed=7, stop_disabled=True, processed_logprobs=True)
+    got = backend.sample(A, prompt, 1, options, False).sequences[0]
+    fields = engine_of(backend).generate_calls[-1]
+    assert fields.return_sampling_mask == [True] and fields.sampling_logprobs_mode == ["selected"]
+    want = reference.sample(A, prompt, 1, SamplingOptions(**{**options.__dict__, "seed": derive_seed(7, 0)}), False)
+    assert got.tokens == want.sequences[0].tokens
+    np.testing.assert_allclose(got.logprobs, want.sequences[0].logprobs, atol=1e-5)
+    raw = reference.compute_logprobs(A, np.concatenate([prompt, np.array(got.tokens, dtype=np.int32)]))[len(prompt):]
+    assert not np.allclose(got.logprobs, raw, atol=1e-3)
+    greedy = backend.sample(A, prompt, 1, SamplingOptions(max_tokens=4, temperature=0.0, stop_disabled=True,
+                                                          processed_logprobs=True), False).sequences[0]
+    assert greedy.logprobs == [0.0] * 4  # a point mass, as the torch backend reports
+    all_k = backend.sample(A, prompt, 1, SamplingOptions(max_tokens=3, temperature=0.9, seed=1, stop_disabled=True,
+                                                         processed_logprobs=True), False)  # top_k 0 -> vocabulary size
+    assert engine_of(backend).generate_calls[-1].sampling_params[0]["top_k"] == backend.facts.vocab_size
+    assert len(all_k.sequences[0].logprobs) == 3
+
+
+def test_compute_logprobs_equals_the_torch_backend(backend, reference):
+    prompt = np.array([4, 8, 15, 16, 23, 42, 99], dtype=np.int32)
+    for key in (None, C):
+        np.testing.assert_allclose(backend.compute_logprobs(key, prompt), reference.compute_logprobs(key, prompt),
+                                   atol=1e-5, equal_nan=True)
+        np.testing.assert_allclose(backend.compute_logprobs(key, prompt, 3), reference.compute_logprobs(key, prompt, 3),
+                                   atol=1e-5, equal_nan=True)
+    assert engine_of(backend).generate_calls[-1].sampling_params[0]["max_new_tokens"] == 0  # prefill only
+
+
+def test_stops_map_onto_sglang(backend, reference):
+    prompt = np.array([5, 17, 42], dtype=np.int32)
+    eos = sorted(backend.facts.eos_ids)
+    free = backend.sample(None, prompt, 1, SamplingOptions(max_tokens=12, temperature=0.0, stop_disabled=True), False)
+    stop_id = free.sequences[0].tokens[3]
+    with_ids = backend.sample(None, prompt, 1, SamplingOptions(max_tokens=12, temperature=0.0,
+                                                               stop_token_ids=(stop_id, *eos)), False).sequences[0]
+    assert with_ids.stop_reason == "stop" and with_ids.tokens[-1] == stop_id  # the stop token is kept
+    params = engine_of(backend).generate_calls[-1].sampling_params[0]
+    assert not params["ignore_eos"] and set(params["stop_token_ids"]) == {stop_id, *eos}
+    text = reference.loaded.tokenizer.decode(free.sequences[0].tokens[2:4])
+    strings = SamplingOptions(max_tokens=12, temperature=0.0, stop_strings=(text,))
+    got = backend.sample(None, prompt, 1, strings, False).sequences[0]
+    assert engine_of(backend).generate_calls[-1].sampling_params[0]["ignore_eos"]  # strings only: no EOS stop
+    assert got.tokens == reference.sample(None, prompt, 1, strings, False).sequences[0].tokens
+    assert engine_of(backend).generate_calls[-2].sampling_params[0]["stop"] == []
+    with pytest.raises(InvalidArgument, match="stop_token_ids"):
+        backend.sample(None, prompt, 1, SamplingOptions(max_tokens=4, stop_token_ids=(stop_id,)), False)
+
+
+def test_refusals_name_the_option():
+    facts = ModelFacts(vocab_size=50_000, eos_ids=frozenset({2}), deterministic=False, mask_max_tokens=4096)
+    with pytest.raises(InvalidArgument, match="^seed"):
+        check_options(SamplingOptions(seed=3), facts)
+    with pytest.raises(InvalidArgument, match="^processed_logprobs"):
+        check_options(SamplingOptions(temperature=1.0, processed_logprobs=True), facts)  # top_k all > mask cap
+    check_options(SamplingOptions(temperature=1.0, top_k=50, processed_logprobs=True), facts)
+    check_options(SamplingOptions(temperature=0.0, processed_logprobs=True), facts)
+    with pytest.raises(InvalidArgument, match="^stop_token_ids"):
+        check_options(SamplingOptions(stop_token_ids=(7,)), facts)
+    check_options(SamplingOptions(stop_token_ids=(7, 2)), facts)
+    check_options(SamplingOptions(stop_token_ids=(7,), stop_disabled=True), facts)
+
+
+def test_refusal_through_the_servicer_is_invalid_argument(backend, tmp_path):
+    servicer = SamplerServicer(backend, tmp_path, max_num_samples=8)
+    request = sampler_pb2.SamplerSampleRequest(
+        prompt_tokens=encode_tokens([5, 6, 7]), num_samples=1,
+        sampling_params=types_pb2.SamplingParams(max_tokens=4, temperature=1.0, stop_token_ids=encode_tokens([9])))
+    with pytest.raises(TemperError) as err:
+        asyncio.run(servicer.Sample(request, None))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "stop_token_ids" in str(err.value)
+    request.sampling_params.ClearField("stop_token_ids")
+    response = asyncio.run(servicer.Sample(request, None))
+    assert len(decode_tokens(response.sequences[0].tokens)) == len(decode_floats(response.sequences[0].logprobs))
+
+
+async def push(servicer: SamplerServicer, key: str, folder) -> None:
+    async def chunks():
+        yield sampler_pb2.PushAdapterChunk(checkpoint_key=key)
+        for name in WEIGHT_FILES:
+            data = (folder / name).read_bytes()
+            yield sampler_pb2.PushAdapterChunk(file=types_pb2.FileChunk(relative_path=name, data=data, total_size=len(data)))
+
+    await servicer.PushAdapter(chunks(), None)
+
+
+def test_adapter_lifecycle_load_use_evict_reload(tiny_model_dir, folders, reference, tmp_path):
+    with pytest.MonkeyPatch.context() as patch:
+        backend = make_backend(tiny_model_dir, patch)
+        engine = engine_of(backend)
+        servicer = SamplerServicer(backend, tmp_path, max_num_samples=8, max_adapters=2)
+        prompt = np.array([5, 17, 42, 99], dtype=np.int32)
+
+        async def scenario():
+            await push(servicer, A, folders[A])
+            await push(servicer, B, folders[B])
+            assert set(engine.adapters) == {f"{A}@1", f"{B}@2"}
+            many = [SampleRequest(A if i % 2 else B, prompt, 1, GREEDY) for i in range(6)]
+            results = backend.sample_batch(many)  # many requests on both adapters, one generate call
+            for request, result in zip(many, results):
+                want = reference.sample(request.checkpoint_key, prompt, 1, GREEDY, False)
+                assert result.sequences[0].tokens == want.sequences[0].tokens
+            servicer.residency.use(B)  # B most recently used: A goes when C arrives
+            await push(servicer, C, folders[C])
+            assert set(engine.adapters) == {f"{B}@2", f"{C}@3"}  # unloaded from SGLang, not just forgotten
+            with pytest.raises(AdapterNotLoaded):
+                backend.sample(A, prompt, 1, GREEDY, False)
+            await push(servicer, A, folders[A])  # pushed again: a new name, never the unloaded one
+            assert f"{A}@4" in engine.adapters and f"{A}@1" not in engine.adapters
+            got = backend.sample(A, prompt, 1, GREEDY, False).sequences[0].tokens
+            assert got == reference.sample(A, prompt, 1, GREEDY, False).sequences[0].tokens
+            backend.load_adapter(A, folders[B])  # a new version of a loaded key: swapped, the old one unloaded
+            assert f"{A}@5" in engine.adapters and f"{A}@4" not in engine.adapters
+            got = backend.sample(A, prompt, 1, GREEDY, False).sequences[0].tokens
+            assert got == reference.sample(B, prompt, 1, GREEDY, False).sequences[0].tokens
+
+        asyncio.run(scenario())
+        backend.close()
+
+
+def test_errors_map_to_statuses(backend, folders, tmp_path):
+    prompt = np.array([5, 6, 7], dtype=np.int32)
+    cases = [(ValueError("sampling_seed must be an integer"), InvalidArgument),
+             (RuntimeError("scheduler died"), Internal),
+             ({"abort": ("bad request", 400)}, InvalidArgument),
+             ({"abort": ("server overloaded", 503)}, Unavailable),
+             ({"abort": ("kv cache oom", 500)}, Internal)]
+    for failure, error in cases:
+        sglang_fake.FAIL_NEXT.append(failure)
+        with pytest.raises(error):
+            backend.sample(None, prompt, 1, GREEDY, False)
+    assert not sglang_fake.FAIL_NEXT
+    engine = engine_of(backend)
+    name = backend._names[C]
+    folder = engine.adapters.pop(name)  # SGLang lost it behind our back: "not loaded" -> the scheduler re-pushes
+    with pytest.raises(AdapterNotLoaded):
+        backend.sample(C, prompt, 1, GREEDY, False)
+    engine.adapters[name] = folder
+    with pytest.raises(InvalidArgument, match="context length"):
+        backend.sample(None, np.arange(3, 2040, dtype=np.int32) % 500, 1, SamplingOptions(max_tokens=64), False)
+    big = tmp_path / "big"
+    big.mkdir()
+    scratch = LoraModel(load_model(backend.model_path).model, backend.model_path)
+    scratch.add("big", AdapterSpec(rank=128, alpha=8, targets=("q_proj",)))
+    scratch.save("big", big)
+    with pytest.raises(InvalidArgument, match="max_lora_rank"):
+        backend.load_adapter("run9/sampler_weights/big", big)
+    assert "run9/sampler_weights/big" not in backend.describe().loaded_checkpoints
+    with pytest.raises(InvalidArgument, match="peft"):
+        backend.load_adapter("run9/sampler_weights/none", tmp_path)
+
+
+def test_engine_kwargs_and_seed_refusal_without_deterministic(tiny_model_dir):
+    settings = SamplerSettings(base_model=tiny_model_dir, backend="sglang", sglang_deterministic=False,
+                               sglang_engine_args={"attention_backend": "fa3"})
+    kwargs = engine_kwargs(settings, tiny_model_dir)
+    assert kwargs["enable_deterministic_inference"] is False and kwargs["attention_backend"] == "fa3"
+    assert set(kwargs) - {"attention_backend"} <= sglang_fake.SERVER_ARGS
+
+
+def test_the_cpu_install_never_imports_sglang():
+    code = ("import sys, temper.services.sampler.__main__, temper.services.sampler.sglang_backend, "
+            "temper.services.sampler.sglang_requests; assert 'sglang' not in sys.modules, 'sglang imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_extra_pins_the_version_the_fake_mirrors():
+    import tomllib
+    from pathlib import Path
+
+    from temper.services.sampler.sglang_backend import SGLANG_VERSION
+
+    repo = Path(__file__).resolve().parents[2]
+    extras = tomllib.loads((repo / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["sglang"] == [f"sglang=={SGLANG_VERSION}"] and sglang_fake.__version__ == SGLANG_VERSION
+    assert not any("sglang" in req for name, reqs in extras.items() if name != "sglang" for req in reqs)
+    assert "sglang" not in (repo / "Makefile").read_text()  # never in the default CPU venv
