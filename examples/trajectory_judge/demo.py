@@ -81,9 +81,13 @@ def main(argv=None) -> int:
         heldout = heldout[: args.max_heldout]
     rng = random.Random(args.seed)
 
-    with LocalStack(base_model, args.data_dir / time.strftime("%Y%m%d-%H%M%S"), num_threads=args.threads) as stack:
-        print("starting scheduler, trainer and sampler ...", file=sys.stderr)
+    # the gateway too: while the demo runs, the Tinker SDK can reach the same stack at the printed URL
+    with LocalStack(base_model, args.data_dir / time.strftime("%Y%m%d-%H%M%S"), num_threads=args.threads,
+                    gateway=True) as stack:
+        print("starting scheduler, trainer, sampler and the Tinker gateway ...", file=sys.stderr)
         stack.start()
+        print(f"gRPC {stack.service('scheduler').address}; Tinker SDK: TINKER_BASE_URL={stack.gateway_url} "
+              f"TINKER_API_KEY={stack.api_key}", file=sys.stderr)
         with stack.client() as client:
             training = client.create_lora_training_client(base_model, rank=args.rank, seed=args.seed)
             tokenizer = training.get_tokenizer()

@@ -21,6 +21,7 @@ def test_demo_runs_on_the_tiny_model(tiny_model_dir, tmp_path):
     assert summary["steps"] == 2 and summary["heldout"] == 4
     assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
     assert summary["seconds"] > 0
+    assert "TINKER_BASE_URL=http://127.0.0.1:" in proc.stderr and "TINKER_API_KEY=tml-" in proc.stderr  # the gateway ran
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2] and all(s["loss"] > 0 for s in steps)
