@@ -25,15 +25,17 @@ def scaleout(tiny_model_dir, new_postgres_database, tmp_path_factory):
 
 def on_each_trainer(stack, client, base_model, seed, **lora):
     """A training client on each trainer, all alike (same seed and LoRA config): runs are created
-    until each trainer holds one (the trainers' resident-adapter gauges say where each went)."""
+    until each trainer of the stack holds one (the trainers' resident-adapter gauges say where each went).
+    Every trainer the stack runs counts: placement is by load, so a run may go to one that joined later."""
+    names = [s.name for s in stack.services_of("trainer")]
     placed = {}
     for _ in range(32):
-        before = {name: metric(stack.service(name), "temper_trainer_resident_adapters") for name in TRAINERS}
+        before = {name: metric(stack.service(name), "temper_trainer_resident_adapters") for name in names}
         tc = client.create_lora_training_client(base_model, seed=seed, **lora).result(timeout=300)  # created: then count
-        grown = [name for name in TRAINERS if metric(stack.service(name), "temper_trainer_resident_adapters") == before[name] + 1]
+        grown = [name for name in names if metric(stack.service(name), "temper_trainer_resident_adapters") == before[name] + 1]
         assert len(grown) == 1, (before, grown)
         placed.setdefault(grown[0], tc)
-        if len(placed) == len(TRAINERS):
+        if len(placed) == len(names):
             return placed
     raise AssertionError(f"32 runs, and all on {list(placed)}")
 
