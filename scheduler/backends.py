@@ -223,6 +223,15 @@ class Backends(SamplerRouting):
         candidates = self._trainers_of(base_model)
         return candidates[zlib.crc32(run_id.encode()) % len(candidates)]
 
+    def mark_down(self, address: str) -> None:
+        """No new runs go to trainer ``address`` until mark_up (it stopped answering: recovery.py, membership.py)."""
+        self.down.add(address)
+        metrics.TRAINERS_DOWN.set(len(self.down))
+
+    def mark_up(self, address: str) -> None:
+        self.down.discard(address)
+        metrics.TRAINERS_DOWN.set(len(self.down))
+
     def place(self, base_model: str, among: list[TrainerHandle] | None = None) -> TrainerHandle:
         """The trainer a new (or moved) run of ``base_model`` goes to: of ``among`` (default: the
         model's trainers not marked down, else all of them), the one holding the fewest runs."""

@@ -171,7 +171,7 @@ class Membership:
         metrics.MEMBERSHIP_EVENTS.labels(member.role, "back").inc()
         log.info("%s %s is heard again", member.role, member.address)
         if member.role == "trainer":
-            self.backends.down.discard(member.address)  # new runs may go there again
+            self.backends.mark_up(member.address)  # new runs may go there again
         else:
             self.backends.sampler_at(member.address).suspect_until = 0.0
 
@@ -179,7 +179,7 @@ class Membership:
         if await trainer.ping():  # only its heartbeats are lost: the scheduler still reaches it, its runs stay
             log.warning("trainer %s sends no heartbeat but answers: its runs stay there", trainer.address)
             return
-        self.backends.down.add(trainer.address)  # no new runs go there meanwhile
+        self.backends.mark_down(trainer.address)  # no new runs go there meanwhile
         if not await self.recovery.fail_over(trainer, ()):
             log.warning("trainer %s does not answer and no other trainer of %s does: its runs wait for it",
                         trainer.address, trainer.info.base_model)

@@ -22,6 +22,8 @@ SAMPLER_FAILURES = Counter("temper_scheduler_sampler_failures_total", "Sampler c
                            "deadline); the call went to another sampler of the model.", ["sampler"])
 WORKERS = Gauge("temper_scheduler_workers", "Trainers and samplers this scheduler knows (static and registered), by role.",
                 ["role"])
+TRAINERS_DOWN = Gauge("temper_scheduler_trainers_down", "Trainers that stopped answering and take no new runs until they "
+                      "answer again (their runs moved to others, or wait for them).")
 MEMBERSHIP_EVENTS = Counter("temper_scheduler_membership_events_total", "Registered workers that joined, restarted (a new "
                             "incarnation), went down (no heartbeat) or were heard again.", ["role", "event"])
 

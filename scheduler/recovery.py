@@ -174,7 +174,7 @@ class Recovery:
         alive = [t for t in others if await t.ping()]
         if not alive:
             return False
-        backends.down.add(dead.address)
+        backends.mark_down(dead.address)
         moved = sorted({r for r, address in backends.placements.items() if address == dead.address} | set(run_ids))
         for run_id in moved:
             target = backends.place(dead.info.base_model, among=alive)
@@ -307,7 +307,7 @@ class Recovery:
         for run_id in sorted(self.moved.pop(trainer.address, ())):
             if self.loop.backends.placements.get(run_id) != trainer.address:
                 await self._drop(trainer, run_id)
-        self.loop.backends.down.discard(trainer.address)
+        self.loop.backends.mark_up(trainer.address)
         self._watchers.pop(trainer.address, None)
         log.info("trainer %s answers again: new runs may be placed there", trainer.address)
 

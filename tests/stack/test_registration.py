@@ -12,7 +12,7 @@ import pytest
 from fixtures_stack import request_rows, sft_datum
 from temper.client import ModelInput, SamplingParams
 from temper.v1 import registry_pb2, registry_pb2_grpc
-from test_faults import log_count, metric
+from test_faults import log_count, metric, wait_until
 from test_scaleout import on_each_trainer
 from test_trainer_loss import ADAM, DATA, assert_close_weights, train_alone
 
@@ -33,6 +33,12 @@ def registered(tiny_model_dir, new_postgres_database, tmp_path_factory):
 
 def resident(stack, name: str) -> float:
     return metric(stack.service(name), "temper_trainer_resident_adapters")
+
+
+def wait_all_trainers_placeable(stack) -> None:
+    """Every trainer of the stack registered, and none marked down (a restarted one is back)."""
+    stack.wait_registered({"trainer": len(stack.services_of("trainer"))}, timeout=120)
+    wait_until(lambda: metric(stack.service("scheduler"), "temper_scheduler_trainers_down") == 0, 120, "no trainer down")
 
 
 def test_registered_trainers_share_runs_a_later_one_takes_new_ones_and_a_restart_loses_nothing(registered, tiny_model_dir,
@@ -63,7 +69,10 @@ def test_registered_trainers_share_runs_a_later_one_takes_new_ones_and_a_restart
         assert outputs[-1].metrics["step:max"] == len(DATA)  # none lost, none applied twice
         assert request_rows(stack.url, run.model_id) == [(seq, "forward_backward" if seq % 2 else "optim_step", "done")
                                                          for seq in range(1, 2 * len(DATA) + 1)]
-        assert log_count(scheduler, f"trainer {stack.service('trainer').address} restarted (incarnation") == 1
+        # its new incarnation registers (maybe after the run was already restored: by fail-over or on a NotFound)
+        restarted = f"trainer {stack.service('trainer').address} restarted (incarnation"
+        wait_until(lambda: log_count(scheduler, restarted) >= 1, 120, "the restarted trainer registering again")
+        assert log_count(scheduler, restarted) == 1
         twin = train_alone(client, tiny_model_dir, DATA, rank=4, seed=2)
         assert_close_weights(client, run, twin, tmp_path)
 
@@ -76,6 +85,7 @@ def test_registered_trainers_share_runs_a_later_one_takes_new_ones_and_a_restart
 
 def test_a_restarted_scheduler_learns_its_workers_again_from_their_heartbeats(registered, tiny_model_dir):
     stack = registered
+    wait_all_trainers_placeable(stack)  # the previous test restarted one
     with stack.client() as client:
         runs = on_each_trainer(stack, client, tiny_model_dir, seed=4, rank=2)
         stack.restart_scheduler()

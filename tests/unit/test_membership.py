@@ -11,6 +11,7 @@ import math
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from fakes_scheduler import build
 from temper.common.errors import FailedPrecondition, NotFound, Unavailable
@@ -143,11 +144,13 @@ def test_a_silent_trainer_that_does_not_answer_is_failed_over_once_and_taken_bac
         workers["t1:1"].down = True
         await members.sweep()
         assert recovery.failed_over == ["t1:1"] and backends.down == {"t1:1"}
+        assert REGISTRY.get_sample_value("temper_scheduler_trainers_down") == 1  # operators see it too
         await members.sweep()
         assert recovery.failed_over == ["t1:1"]  # once per silence
         workers["t1:1"].down = False
         members.heartbeat(TRAINER, "t1:1", "a")  # it was only frozen: heard again, takes new runs again
         assert backends.down == set() and not members.members[("trainer", "t1:1")].down
+        assert REGISTRY.get_sample_value("temper_scheduler_trainers_down") == 0
 
         clock.now += 11  # both silent now, but t2 still answers the scheduler: only its heartbeats are lost
         workers["t1:1"].down = True
