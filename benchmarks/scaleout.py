@@ -14,6 +14,9 @@ It measures, side by side in one run (repetitions interleaved in a rotating orde
   (b) ceiling       verbs/s (forward_backward + optim_step answered) with instant workers (sleep 0),
                     --ceiling-trainers trainers, --ceiling-runs runs over --tenants tenants, each with
                     --window small requests in flight (1 datum x --small-tokens tokens).
+                    Side by side, the same clients drive --grpc-floor (``grpc_floor.py``): the public
+                    service answered at once by a bare grpc.aio server (no auth, admission, database or
+                    trainer); the ceiling is also read as a fraction of that transport floor.
   (c) latency       open-loop (Poisson) arrivals at --latency-fraction x the (b) median, the same small
                     requests on the largest (a) stack (workers sleeping): p50/p99 per verb of what the
                     scheduler adds, latency minus the time the fake worker spent on the verb's cycle.
@@ -70,6 +73,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 DEFAULT_SERVER = "postgresql+psycopg2://postgres@127.0.0.1:5432/postgres"
 FB, OPT = "forward_backward", "optim_step"
+SMALL = ("ceiling", "floor")  # the variants driven with the small verbs
 GOAL_FRACTION = 0.9
 RETRY_CODES = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 ADAM = types_pb2.AdamParams(learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-8)
@@ -322,7 +326,7 @@ class Stack:
         return int(port) if port else None
 
     def pids(self) -> dict[str, int]:
-        return {"scheduler": self.scheduler.process.pid, "workers": self.workers.process.pid}
+        return {"scheduler": self.scheduler.process.pid, **({"workers": self.workers.process.pid} if self.workers else {})}
 
 
 def start_stacks(stacks: list[Stack], databases: Databases, log_dir: Path, token: str, scheduler_env: dict[str, str],
@@ -343,6 +347,12 @@ def start_stacks(stacks: list[Stack], databases: Databases, log_dir: Path, token
     for stack in stacks:
         stack.scheduler.wait_ready(300)
         progress.update()
+
+
+def start_floor(stack: Stack, log_dir: Path) -> None:
+    """The bare gRPC server (grpc_floor.py) as the stack's "scheduler": no workers, no database."""
+    stack.scheduler = launch(stack.name, [sys.executable, str(HERE / "grpc_floor.py"), "--bind", "127.0.0.1:0"], {}, log_dir)
+    stack.scheduler.wait_ready(120)
 
 
 def make_tenants(stack: Stack, count: int) -> None:
@@ -386,7 +396,7 @@ class Usage:
         self.stack, self.databases = stack, databases
 
     async def snapshot(self) -> dict:
-        db_pids = await asyncio.to_thread(self.databases.backend_pids, self.stack.database_name)
+        db_pids = await asyncio.to_thread(self.databases.backend_pids, self.stack.database_name) if self.stack.database_name else []
         cycles = await asyncio.to_thread(scrape_cycles, self.stack.metrics_port)
         pids = {**self.stack.pids(), "client": os.getpid()}
         return {"t": time.monotonic(), "cpu": {k: cpu_seconds([p]) for k, p in pids.items()},
@@ -559,13 +569,17 @@ def plot(result: dict, path: Path) -> None:
 
     c = result["ceiling"]
     ax = axes[1]
-    ax.bar([0], [c["verbs_per_s"]], color="#3a923a", width=0.6)
-    ax.plot([0] * len(c["samples_verbs_per_s"]), c["samples_verbs_per_s"], "k.", markersize=6, label="repetitions")
-    ax.text(0, c["verbs_per_s"], f"{c['verbs_per_s']:.0f}", ha="center", va="bottom", fontsize=9, fontweight="bold")
+    bars = [(c["verbs_per_s"], c["samples_verbs_per_s"], "#3a923a"),
+            (c["grpc_floor_verbs_per_s"], c["grpc_floor_samples_verbs_per_s"], "#999999")]
+    for x, (value, reps, color) in enumerate(bars):
+        ax.bar([x], [value], color=color, width=0.6)
+        ax.plot([x] * len(reps), reps, "k.", markersize=6, label="repetitions" if x == 0 else None)
+        ax.text(x, value, f"{value:.0f}", ha="center", va="bottom", fontsize=9, fontweight="bold")
     cores = c["cores"].get("scheduler")
-    ax.set_xticks([0], [f"{c['trainers']} trainers, {c['runs']} runs x {c['window_per_run']} in flight"], fontsize=8)
-    ax.set_xlim(-0.8, 0.8)
-    ax.set_ylim(0, max(c["samples_verbs_per_s"] + [c["verbs_per_s"], 1.0]) * 1.2)
+    ax.set_xticks([0, 1], [f"scheduler: {c['trainers']} trainers,\n{c['runs']} runs x {c['window_per_run']} in flight",
+                           f"bare gRPC server\n(ceiling / it: {c['fraction_of_grpc_floor']:.2f})"], fontsize=8)
+    ax.set_xlim(-0.7, 1.7)
+    ax.set_ylim(0, max(c["samples_verbs_per_s"] + c["grpc_floor_samples_verbs_per_s"] + [1.0]) * 1.2)
     ax.set_ylabel("verbs/s answered")
     ax.set_title("(b) ceiling, instant workers" + (f" (scheduler {cores:.2f} cores)" if cores is not None else ""), fontsize=9)
     ax.legend(fontsize=7)
@@ -606,14 +620,15 @@ async def measure(args, stacks: dict, databases: Databases, progress) -> dict:
     for n in throughput_ns:
         await create_runs(stacks[f"n{n}"], "throughput", n * args.runs_per_trainer, big)
     await create_runs(stacks["ceiling"], "small", args.ceiling_runs, small)
+    await create_runs(stacks["floor"], "small", args.ceiling_runs, small)
     await create_runs(stacks[f"n{max(args.trainers)}"], "small", args.ceiling_runs, small)
     progress.update()
 
-    variants = [f"n{n}" for n in throughput_ns] + ["ceiling"]
+    variants = [f"n{n}" for n in throughput_ns] + ["ceiling", "floor"]
     samples: dict[str, list[dict]] = {v: [] for v in variants}
     progress.set_postfix_str("warm-up")
     for v in variants:  # one short pass each: channels, caches, the first cycles
-        workload = "small" if v == "ceiling" else "throughput"
+        workload = "small" if v in SMALL else "throughput"
         await closed_loop(clients, stacks[v].runs[workload], args.window, 0.0, args.warmup, Usage(stacks[v], databases))
     progress.update()
     for rep in range(args.reps):
@@ -621,9 +636,9 @@ async def measure(args, stacks: dict, databases: Databases, progress) -> dict:
         for v in order:
             progress.set_postfix_str(f"rep {rep + 1}/{args.reps}: {v}")
             stack = stacks[v]
-            workload = "small" if v == "ceiling" else "throughput"
+            workload = "small" if v in SMALL else "throughput"
             got = await closed_loop(clients, stack.runs[workload], args.window, args.warmup, args.duration, Usage(stack, databases))
-            if v == "ceiling":
+            if v in SMALL:
                 sample = {"verbs_per_s": verbs_per_second(got["done"], got["window"])}
             else:
                 sample = tokens_per_second(got["done"], got["window"], stack.trainers)
@@ -632,7 +647,7 @@ async def measure(args, stacks: dict, databases: Databases, progress) -> dict:
             samples[v].append(sample)
             progress.update()
         tqdm.write(f"rep {rep + 1}: " + ", ".join(
-            f"{v} {samples[v][-1]['verbs_per_s']:.0f} verbs/s" if v == "ceiling" else f"{v} {samples[v][-1]['tokens_per_s']:.0f} tok/s"
+            f"{v} {samples[v][-1]['verbs_per_s']:.0f} verbs/s" if v in SMALL else f"{v} {samples[v][-1]['tokens_per_s']:.0f} tok/s"
             for v in variants), file=sys.stderr)
 
     ceiling = median([s["verbs_per_s"] for s in samples["ceiling"]])
@@ -653,7 +668,7 @@ async def measure(args, stacks: dict, databases: Databases, progress) -> dict:
 
 def summarize(args, samples: dict, latency: dict, clients: Clients, stacks: dict) -> dict:
     if args.only == "ceiling":
-        return {"benchmark": "scaleout", "throughput": None, "ceiling": summarize_ceiling(args, samples["ceiling"]),
+        return {"benchmark": "scaleout", "throughput": None, "ceiling": summarize_ceiling(args, samples),
                 "latency": latency, "retries": dict(clients.retries), "errors": {"count": clients.error_count, "first": clients.errors}}
     ideal = 1000.0 / args.seconds_per_1k_tokens if args.seconds_per_1k_tokens > 0 else None
     tps = {str(n): median([s["tokens_per_s"] for s in samples[f"n{n}"]]) for n in args.trainers}
@@ -688,7 +703,7 @@ def summarize(args, samples: dict, latency: dict, clients: Clients, stacks: dict
         "runs_per_trainer_seen": {str(n): dict(sorted(Counter(t for r in stacks[f"n{n}"].runs["throughput"] for t in r.trainers).items()))
                                   for n in args.trainers},
     }
-    ceiling = summarize_ceiling(args, samples["ceiling"])
+    ceiling = summarize_ceiling(args, samples)
     throughput["verbs_fraction_of_ceiling"] = {k: (v / ceiling["verbs_per_s"] if v is not None and ceiling["verbs_per_s"] else None)
                                                for k, v in throughput["verbs_per_s"].items()}
     return {
@@ -710,9 +725,14 @@ def summarize(args, samples: dict, latency: dict, clients: Clients, stacks: dict
     }
 
 
-def summarize_ceiling(args, c: list[dict]) -> dict:
+def summarize_ceiling(args, samples: dict) -> dict:
+    c, floor = samples["ceiling"], median([s["verbs_per_s"] for s in samples["floor"]])
+    ceiling = median([s["verbs_per_s"] for s in c])
     return {
-        "verbs_per_s": median([s["verbs_per_s"] for s in c]),
+        "verbs_per_s": ceiling,
+        "grpc_floor_verbs_per_s": floor, "grpc_floor_samples_verbs_per_s": [s["verbs_per_s"] for s in samples["floor"]],
+        "grpc_floor_cores": {k: median([s["usage"]["cores"].get(k) for s in samples["floor"]]) for k in ("scheduler", "client")},
+        "fraction_of_grpc_floor": ceiling / floor if ceiling and floor else None,
         "samples_verbs_per_s": [s["verbs_per_s"] for s in c],
         "trainers": args.ceiling_trainers, "runs": args.ceiling_runs, "tenants": args.tenants, "window_per_run": args.window,
         "cores": {k: median([s["usage"]["cores"].get(k) for s in c]) for k in ("scheduler", "workers", "client", "database")},
@@ -776,15 +796,21 @@ def main(argv: list[str] | None = None) -> int:
     stacked = [max(args.trainers)] if args.only == "ceiling" else args.trainers  # the largest one is (c)'s
     stacks = {f"n{n}": Stack(f"n{n}", n, args.seconds_per_1k_tokens) for n in stacked}
     stacks["ceiling"] = Stack("ceiling", args.ceiling_trainers, 0.0)
-    variants = 1 if args.only == "ceiling" else len(args.trainers) + 1
+    floor = Stack("floor", 0, 0.0)
+    variants = 2 if args.only == "ceiling" else len(args.trainers) + 2
     progress = tqdm(total=len(stacks) * 2 + 2 + args.reps * variants + 1, desc="scaleout", unit="step", file=sys.stderr)
     token = secrets.token_urlsafe(32)
     failed, kept_logs = True, None
     try:
         progress.set_postfix_str("starting schedulers and fake workers")
         start_stacks(list(stacks.values()), databases, log_dir, token, scheduler_env, progress)
+        stacks["floor"] = floor
+        start_floor(floor, log_dir)
         progress.set_postfix_str("API keys")
         for stack in stacks.values():
+            if stack is floor:
+                stack.tenants = [Tenant(f"tenant-{i:02d}", "none") for i in range(args.tenants)]
+                continue
             make_tenants(stack, args.tenants)
             progress.update()
         progress.set_postfix_str("sessions and runs")
@@ -831,7 +857,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
     c = result["ceiling"]
     print(f"ceiling {c['verbs_per_s']:.0f} verbs/s (scheduler {c['cores']['scheduler'] or 0:.2f} cores, machine busy "
-          f"{c['machine_busy_fraction'] or 0:.2f})", file=sys.stderr)
+          f"{c['machine_busy_fraction'] or 0:.2f}); bare gRPC server {c['grpc_floor_verbs_per_s']:.0f} verbs/s: "
+          f"ceiling / floor {c['fraction_of_grpc_floor'] or 0:.2f}", file=sys.stderr)
     for verb, stats in result["latency"]["per_verb"].items():
         a = stats["added_ms"]
         if a["n"]:
