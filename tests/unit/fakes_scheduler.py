@@ -117,7 +117,7 @@ class FakeStore:
         for (run_of, seq_of), record in self.requests.items():
             if run_of == run_id and seq_of <= seq:
                 record.payload = None
-        return previous
+        return previous if previous != key else None  # as Store.record_snapshot
 
     def move_run(self, run_id, trainer):
         self._check()
@@ -298,6 +298,12 @@ class FakeBackends:
 
     def remember_placement(self, run_id, address):
         pass
+
+    def mark_down(self, address):
+        self.down.add(address)
+
+    def mark_up(self, address):
+        self.down.discard(address)
 
     def trainer_for(self, base_model, run_id):
         if base_model != MODEL:
