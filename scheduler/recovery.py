@@ -232,12 +232,11 @@ class Recovery:
         base = row.snapshot_seq if row.snapshot_key else 0
         replay = [r for r in await persist(store.logged_requests, run_id, base, upto) if r.status == "done" and r.kind in REPLAYED]
         missing = [r.seq_id for r in replay if r.payload is None]
-        self.restores[run_id] += 1
         if missing:
             self._break(run_id, base, f"the request log has no payload of seq {missing[0]} (logged before recovery was on?)")
         if row.snapshot_key is None and row.seed is None:
             self._break(run_id, base, "it has no snapshot and no seed to create its adapter again")
-        if self.restores[run_id] > MAX_RESTORES:
+        if self.restores[run_id] >= MAX_RESTORES:  # counted per completed restore: retries of an unreachable trainer are not
             self._break(run_id, base, f"it was restored {MAX_RESTORES} times and its adapter was lost again each time")
         try:
             if row.snapshot_key:
@@ -249,8 +248,11 @@ class Recovery:
         except Unavailable:
             raise
         except TemperError as exc:  # the snapshot is unreadable, or a replayed request was refused
+            if adapter_missing(exc, run_id):  # the trainer restarted mid-restore: the whole restore again
+                raise Unavailable(f"trainer {trainer.address} lost {run_id}'s adapter while it was being restored") from None
             await self._drop(trainer, run_id)
             self._break(run_id, base, f"{type(exc).__name__}: {exc.message}")
+        self.restores[run_id] += 1
         why = self.pending.pop(run_id, "")
         metrics.RUNS_RESTORED.labels("restored").inc()
         metrics.RESTORE_SECONDS.observe(time.monotonic() - started)

@@ -186,3 +186,45 @@ def test_replay_batches_end_at_each_optim_step_and_keep_to_the_token_budget():
         (1, "forward_backward", 60), (2, "forward_backward", 60), (3, "optim_step", 0), (4, "forward_backward", 10),
         (5, "load_weights", 0), (6, "forward_backward", 10), (7, "optim_step", 0))]
     assert [[r.seq_id for r in batch] for batch in _batches(log, 100)] == [[1], [2, 3], [4], [5], [6, 7]]
+
+
+def test_a_trainer_that_restarts_again_mid_restore_gets_the_whole_restore_again():
+    async def main():
+        s, trainer, api = one_trainer(snapshot_every_steps=2)
+        loop = asyncio.create_task(s.loop.run_forever())
+        for pair in ((1, 2), (3, 4), (5, 6)):
+            await train(api, "a", pair)
+        trainer.lose()
+        real_restore, restores = trainer.restore, []
+
+        async def restore_then_restart_again(run_id, key):
+            out = await real_restore(run_id, key)
+            restores.append(key)
+            if len(restores) == 1:
+                trainer.lose()  # killed and back again between the snapshot and the replay
+            return out
+        trainer.restore = restore_then_restart_again
+        assert answers(await train(api, "a", (7, 8))) == [7.0, 8.0]  # not FAILED_PRECONDITION: restored again
+        assert restores == ["a/snapshots/4", "a/snapshots/4"] and trainer.adapters["a"] == trained(8)
+        loop.cancel()
+
+    asyncio.run(main())
+
+
+def test_retries_while_the_trainer_is_unreachable_do_not_count_as_restores():
+    async def main():
+        s, trainer, api = one_trainer(snapshot_every_steps=2, dispatch_retry_seconds=30)
+        loop = asyncio.create_task(s.loop.run_forever())
+        for pair in ((1, 2), (3, 4)):
+            await train(api, "a", pair)
+        trainer.lose()
+        s.loop.recovery.trainer_restarted(trainer)  # its new incarnation registered: "a" is pending
+        trainer.down = True                          # ... and it is unreachable for a while (more retries than MAX_RESTORES)
+        call = asyncio.create_task(train(api, "a", (5,)))
+        await asyncio.sleep(2.0)
+        trainer.down = False
+        assert answers(await call) == [5.0]
+        assert trainer.adapters["a"] == trained(5)
+        loop.cancel()
+
+    asyncio.run(main())
