@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
     resolve_model(args)
-    from scaleout import Databases
+    from scaleout_procs import Databases
     from temper.client import AdamParams, ModelInput, SamplingParams
     from temper.localstack import LocalStack
 

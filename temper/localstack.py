@@ -126,23 +126,21 @@ class LocalStack:
 
     def start(self, timeout: float = 300.0) -> str:
         """Start the scheduler and its trainers and samplers; returns the scheduler's address. Trainers
-        share one checkpoint folder (this machine's stand-in for durable storage); each sampler has its own."""
-        if self.registration:
-            return self._start_registered(timeout)
-        for role, count in self.counts.items():
-            for i in range(count):
-                name = role if i == 0 else f"{role}-{i}"
-                self._launch(role, self._worker_env(role, name), name=name)
+        share one checkpoint folder (this machine's stand-in for durable storage); each sampler has its own.
+        Static lists: the workers first, the scheduler then dials their addresses. Registration: the
+        scheduler first (its registry's port is the workers' register_with), then the workers register."""
         try:
-            for service in list(self.services):
-                self._wait_ready(service, timeout)
-            scheduler = self._launch("scheduler", {
-                "TEMPER_SCHEDULER_DATABASE_URL": self.database_url,
-                "TEMPER_SCHEDULER_TRAINER_ADDRESSES": ",".join(s.address for s in self.services_of("trainer")),
-                "TEMPER_SCHEDULER_SAMPLER_ADDRESSES": ",".join(s.address for s in self.services_of("sampler")),
-                "TEMPER_SCHEDULER_INTERNAL_TOKEN": self.internal_token,
-            })
-            self._wait_ready(scheduler, timeout)
+            if self.registration:
+                scheduler = self._start_scheduler({"TEMPER_SCHEDULER_REGISTRY_BIND": "127.0.0.1:0"}, timeout)
+                # a restarted scheduler serves its registry where the workers send their heartbeats
+                scheduler.env["TEMPER_SCHEDULER_REGISTRY_BIND"] = f"127.0.0.1:{scheduler.registry_port}"
+                self._start_workers(timeout)
+                self.wait_registered(self.counts, timeout)
+            else:
+                self._start_workers(timeout)
+                scheduler = self._start_scheduler({
+                    "TEMPER_SCHEDULER_TRAINER_ADDRESSES": ",".join(s.address for s in self.services_of("trainer")),
+                    "TEMPER_SCHEDULER_SAMPLER_ADDRESSES": ",".join(s.address for s in self.services_of("sampler"))}, timeout)
             self._start_gateway(timeout)
             self.api_key = self.key_for(LOCAL_TENANT)
         except BaseException:
@@ -150,28 +148,16 @@ class LocalStack:
             raise
         return scheduler.address
 
-    def _start_registered(self, timeout: float) -> str:
-        try:
-            scheduler = self._wait_ready(self._launch("scheduler", {
-                "TEMPER_SCHEDULER_DATABASE_URL": self.database_url,
-                "TEMPER_SCHEDULER_REGISTRY_BIND": "127.0.0.1:0",
-                "TEMPER_SCHEDULER_INTERNAL_TOKEN": self.internal_token,
-            }), timeout)
-            # a restarted scheduler serves its registry where the workers send their heartbeats
-            scheduler.env["TEMPER_SCHEDULER_REGISTRY_BIND"] = f"127.0.0.1:{scheduler.registry_port}"
-            for role, count in self.counts.items():
-                for i in range(count):
-                    name = role if i == 0 else f"{role}-{i}"
-                    self._launch(role, self._worker_env(role, name), name=name)
-            for service in [s for s in self.services if s.role != "scheduler"]:
-                self._wait_ready(service, timeout)
-            self.wait_registered(self.counts, timeout)
-            self._start_gateway(timeout)
-            self.api_key = self.key_for(LOCAL_TENANT)
-        except BaseException:
-            self.stop()
-            raise
-        return scheduler.address
+    def _start_workers(self, timeout: float) -> None:
+        """Every trainer and sampler of ``counts``, started together, each waited for."""
+        started = [self._launch(role, self._worker_env(role, name), name=name)
+                   for role, count in self.counts.items() for name in (role if i == 0 else f"{role}-{i}" for i in range(count))]
+        for service in started:
+            self._wait_ready(service, timeout)
+
+    def _start_scheduler(self, env: dict[str, str], timeout: float) -> Service:
+        return self._wait_ready(self._launch("scheduler", {
+            "TEMPER_SCHEDULER_DATABASE_URL": self.database_url, "TEMPER_SCHEDULER_INTERNAL_TOKEN": self.internal_token, **env}), timeout)
 
     def add_worker(self, role: str, timeout: float = 300.0) -> Service:
         """Start one more trainer or sampler that registers with the running scheduler (registration

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -83,6 +85,9 @@ def test_scaleout_benchmark_quick_runs_against_a_real_scheduler_and_reports_ever
         assert set(seen) <= {str(t) for t in range(int(n))} and sum(seen.values()) == int(n) * result["config"]["runs_per_trainer"]
     ceiling = result["ceiling"]
     assert ceiling["verbs_per_s"] > 0 and len(ceiling["samples_verbs_per_s"]) == result["config"]["reps"]
+    # the bare gRPC server, driven side by side: the ceiling as a fraction of it
+    assert len(ceiling["grpc_floor_samples_verbs_per_s"]) == result["config"]["reps"] and ceiling["grpc_floor_verbs_per_s"] > 0
+    assert ceiling["fraction_of_grpc_floor"] == pytest.approx(ceiling["verbs_per_s"] / ceiling["grpc_floor_verbs_per_s"])
     latency = result["latency"]
     assert abs(latency["target_verbs_per_s"] - result["config"]["latency_fraction"] * ceiling["verbs_per_s"]) < 1e-6
     for verb in ("forward_backward", "optim_step", "all"):
