@@ -59,7 +59,8 @@ class Lane:
             except TemperError as exc:  # placed on a trainer this scheduler does not reach, or none serves its model
                 self._turn_away(works, exc)
                 continue
-            if trainer is self.trainer:
+            # a run moved here while its work is still on its old trainer waits for that work's outcome
+            if trainer is self.trainer and self.loop.in_flight.get(run_id, trainer) is trainer:
                 mine[run_id] = works
         return mine
 

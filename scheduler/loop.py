@@ -39,6 +39,10 @@ from temper.v1 import service_pb2, trainer_pb2, types_pb2
 log = logging.getLogger(__name__)
 
 
+class Abandoned(Exception):
+    """A trainer call given up because its runs moved to another trainer meanwhile (SchedulerLoop.abandon)."""
+
+
 class SchedulerLoop:
     def __init__(self, admission: Admission, backends: Backends, store, runs: RunRegistry, settings: SchedulerSettings,
                  share: FairShare | None = None):
@@ -50,6 +54,10 @@ class SchedulerLoop:
         self.share = share or FairShare()
         self.cycles = 0
         self.recovery = Recovery(self)
+        # run id -> the trainer its planned work is on now: a run moved meanwhile (fail-over) waits for that
+        # work's outcome (answered, or held) before its new trainer's lane plans more of it (lanes.py)
+        self.in_flight: dict[str, TrainerHandle] = {}
+        self._calls: dict[str, asyncio.Task] = {}  # trainer address -> the call awaited there now (abandon())
 
     async def run_forever(self) -> None:
         """The lanes, one per trainer, concurrently. One that dies takes the others with it and this
@@ -76,6 +84,8 @@ class SchedulerLoop:
         self.cycles += 1
         number, started, outcome = self.cycles, time.monotonic(), "ok"
         in_pass = plan.passes + plan.optim_steps
+        runs = {w.run_id for w in plan.all_work()}
+        self.in_flight.update(dict.fromkeys(runs, trainer))
         try:
             if in_pass:
                 # Recorded before anything reaches a trainer: after a crash, "running" rows are the ones
@@ -89,6 +99,11 @@ class SchedulerLoop:
             log.error("cycle %d on trainer %s stopped the loop; plan: %s", number, trainer.address, describe(plan))
             raise
         finally:
+            for run_id in runs:
+                if self.in_flight.get(run_id) is trainer:
+                    del self.in_flight[run_id]
+            if any(self.backends.placements.get(r, trainer.address) != trainer.address for r in runs):
+                self.admission.wake.set()  # moved meanwhile: their new trainer's lane may plan them now
             elapsed = time.monotonic() - started
             tokens = sum(w.num_tokens for w in plan.passes)
             metrics.CYCLES.labels(outcome).inc()
@@ -125,6 +140,9 @@ class SchedulerLoop:
         return "failed" if failed else "held" if len(works) < count else "ok"
 
     async def _barrier(self, trainer: TrainerHandle, work: Work, plan: CyclePlan) -> str:
+        if self.backends.placements.get(work.run_id, trainer.address) != trainer.address:  # moved while the passes ran
+            self.admission.hold([work])
+            return "held"
         await self._mark_running([work])
         apply = self._save if work.kind is WorkKind.SAVE_WEIGHTS else self._load
         outcome = await self._call_trainer(trainer, lambda resent: apply(trainer, work, resent or work.resent), [work], plan)
@@ -141,7 +159,10 @@ class SchedulerLoop:
         deadline, delay, resent = time.monotonic() + self.settings.dispatch_retry_seconds, 0.2, False
         while True:
             try:
-                return await call(resent)
+                return await self._abandonable(trainer, call(resent))
+            except Abandoned:  # their runs moved to another trainer (fail_over): they run there once restored
+                self.admission.hold(works)
+                return "held"
             except Unavailable as exc:
                 if time.monotonic() + delay > deadline:
                     if await self.recovery.fail_over(trainer, {w.run_id for w in works}):
@@ -161,6 +182,28 @@ class SchedulerLoop:
                 log.warning("trainer refused %d requests: %s: %s; plan: %s", len(works), exc.code.name, exc.message, describe(plan))
                 await self._finish(works, [exc] * len(works))
                 return "failed"
+
+    async def _abandonable(self, trainer: TrainerHandle, call):
+        """``call``'s answer, unless abandon(trainer) is called meanwhile (Abandoned): a frozen trainer's
+        call would otherwise hold its runs' work until cycle_timeout_seconds, though they moved."""
+        task = asyncio.ensure_future(call)
+        self._calls[trainer.address] = task
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if task.cancelled() and not asyncio.current_task().cancelling():  # abandoned, not the lane stopping
+                raise Abandoned() from None
+            raise
+        finally:
+            if self._calls.get(trainer.address) is task:
+                del self._calls[trainer.address]
+
+    def abandon(self, trainer: TrainerHandle) -> None:
+        """Stop waiting for the call on ``trainer`` (its runs were moved away: recovery.fail_over).
+        Whatever it applies there later is on a copy nobody uses again (dropped when it answers)."""
+        task = self._calls.get(trainer.address)
+        if task is not None and not task.done():
+            task.cancel()
 
     async def _save(self, trainer: TrainerHandle, work: Work, resent: bool) -> service_pb2.SaveWeightsResponse:
         request = work.request

@@ -114,9 +114,10 @@ class Recovery:
 
     async def after_cycle(self, trainer: TrainerHandle, plan: CyclePlan) -> None:
         """Snapshot the plan's runs that are due (their cycle's answers have already gone out)."""
+        placed_here = self.loop.backends.placements
         for run_id in [r for r in dict.fromkeys(w.run_id for w in plan.all_work()) if r in self.due]:
             self.due.discard(run_id)
-            if run_id not in self.pending:
+            if run_id not in self.pending and placed_here.get(run_id, trainer.address) == trainer.address:  # not moved meanwhile
                 await self.snapshot(trainer, run_id, self.finished_seq[run_id])
 
     async def snapshot(self, trainer: TrainerHandle, run_id: str, seq: int) -> bool:
@@ -175,7 +176,10 @@ class Recovery:
         if not alive:
             return False
         backends.mark_down(dead.address)
-        moved = sorted({r for r, address in backends.placements.items() if address == dead.address} | set(run_ids))
+        # run_ids: runs of the caller's cycle with no placement recorded yet; one already moved elsewhere
+        # (by an earlier fail-over) stays there: moving it again would restore it without what it did there
+        moved = sorted({r for r, address in backends.placements.items() if address == dead.address}
+                       | {r for r in run_ids if r not in backends.placements})
         for run_id in moved:
             target = backends.place(dead.info.base_model, among=alive)
             await self.loop._persist(self.loop.store.move_run, run_id, target.address)
@@ -183,6 +187,7 @@ class Recovery:
             self.moved[dead.address].add(run_id)
             self._mark(run_id, f"trainer {dead.address} stopped answering; moved to {target.address}")
         log.warning("trainer %s does not answer: its %d runs move to %s", dead.address, len(moved), [t.address for t in alive])
+        self.loop.abandon(dead)  # a call still waiting there (a frozen trainer): its work is held for the new trainer
         if dead.address not in self._watchers:
             self._watchers[dead.address] = asyncio.create_task(self._watch(dead), name=f"watch {dead.address}")
         self.loop.admission.wake.set()

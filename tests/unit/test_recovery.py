@@ -228,3 +228,30 @@ def test_retries_while_the_trainer_is_unreachable_do_not_count_as_restores():
         loop.cancel()
 
     asyncio.run(main())
+
+
+def test_a_frozen_trainers_cycle_is_abandoned_when_its_run_moves_and_runs_once_on_the_new_trainer():
+    async def main():
+        shared = {}
+        frozen = FakeTrainer("t-dead:1", adapters={}, store=shared, gate=asyncio.Event())  # SIGSTOPped mid-cycle
+        alive = FakeTrainer("t-alive:1", adapters={}, store=shared)
+        s = build(backends=FakeBackends(frozen, alive, placement={"a": frozen}), dispatch_retry_seconds=600)
+        s.store.add_run("a", "alice")
+        frozen.adapters["a"] = []
+        api = servicer_of(s)
+        loop = asyncio.create_task(s.loop.run_forever())
+        first = asyncio.create_task(api.ForwardBackward(fb("a", 1), None))
+        await until(lambda: frozen.waiting == 1)
+        second = asyncio.create_task(api.OptimStep(optim("a", 2), None))  # pipelined by the client
+        await asyncio.sleep(0.05)
+        assert not second.done()  # seq 1 is still on the frozen trainer
+        frozen.down = True  # silent: membership's sweep fails it over
+        assert await s.loop.recovery.fail_over(frozen, ())
+        # the frozen call is abandoned: seq 1 runs on the new trainer (not skipped as "running"), then seq 2
+        assert answers([await asyncio.wait_for(first, 5), await asyncio.wait_for(second, 5)]) == [1.0, 2.0]
+        assert alive.adapters["a"] == trained(2) and s.store.statuses("a") == {1: "done", 2: "done"}
+        frozen.gate.set()  # SIGCONT: whatever it applies now is on a copy nobody uses
+        assert answers(await train(api, "a", (3,))) == [3.0] and alive.adapters["a"] == trained(3)
+        loop.cancel()
+
+    asyncio.run(main())
