@@ -68,6 +68,7 @@ class Recovery:
         self.pending: dict[str, str] = {}                        # run -> why its adapter must be rebuilt first
         self.broken: dict[str, FailedPrecondition] = {}          # runs that cannot be restored exactly
         self.restores: dict[str, int] = defaultdict(int)         # restores since the run's work last went through
+        self._checked: set[str] = set()                          # runs whose training_runs.restoring was looked at
         self.steps_since: dict[str, int] = defaultdict(int)      # optim steps since the run's last snapshot
         self.snapshot_at: dict[str, float] = {}                  # monotonic time of the run's last snapshot
         self.finished_seq: dict[str, int] = {}                   # the run's last finished seq (this process)
@@ -149,8 +150,11 @@ class Recovery:
     async def restore_before(self, trainer: TrainerHandle, plan: CyclePlan) -> bool:
         """Before a cycle: rebuild the adapters of the plan's pending runs on ``trainer``. True when
         anything was done (restored, moved, failed or released): the lane plans again."""
-        runs = [r for r in dict.fromkeys(w.run_id for w in plan.all_work()) if r in self.pending or r in self.broken]
-        if not self.enabled or not runs:
+        if not self.enabled:
+            return False
+        runs = [r for r in dict.fromkeys(w.run_id for w in plan.all_work())
+                if r in self.pending or r in self.broken or (r not in self._checked and self._interrupted(r))]
+        if not runs:
             return False
         for run_id in runs:
             works = [w for w in plan.all_work() if w.run_id == run_id]
@@ -206,6 +210,17 @@ class Recovery:
 
     # ---- restoring one run -------------------------------------------------------------------------
 
+    def _interrupted(self, run_id: str) -> bool:
+        """Whether an earlier scheduler process began restoring the run and died before the replay
+        ended (training_runs.restoring): the adapter on its trainer may be half-built, so it is restored
+        again. Asked once per run and process."""
+        self._checked.add(run_id)
+        info = self.loop.runs.known(run_id)
+        if info is None or not getattr(info.row, "restoring", False):
+            return False
+        self._mark(run_id, "an earlier scheduler process was restoring it when it stopped")
+        return True
+
     def _mark(self, run_id: str, why: str) -> None:
         if run_id not in self.pending:
             metrics.RUNS_RESTORED.labels("lost").inc()
@@ -243,6 +258,7 @@ class Recovery:
             self._break(run_id, base, "it has no snapshot and no seed to create its adapter again")
         if self.restores[run_id] >= MAX_RESTORES:  # counted per completed restore: retries of an unreachable trainer are not
             self._break(run_id, base, f"it was restored {MAX_RESTORES} times and its adapter was lost again each time")
+        await persist(store.set_restoring, run_id, True)  # until the replay ends (a scheduler dying meanwhile)
         try:
             if row.snapshot_key:
                 await trainer.restore(run_id, row.snapshot_key)
@@ -257,6 +273,7 @@ class Recovery:
                 raise Unavailable(f"trainer {trainer.address} lost {run_id}'s adapter while it was being restored") from None
             await self._drop(trainer, run_id)
             self._break(run_id, base, f"{type(exc).__name__}: {exc.message}")
+        await persist(store.set_restoring, run_id, False)
         self.restores[run_id] += 1
         why = self.pending.pop(run_id, "")
         metrics.RUNS_RESTORED.labels("restored").inc()

@@ -94,6 +94,9 @@ class TrainingRun(Base):
     # applied; NULL: none yet (restored from a fresh adapter of its config and seed, replayed from seq 1).
     snapshot_key: Mapped[str | None] = mapped_column(String(512), nullable=True)
     snapshot_seq: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # A restore of its adapter is under way: set before the snapshot (or a fresh adapter) goes to the
+    # trainer, cleared after the replay. Found set by a new scheduler process: restored again.
+    restoring: Mapped[bool] = mapped_column(Boolean, default=False, server_default=sa_false())
 
 
 class Checkpoint(Base):

@@ -42,6 +42,7 @@ _COUNT_RUN = update(RUNS).where(RUNS.c.id == bindparam("b_run")).values(
     steps=RUNS.c.steps + bindparam("b_steps"))
 _LOCK_SNAPSHOT = select(RUNS.c.snapshot_key).where(RUNS.c.id == bindparam("b_run")).with_for_update()
 _SET_SNAPSHOT = update(RUNS).where(RUNS.c.id == bindparam("b_run")).values(snapshot_key=bindparam("b_key"), snapshot_seq=bindparam("b_seq"))
+_SET_RESTORING = update(RUNS).where(RUNS.c.id == bindparam("b_run")).values(restoring=bindparam("b_restoring"))
 _CLEAR_PAYLOADS = update(REQUESTS).where(REQUESTS.c.training_run_id == bindparam("b_run"), REQUESTS.c.seq_id <= bindparam("b_seq"),
                                          REQUESTS.c.payload.is_not(None)).values(payload=None)
 
@@ -178,6 +179,11 @@ class RequestLogStore:
             conn.execute(_CLEAR_PAYLOADS, {"b_run": run_id, "b_seq": seq})
         previous = found[0]
         return previous if previous != key else None
+
+    def set_restoring(self, run_id: str, restoring: bool) -> None:
+        """Mark the run's adapter as being rebuilt (True) or rebuilt (False): models.TrainingRun.restoring."""
+        with self.engine.begin() as conn:
+            conn.execute(_SET_RESTORING, {"b_run": run_id, "b_restoring": restoring})
 
     def move_run(self, run_id: str, trainer: str) -> None:
         """The run's adapter now lives on ``trainer`` (restored there after its trainer died)."""

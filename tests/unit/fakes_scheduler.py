@@ -40,7 +40,8 @@ class FakeStore:
     def add_run(self, run_id: str, tenant: str, seed: int | None = 0) -> None:
         self.runs[run_id] = SimpleNamespace(id=run_id, session_id=f"s-{tenant}", base_model=MODEL, next_seq_id=1, trainer=None,
                                             lora_rank=4, lora_alpha=32.0, lora_dropout=0.0, seed=seed, train_attn=True,
-                                            train_mlp=True, train_unembed=False, snapshot_key=None, snapshot_seq=None)
+                                            train_mlp=True, train_unembed=False, snapshot_key=None, snapshot_seq=None,
+                                            restoring=False)
         self.tenants[run_id] = tenant
 
     def set_tenant_weights(self, weights):
@@ -109,6 +110,10 @@ class FakeStore:
         self._check()
         return [LoggedRequest(seq, r.kind, r.status, r.num_tokens, r.payload) for (run, seq), r in sorted(self.requests.items())
                 if run == run_id and after_seq < seq <= upto_seq]
+
+    def set_restoring(self, run_id, restoring):
+        self._check()
+        self.runs[run_id].restoring = restoring
 
     def record_snapshot(self, run_id, key, seq):
         self._check()

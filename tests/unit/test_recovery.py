@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from fakes_scheduler import FakeBackends, FakeTrainer, build, fb
+from fakes_scheduler import FakeBackends, FakeStore, FakeTrainer, build, fb
 from temper.common.errors import FailedPrecondition
 from temper.scheduler.recovery import _batches
 from temper.scheduler.db.request_log import LoggedRequest
@@ -253,5 +253,38 @@ def test_a_frozen_trainers_cycle_is_abandoned_when_its_run_moves_and_runs_once_o
         frozen.gate.set()  # SIGCONT: whatever it applies now is on a copy nobody uses
         assert answers(await train(api, "a", (3,))) == [3.0] and alive.adapters["a"] == trained(3)
         loop.cancel()
+
+    asyncio.run(main())
+
+
+def test_a_restore_cut_short_by_a_scheduler_crash_is_done_again_by_the_next_process():
+    async def main():
+        store, trainer = FakeStore(), FakeTrainer(adapters={})
+        s = build(store=store, trainer=trainer, snapshot_every_steps=2)
+        store.add_run("a", "alice")
+        trainer.adapters["a"] = []
+        api = servicer_of(s)
+        loop = asyncio.create_task(s.loop.run_forever())
+        for pair in ((1, 2), (3, 4), (5, 6)):
+            await train(api, "a", pair)
+        trainer.lose()
+        real_restore = trainer.restore
+
+        async def restore_then_the_scheduler_dies(run_id, key):
+            await real_restore(run_id, key)
+            loop.cancel()  # SIGKILL after RestoreAdapter, before the replay of seqs 5 and 6
+            await asyncio.sleep(3600)
+        trainer.restore = restore_then_the_scheduler_dies
+        resent = asyncio.create_task(api.ForwardBackward(fb("a", 7), None))
+        await until(loop.done)
+        resent.cancel()
+        assert trainer.adapters["a"] == trained(4) and store.runs["a"].restoring  # half-built, and the mark says so
+        trainer.restore = real_restore
+        store.runs["a"].next_seq_id = 7
+        s2 = build(store=store, trainer=trainer, snapshot_every_steps=2)  # the next scheduler process, same database
+        loop2 = asyncio.create_task(s2.loop.run_forever())
+        assert answers([await asyncio.wait_for(servicer_of(s2).ForwardBackward(fb("a", 7), None), 5)]) == [7.0]
+        assert trainer.adapters["a"] == trained(7) and not store.runs["a"].restoring  # 5 and 6 replayed, not skipped
+        loop2.cancel()
 
     asyncio.run(main())
