@@ -9,7 +9,6 @@ from typing import Callable
 
 from temper.common.errors import NotFound
 from temper.scheduler.db import models as m
-from temper.scheduler.work import WorkKind
 from temper.v1 import types_pb2
 
 
@@ -55,8 +54,7 @@ class RunRegistry:
 
     async def get(self, run_id: str, tenant: str | None = None) -> RunInfo:
         """The run (with ``tenant``: only if it is that tenant's, else the same NotFound as a run that
-        does not exist). Its first use in this process closes what an earlier process left interrupted
-        on a trainer (Store.recover_interrupted). Concurrent first uses share that one load."""
+        does not exist). Concurrent first uses share that one load."""
         info = self._runs.get(run_id)
         if info is None and tenant is not None:
             # The owner is checked before the first load: another tenant's call must not even recover the run.
@@ -68,8 +66,7 @@ class RunRegistry:
             return info
         loading = self._loading.get(run_id)
         if loading is None:
-            barriers = [kind.value for kind in WorkKind if kind.is_barrier]
-            loading = self._loading[run_id] = asyncio.ensure_future(asyncio.to_thread(self.store.load_run, run_id, barriers))
+            loading = self._loading[run_id] = asyncio.ensure_future(asyncio.to_thread(self.store.load_run, run_id))
         try:
             row, owner, closed, recorded_upto = await asyncio.shield(loading)
         finally:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import uuid
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Iterable
 
 from sqlalchemy import create_engine, event, func, select, update
 from sqlalchemy.engine import make_url
@@ -154,10 +153,12 @@ class Store(TenancyStore, RequestLogStore, CatalogStore):
 
     # ---- sequenced requests -------------------------------------------------------------------
 
-    def load_run(self, run_id: str, kinds: Iterable[str]) -> tuple[m.TrainingRun, str, bool, int]:
-        """A run as an earlier process left it (see recover_interrupted), its tenant, whether its
-        session is closed, and the highest seq it has a request row for (0: none)."""
-        run = self.recover_interrupted(run_id, kinds)
+    def load_run(self, run_id: str) -> tuple[m.TrainingRun, str, bool, int]:
+        """A run as an earlier process left it, its tenant, whether its session is closed, and the highest
+        seq it has a request row for (0: none). Requests it left "queued" or "running" stay so: each is
+        sent again when its client resends it (a trainer answers a seq it applied from memory; a save or
+        load resent is safe to run again: loop.py::_save, _load)."""
+        run = self.get_training_run(run_id)
         with self.sessions() as db:
             closed = db.scalar(select(m.Session.closed_at).where(m.Session.id == run.session_id)) is not None
             recorded = db.scalar(select(func.max(m.RequestRecord.seq_id)).where(m.RequestRecord.training_run_id == run_id)) or 0
@@ -169,25 +170,6 @@ class Store(TenancyStore, RequestLogStore, CatalogStore):
         if row is None:
             raise NotFound(f"session {session_id!r} not found")
         return row.closed_at is not None
-
-    def recover_interrupted(self, run_id: str, kinds: Iterable[str]) -> m.TrainingRun:
-        """Close the requests of ``kinds`` (those a trainer cannot recognise when re-sent) that an
-        earlier scheduler process left on a trainer ("running") as failed, and move the run's next seq
-        past them so its later work can go on. Other requests, "queued" or "running", stay and are
-        sent again when their client resends them."""
-        with self.sessions.begin() as db:
-            run = db.get(m.TrainingRun, run_id)
-            if run is None:
-                raise NotFound(f"training run {run_id!r} not found")
-            interrupted = db.scalars(select(m.RequestRecord).where(
-                m.RequestRecord.training_run_id == run_id, m.RequestRecord.status == "running",
-                m.RequestRecord.kind.in_(list(kinds)))).all()
-            for record in interrupted:
-                record.status, record.finished_at = "failed", _now()
-                record.error = ("interrupted: the scheduler stopped while this request was on a trainer, so whether "
-                                "it was applied is unknown; reload a checkpoint if that matters")
-                run.next_seq_id = max(run.next_seq_id, record.seq_id + 1)
-            return run
 
     # ---- checkpoints --------------------------------------------------------------------------
 

@@ -51,7 +51,7 @@ class FakeStore:
         self._check()
         return {}
 
-    def load_run(self, run_id, kinds):
+    def load_run(self, run_id):
         self._check()
         if run_id not in self.runs:
             raise NotFound(f"training run {run_id!r} not found")
