@@ -14,6 +14,21 @@ from typing import Awaitable, Callable
 import grpc
 
 log = logging.getLogger(__name__)
+# Every status message a server sends is cut to this (``_abort``): a backstop for a message that
+# would echo a large input.
+MAX_STATUS_CHARS = 1024
+
+
+def shown(value: str, limit: int = 64) -> str:
+    """``value`` for an error message: repr'd and cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 5] + "...'" + f" ({len(value)} chars)"
+
+
+def bounded(message: str, limit: int = MAX_STATUS_CHARS) -> str:
+    """``message`` cut to ``limit`` characters (its start kept: codes and prefixes such as
+    ``AdapterNotLoaded.PREFIX`` are read from there)."""
+    return message if len(message) <= limit else message[: limit - 24] + f"... ({len(message)} chars)"
 
 
 class TemperError(Exception):
@@ -144,8 +159,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str):
     if isinstance(exc, TemperError):
-        log.info("%s -> %s: %s", method, exc.code.name, exc.message)
-        await context.abort(exc.code, exc.message)
+        message = bounded(exc.message)
+        log.info("%s -> %s: %s", method, exc.code.name, message)
+        await context.abort(exc.code, message)
     log.exception("%s failed", method, exc_info=exc)
     # The details stay in this server's log: an exception's text can carry SQL, paths or the caller's input.
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}) in {method}; see the server log")

@@ -9,19 +9,13 @@ import re
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from temper.common.errors import InvalidArgument
+from temper.common.errors import InvalidArgument, shown  # noqa: F401 (shown: re-exported, defined torch- and protobuf-free)
 
 MAX_ID_CHARS = 256          # ids, paths, names, model names
 MAX_TEXT_CHARS = 4096       # free text: tags, metadata values, stop strings
 MAX_ENTRIES = 256           # repeated strings and map entries per field
 # Fields whose value names something (a row, a file, a model): no control characters at all.
 _IDENTIFIER_SUFFIXES = ("_id", "path", "base_model", "name", "status", "loss_fn", "checkpoint_key", "kind_name")
-
-
-def shown(value: str, limit: int = 64) -> str:
-    """``value`` for an error message: repr'd and cut to ``limit`` characters."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 5] + "...'" + f" ({len(value)} chars)"
 
 
 _CONTROL = re.compile("[\x00-\x1f\x7f]")

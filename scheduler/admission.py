@@ -40,6 +40,13 @@ ANSWER_TYPES = {  # what each sequenced verb answers (RequestRecord.result holds
 }
 # the verbs that change an adapter: their requests are logged for replay onto a restored one (forward changes nothing)
 LOGGED_KINDS = (WorkKind.FORWARD_BACKWARD, WorkKind.OPTIM_STEP, WorkKind.LOAD_WEIGHTS)
+# seq_ids at or above this are refused: the run's next seq (a BIGINT) must stay far from 2**63 - 1,
+# even after a gap before a high seq is skipped (seq_gap_timeout_seconds)
+MAX_SEQ_ID = 2**62 - 1
+# How far ahead of the run's next expected seq a request may be: further, and no client pipelines
+# that deep, so it is a wrong seq (INVALID_ARGUMENT). Nearer, past max_queued_per_run, it waits:
+# RESOURCE_EXHAUSTED, and its resend is admitted once the run has caught up.
+MAX_SEQ_AHEAD = 1 << 20
 INLINE_CHECK_BYTES = 64 * 1024  # smaller requests are hashed and checked on the event loop: cheaper than a thread hop
 Check = Callable[[RunInfo], int]                 # CPU-only validation; returns the request's token count
 AsyncCheck = Callable[[RunInfo], Awaitable[None]]  # validation that needs the database or other runs
@@ -64,8 +71,8 @@ class Admission:
         """``tenant``: the caller; another tenant's run answers NotFound before anything is looked at."""
         run = await self.runs.get(run_id, tenant)
         await self.quotas.limits(run.tenant)  # fresh in the cache for the capacity check below
-        if seq_id < 1:
-            raise InvalidArgument(f"seq_id must be >= 1, got {seq_id}")
+        if not 1 <= seq_id <= MAX_SEQ_ID:
+            raise InvalidArgument(f"seq_id must be in [1, 2**62), got {seq_id}")
         if request.ByteSize() <= INLINE_CHECK_BYTES:
             sha, tokens, invalid, serialized = _digest_and_check(request, check, run)
         else:
@@ -98,14 +105,18 @@ class Admission:
                                      f"(seq_gap_timeout_seconds); the run's later requests went on without it")
         if seq_id < queue.next_seq_id:
             raise InvalidArgument(f"seq_id {seq_id} of {run_id} is behind the next expected seq_id {queue.next_seq_id}")
+        if seq_id - queue.next_seq_id > MAX_SEQ_AHEAD:
+            raise InvalidArgument(f"seq_id {seq_id} of {run_id} is more than {MAX_SEQ_AHEAD} ahead of the next expected "
+                                  f"seq_id {queue.next_seq_id}")
         self._check_capacity(run, queue, seq_id, kind)
         work = Work(run_id, seq_id, kind, request, sha, tokens, run.tenant, WorkState.CLAIMED)
+        work.resent = recorded  # its row was left queued or running: it may have reached a trainer (a save tolerates its files)
         self._claim(queue, work)  # no await since the capacity check: the limit holds exactly
         try:
             if invalid is not None:
                 raise invalid
-            if check_async is not None:
-                await check_async(run)
+            if check_async is not None and not recorded:  # a resent row passed them when first admitted; its own
+                await check_async(run)                     # effects (e.g. its checkpoint row) must not refuse it now
             if not recorded:
                 await self.writer.add(NewRequest(run_id, seq_id, kind.value, sha, "queued", tokens, None, payload))
         except Unavailable as exc:
@@ -138,6 +149,11 @@ class Admission:
             if limit and used >= limit:
                 metrics.ADMISSIONS.labels(kind.value, "RESOURCE_EXHAUSTED").inc()
                 raise ResourceExhausted(f"{who} has {used} queued requests (limit {limit}); retry with backoff")
+        ahead, most = seq_id - queue.next_seq_id, self.settings.max_queued_per_run
+        if most and ahead > most:  # parked so far ahead, it would wait behind more seqs than the run may hold
+            metrics.ADMISSIONS.labels(kind.value, "RESOURCE_EXHAUSTED").inc()
+            raise ResourceExhausted(f"seq_id {seq_id} of run {run.run_id} is {ahead} ahead of the next expected seq_id "
+                                    f"(at most {most} may wait); retry with backoff")
 
     def _unparked(self, tenant: str) -> tuple[int, int]:
         """Requests held and not parked behind a missing seq: ``tenant``'s, and everyone's (one pass

@@ -32,13 +32,16 @@ from temper.v1 import service_pb2, trainer_pb2, types_pb2
 
 log = logging.getLogger(__name__)
 CONFIG_FILE = WEIGHT_FILES[0]  # adapter_config.json
+MAX_CONFIG_BYTES = 64 << 10    # the trainer's limit (services/trainer/imports.py): refused here before parsing
 
 
 def adapter_base_model(config: bytes) -> str:
     """The base model an adapter is for: its adapter_config.json's base_model_name_or_path."""
+    if len(config) > MAX_CONFIG_BYTES:
+        raise InvalidArgument(f"{CONFIG_FILE} is over {MAX_CONFIG_BYTES} bytes")
     try:
         value = json.loads(config).get("base_model_name_or_path")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):  # RecursionError: nested too deep
         raise InvalidArgument(f"{CONFIG_FILE} is not a JSON object") from None
     if not isinstance(value, str) or not value:
         raise InvalidArgument(f"{CONFIG_FILE} names no base_model_name_or_path")
@@ -113,8 +116,10 @@ class ImportVerbs:
             await trainer.call("LoadAdapter", trainer_pb2.LoadAdapterRequest(training_run_id=run_id, checkpoint_key=paths[0].key))
             sizes = [imported.size_bytes]
             if header.save_state:
+                # with the (fresh, empty) optimizer state: a training checkpoint always has one, so
+                # loading it with_optimizer works as for any other (the optimizer starts afresh)
                 saved = await trainer.call("SaveAdapter", trainer_pb2.SaveAdapterRequest(
-                    training_run_id=run_id, checkpoint_key=paths[1].key, include_optimizer=False))
+                    training_run_id=run_id, checkpoint_key=paths[1].key, include_optimizer=True))
                 sizes.append(saved.size_bytes)
             if snapshot is not None:
                 await trainer.snapshot(run_id, snapshot)

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from temper.common.checkpoints import parse_path
-from temper.common.codec import decode_tokens
 from temper.common.errors import FailedPrecondition, InvalidArgument, NotFound
-from temper.common.validation import check_last_n, check_prompt_scoring, check_token_range, model_input_tokens
+from temper.common.validation import (check_last_n, check_prompt_scoring, check_sample_counts, check_sampling_params,
+                                     check_token_range, model_input_tokens)
 from temper.scheduler import metrics
 from temper.scheduler.auth import caller
 from temper.scheduler.db import models as m
@@ -36,6 +36,7 @@ class SamplingTarget:
     checkpoint_key: str     # "" for the base model
     tokens: np.ndarray      # the prompt
     tenant: str
+    model_path: str | None = None  # the checkpoint's path; its last use is written once the request is accepted
 
 
 class SamplingVerbs:
@@ -100,16 +101,21 @@ class SamplingVerbs:
             if not self.backends.holds(row.base_model, checkpoint_key):
                 # still there, and still the caller's to read (deleted, collected, unpublished); pushed by the call
                 await asyncio.to_thread(self.store.readable_checkpoint, str(path), tenant)
-            if time.monotonic() - self._touched.get(row.model_path, 0.0) > TOUCH_SECONDS:
-                self._touched[row.model_path] = time.monotonic()
-                await asyncio.to_thread(self.store.touch_checkpoint, row.model_path)
         tokens = model_input_tokens(prompt)
         if tokens.size == 0:
             raise InvalidArgument("prompt is empty")
         check_token_range(tokens, info.vocab_size, "prompt")
         if len(tokens) > info.max_context_length:
             raise InvalidArgument(f"prompt has {len(tokens)} tokens; the context length is {info.max_context_length}")
-        return SamplingTarget(row.base_model, info, checkpoint_key, tokens, tenant)
+        return SamplingTarget(row.base_model, info, checkpoint_key, tokens, tenant, row.model_path or None)
+
+    async def _touch(self, target: SamplingTarget) -> None:
+        """The checkpoint's last use, written (at most every TOUCH_SECONDS) for a request accepted: a
+        refused one changes nothing."""
+        path = target.model_path
+        if path and time.monotonic() - self._touched.get(path, 0.0) > TOUCH_SECONDS:
+            self._touched[path] = time.monotonic()
+            await asyncio.to_thread(self.store.touch_checkpoint, path)
 
     async def _call_sampler(self, target: SamplingTarget, method: str, request):
         # on the sampler chosen for the adapter (pushed there if missing); one that is down or dies
@@ -120,14 +126,16 @@ class SamplingVerbs:
     async def Sample(self, request, context):
         await self.backends.wait_ready()
         target = await self._sampling_target(request.sampler_id, request.prompt)
-        if request.num_samples < 1:
-            raise InvalidArgument(f"num_samples must be >= 1, got {request.num_samples}")
-        check_token_range(decode_tokens(request.sampling_params.stop_token_ids), target.info.vocab_size, "stop token ids")
+        # every rule the sampler applies, before any sampler is called: a refused request pushes no
+        # adapter (which could evict the tenant's others) and changes nothing
+        check_sampling_params(request.sampling_params, target.info.vocab_size)
+        check_sample_counts(request.num_samples, request.topk_logprobs, request.topk_prompt_logprobs, target.info.vocab_size)
         last_n = request.prompt_logprobs_last_n if request.HasField("prompt_logprobs_last_n") else None
         check_prompt_scoring(len(target.tokens), request.include_prompt_logprobs, request.topk_prompt_logprobs, last_n)
         tag = request.request_tag or uuid.uuid4().hex[:16]
         if not REQUEST_TAG.fullmatch(tag):
             raise InvalidArgument("request_tag: at most 64 letters, digits, '-', '_' or '.'")
+        await self._touch(target)
         await self.admission.quotas.wait_to_sample(target.tenant)
         sample = sampler_pb2.SamplerSampleRequest(
             checkpoint_key=target.checkpoint_key, prompt_tokens=target.tokens.astype("<i4").tobytes(),
@@ -153,5 +161,6 @@ class SamplingVerbs:
         if request.HasField("prompt_logprobs_last_n"):
             check_last_n(len(target.tokens), request.prompt_logprobs_last_n)
             logprobs.prompt_logprobs_last_n = request.prompt_logprobs_last_n
+        await self._touch(target)
         response = await self._call_sampler(target, "ComputeLogprobs", logprobs)
         return service_pb2.ComputeLogprobsResponse(logprobs=response.logprobs)

@@ -31,6 +31,10 @@ from temper.scheduler.views import KIND_NAMES, lora_of, run_message
 from temper.scheduler.work import WorkKind
 from temper.v1 import service_pb2, service_pb2_grpc, trainer_pb2, types_pb2
 
+# The session's run counter (sessions.num_training_runs, an INTEGER) stores the index + 1.
+MAX_RUN_INDEX = 2**31 - 1
+
+
 def needs_workers(method):
     """The verb waits until the trainers and samplers have answered (UNAVAILABLE after a while):
     a scheduler that has just started never answers "no trainer serves this model" by mistake."""
@@ -66,6 +70,7 @@ class TemperServicer(SamplingVerbs, CheckpointVerbs, ImportVerbs, LookupVerbs, T
         return response
 
     async def CreateSession(self, request, context):
+        check_user_metadata(request.user_metadata)
         row = await asyncio.to_thread(self.store.create_session, caller(), list(request.tags), dict(request.user_metadata))
         return service_pb2.Session(session_id=row.id)
 
@@ -86,8 +91,8 @@ class TemperServicer(SamplingVerbs, CheckpointVerbs, ImportVerbs, LookupVerbs, T
 
     @needs_workers
     async def CreateTrainingRun(self, request, context):
-        if request.HasField("run_index") and request.run_index < 0:
-            raise InvalidArgument(f"run_index must be >= 0, got {request.run_index}")
+        if request.HasField("run_index") and not 0 <= request.run_index < MAX_RUN_INDEX:
+            raise InvalidArgument(f"run_index must be in [0, {MAX_RUN_INDEX}), got {request.run_index}")
         check_user_metadata(request.user_metadata)
         tenant = caller()
         source = await self._checkpoint_source(request, tenant) if request.from_path else None
@@ -217,6 +222,11 @@ class TemperServicer(SamplingVerbs, CheckpointVerbs, ImportVerbs, LookupVerbs, T
             source = await self.runs.get(checkpoint.training_run_id)
             if source.base_model != run.base_model:
                 raise FailedPrecondition(f"checkpoint is for {source.base_model}, run {run.run_id} uses {run.base_model}")
+            # a checkpoint has the LoRA layout of the run that saved it; the trainer loads only the same one
+            mine, theirs = _lora_layout(run.row), _lora_layout(source.row)
+            if mine != theirs:
+                raise FailedPrecondition(f"checkpoint has LoRA rank {theirs[0]} on {_targets(theirs)}; run {run.run_id} has "
+                                         f"rank {mine[0]} on {_targets(mine)}")
             if self.backends.trainer_for(run.base_model, run.run_id) is not self.backends.trainer_for(source.base_model, source.run_id):
                 raise FailedPrecondition("loading across trainers needs durable checkpoint storage (not yet supported)")
 
@@ -250,3 +260,11 @@ class TemperServicer(SamplingVerbs, CheckpointVerbs, ImportVerbs, LookupVerbs, T
         ):
             response.limits.add(name=name, limit=limit, used=used, wait_seconds=wait)
         return response
+
+
+def _lora_layout(row: m.TrainingRun) -> tuple[int, bool, bool, bool]:
+    return row.lora_rank, bool(row.train_attn), bool(row.train_mlp), bool(row.train_unembed)
+
+
+def _targets(layout: tuple[int, bool, bool, bool]) -> str:
+    return "+".join(name for name, on in zip(("attention", "MLP", "unembedding"), layout[1:]) if on) or "nothing"

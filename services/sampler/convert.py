@@ -9,28 +9,17 @@ from __future__ import annotations
 import numpy as np
 
 from temper.common.codec import decode_tokens, encode_array, encode_floats, encode_tokens
-from temper.common.errors import InvalidArgument
-from temper.common.validation import check_last_n, check_prompt_scoring
+from temper.common.validation import (  # noqa: F401 (MAX_TOPK_LOGPROBS, MIN_TEMPERATURE: re-exported)
+    MAX_TOPK_LOGPROBS, MIN_TEMPERATURE, check_last_n, check_prompt_scoring, check_sample_counts, check_sampling_params)
 from temper.services.sampler.backend import ModelDescription, SampleRequest, SampleResult, SamplingOptions
 from temper.v1 import sampler_pb2, types_pb2
 
-MAX_TOPK_LOGPROBS = 100
-MIN_TEMPERATURE = 1e-3  # below it logits / temperature overflow float32; use 0 for greedy
 _STOP_REASONS = {"stop": types_pb2.STOP_REASON_STOP, "length": types_pb2.STOP_REASON_LENGTH}
 
 
 def sampling_options_from_pb(p: types_pb2.SamplingParams, vocab_size: int) -> SamplingOptions:
-    if p.max_tokens <= 0:
-        raise InvalidArgument(f"max_tokens must be positive, got {p.max_tokens}")
-    if not np.isfinite(p.temperature) or p.temperature < 0 or 0 < p.temperature < MIN_TEMPERATURE:
-        raise InvalidArgument(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {p.temperature:g}")
-    if any(s == "" for s in p.stop_strings):
-        raise InvalidArgument("stop strings must not be empty (an empty one would stop every sample at once)")
-    if not 0 <= p.top_p <= 1:
-        raise InvalidArgument(f"top_p must be in [0, 1], got {p.top_p}")
-    stop_ids = tuple(int(t) for t in decode_tokens(p.stop_token_ids))
-    if any(t < 0 or t >= vocab_size for t in stop_ids):
-        raise InvalidArgument(f"stop token ids must be in [0, {vocab_size})")
+    # the scheduler checked the same rules before calling (validation.py); checked again here
+    stop_ids = check_sampling_params(p, vocab_size)
     return SamplingOptions(
         max_tokens=p.max_tokens, seed=p.seed if p.HasField("seed") else None, temperature=p.temperature,
         top_k=max(p.top_k, 0), top_p=p.top_p if 0 < p.top_p < 1 else 1.0, stop_strings=tuple(p.stop_strings),
@@ -39,17 +28,11 @@ def sampling_options_from_pb(p: types_pb2.SamplingParams, vocab_size: int) -> Sa
 
 
 def sample_request_from_pb(request: sampler_pb2.SamplerSampleRequest, vocab_size: int, max_num_samples: int) -> SampleRequest:
-    if not 1 <= request.num_samples <= max_num_samples:
-        raise InvalidArgument(f"num_samples must be in [1, {max_num_samples}], got {request.num_samples}")
+    check_sample_counts(request.num_samples, request.topk_logprobs, request.topk_prompt_logprobs, vocab_size, max_num_samples)
     options = sampling_options_from_pb(request.sampling_params, vocab_size)
-    top = min(vocab_size, MAX_TOPK_LOGPROBS)
-    if not 0 <= request.topk_logprobs <= top:
-        raise InvalidArgument(f"topk_logprobs must be in [0, {top}], got {request.topk_logprobs}")
     prompt = decode_tokens(request.prompt_tokens)
     last_n = request.prompt_logprobs_last_n if request.HasField("prompt_logprobs_last_n") else None
     check_prompt_scoring(len(prompt), request.include_prompt_logprobs, request.topk_prompt_logprobs, last_n)
-    if request.topk_prompt_logprobs > vocab_size:
-        raise InvalidArgument(f"topk_prompt_logprobs must be at most the vocabulary size {vocab_size}")
     return SampleRequest(request.checkpoint_key or None, prompt, request.num_samples, options,
                          request.include_prompt_logprobs, request.topk_logprobs, request.topk_prompt_logprobs, last_n)
 

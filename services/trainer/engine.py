@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from temper.common.errors import FailedPrecondition, InvalidArgument, TemperError
+from temper.common.errors import FailedPrecondition, Internal, InvalidArgument, TemperError, shown
 from temper.common.optim import AdamParams
 from temper.services.lora.model import AdapterSpec, LoraModel
 from temper.services.models.loading import LoadedModel
 from temper.services.trainer import imports, metrics, numerics, snapshots
 from temper.services.trainer.adapters import AdapterHost, TrainedAdapter
+from temper.services.trainer.step_undo import StepUndo
 from temper.services.trainer.checkpoints import CheckpointStore
 from temper.services.trainer.losses import LOSS_FNS
 from temper.services.trainer.memory import ActivationModel, activation_budget_bytes
@@ -152,8 +153,10 @@ class TrainerEngine:
         adapter, a bad item, a seq applied so long ago that its answer is gone) or whose loss or
         gradient is not finite has its fresh items answered with that error, and nothing of it
         changes; the other runs' items run together as usual. A failed optim step fails alone (its
-        run's passes before it stand). Items whose seq the adapter already applied are answered from
-        memory. An error no one run caused (out of memory, a bug) raises with every gradient undone."""
+        run's passes before it stand) and changes nothing. Items whose seq the adapter already applied
+        are answered from memory. A shared pass that raises is run again one run at a time, so a run
+        whose own pass raises fails alone (INTERNAL); an error of every run (out of memory, a bug)
+        raises with every gradient undone."""
         start = time.perf_counter()
         items = [*forward_backward, *optim_step]
         outcomes: list = [None] * len(items)
@@ -203,8 +206,12 @@ class TrainerEngine:
     def _optim_step_or_error(self, item: OptimStepItem) -> dict[str, float] | TemperError:
         try:
             return self.optim_step(self.host.get(item.run_id), item.adam)
-        except TemperError as exc:  # refused before it changed anything; the run's passes stand
+        except TemperError as exc:  # refused, nothing changed; the run's passes stand
             return exc
+        except Exception as exc:  # noqa: BLE001 - optim_step undid it: one run's failure is not the cycle's
+            log.exception("the optim step of run %s failed", item.run_id)
+            return Internal(f"the optim step of run {item.run_id} failed ({type(exc).__name__}); nothing of the run "
+                            f"was changed")
 
     def _passes(self, items: list[ForwardBackwardItem]) -> tuple[list[ForwardBackwardResult], dict[str, TemperError]]:
         """All items in shared passes; gradients accumulate into each item's own run's adapter. Returns
@@ -214,13 +221,19 @@ class TrainerEngine:
         training = {run_id: adapters[run_id] for run_id in dict.fromkeys(i.run_id for i in items if not i.forward_only)}
         snapshots = {run_id: adapter.grads_snapshot() for run_id, adapter in training.items()}
         groups = [LossGroup(i.run_id, i.data, i.loss_fn, i.loss_config, i.forward_only) for i in items]
+        failed: dict[str, TemperError] = {}
         try:
             results = numerics.forward_backward(self.lora, groups, self.pass_options, self.device, _observe_pass) if items else []
-        except BaseException:
+        except BaseException as exc:
             for run_id, adapter in training.items():
                 adapter.restore_grads(snapshots[run_id])  # a failed pass leaves no half gradient
-            raise
-        refused = _not_finite(items, results, training)
+            if not isinstance(exc, Exception) or len(adapters) < 2:
+                raise
+            # maybe one run's: each run again alone, so the others' results stand
+            results, failed = self._passes_per_run(groups, training, snapshots, exc)
+        ok = [k for k, item in enumerate(items) if item.run_id not in failed]
+        refused = {**failed, **_not_finite([items[k] for k in ok], [results[k] for k in ok],
+                                           {r: a for r, a in training.items() if r not in failed})}
         for run_id in refused:
             if run_id in training:
                 training[run_id].restore_grads(snapshots[run_id])
@@ -235,21 +248,50 @@ class TrainerEngine:
                 metrics.TOKENS_TRAINED.inc(tokens)
         return results, refused
 
+    def _passes_per_run(self, groups: list[LossGroup], training: dict, snapshots: dict, error: Exception):
+        """After a shared pass raised: each run's items in passes of their own. A run whose pass raises
+        again is refused, its gradients restored; when every run's does, ``error`` is no one run's."""
+        results, failed = [None] * len(groups), {}
+        for run_id in dict.fromkeys(g.adapter for g in groups):
+            mine = [k for k, g in enumerate(groups) if g.adapter == run_id]
+            try:
+                ran = numerics.forward_backward(self.lora, [groups[k] for k in mine], self.pass_options, self.device, _observe_pass)
+                for k, result in zip(mine, ran):
+                    results[k] = result
+            except Exception as exc:  # noqa: BLE001
+                if run_id in training:
+                    training[run_id].restore_grads(snapshots[run_id])
+                log.error("the pass of run %s failed: %r", run_id, exc)
+                failed[run_id] = Internal(f"the forward/backward pass of run {run_id} failed ({type(exc).__name__}); "
+                                          f"nothing of the run was changed")
+        if len(failed) == len(set(g.adapter for g in groups)):
+            raise error
+        return results, failed
+
     def optim_step(self, adapter: TrainedAdapter, params: AdamParams) -> dict[str, float]:
+        """One Adam step, whole or not at all: one that raises, or would leave a weight or moment that
+        is not finite, restores the run's weights, Adam state and gradients as they were."""
         grads = [p for p in adapter.params.values() if p.grad is not None]
         max_norm = params.grad_clip_norm if params.grad_clip_norm > 0 else float("inf")
-        # error_if_nonfinite raises before any gradient is scaled; passes never accumulate a
-        # non-finite gradient (_not_finite), so this only guards what slips past that.
+        undo = StepUndo(adapter, copy_grads=max_norm < float("inf"))  # clipping scales the gradients in place
         try:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm, error_if_nonfinite=True)) if grads else 0.0
-        except RuntimeError:
-            raise FailedPrecondition(f"the accumulated gradient of run {adapter.run_id} is not finite; the step changed nothing "
-                                     f"(load a checkpoint to go on)") from None
-        for group in adapter.optimizer.param_groups:
-            group.update(
-                lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps, weight_decay=params.weight_decay
-            )
-        adapter.optimizer.step()
+            # error_if_nonfinite raises before any gradient is scaled; passes never accumulate a
+            # non-finite gradient (_not_finite), so this only guards what slips past that.
+            try:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm, error_if_nonfinite=True)) if grads else 0.0
+            except RuntimeError:
+                raise FailedPrecondition(f"the accumulated gradient of run {adapter.run_id} is not finite; the step changed "
+                                         f"nothing (load a checkpoint to go on)") from None
+            for group in adapter.optimizer.param_groups:
+                group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
+                             weight_decay=params.weight_decay)
+            adapter.optimizer.step()
+            if not undo.all_finite():
+                raise InvalidArgument(f"the optim step would make weights or Adam moments of run {adapter.run_id} not finite "
+                                      f"(learning rate, eps or gradient too extreme for float32?); nothing was changed")
+        except BaseException:
+            undo.restore()
+            raise
         adapter.optimizer.zero_grad(set_to_none=True)
         adapter.steps += 1
         tokens, adapter.pending_tokens = adapter.pending_tokens, 0
@@ -283,7 +325,7 @@ class TrainerEngine:
         try:
             for name, data in files.items():
                 if name not in (imports.CONFIG_FILE, imports.WEIGHTS_FILE):
-                    raise InvalidArgument(f"unexpected file {name!r}: an adapter is {imports.CONFIG_FILE} and {imports.WEIGHTS_FILE}")
+                    raise InvalidArgument(f"unexpected file {shown(name)}: an adapter is {imports.CONFIG_FILE} and {imports.WEIGHTS_FILE}")
                 (staging / name).write_bytes(data)
             config = imports.check_adapter_folder(staging, self.lora)
             return self.store.publish(staging, key), config

@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from temper.common.errors import InvalidArgument
+from temper.common.errors import InvalidArgument, bounded, shown
 from temper.services.lora.model import AdapterSpec, LoraModel
 from temper.services.trainer.adapters import lora_targets
 
@@ -61,23 +61,28 @@ def read_config(data: bytes, base_model: str, available: set[str]) -> tuple[Adap
     """The adapter's spec and the LoRA config of a run with the same adapter layout."""
     if len(data) > MAX_CONFIG_BYTES:
         raise InvalidArgument(f"{CONFIG_FILE} is over {MAX_CONFIG_BYTES} bytes")
+    # Messages name the config's keys, never echo its values (up to MAX_CONFIG_BYTES of the caller's).
     try:
         config = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidArgument(f"{CONFIG_FILE} is not JSON: {exc}") from None
+        raise InvalidArgument(f"{CONFIG_FILE} is not JSON: {exc}") from None  # says where, echoes nothing
+    except RecursionError:
+        raise InvalidArgument(f"{CONFIG_FILE} is nested too deeply") from None
     if not isinstance(config, dict):
         raise InvalidArgument(f"{CONFIG_FILE} must hold a JSON object")
     if config.get("peft_type", "LORA") != "LORA":
-        raise InvalidArgument(f"only LoRA adapters can be imported, not peft_type {config.get('peft_type')!r}")
+        raise InvalidArgument(f"only LoRA adapters can be imported, not peft_type {_shown(config.get('peft_type'))}")
     if config.get("base_model_name_or_path") != base_model:
-        raise InvalidArgument(f"the adapter is for base model {config.get('base_model_name_or_path')!r}, not {base_model!r}")
+        named = _shown(config.get("base_model_name_or_path"))
+        raise InvalidArgument(f"the adapter is for base model {named}, not {base_model!r}")
     for key, plain in _PLAIN.items():
         if config.get(key, plain) not in (plain, None, {}, [], False):
-            raise InvalidArgument(f"adapter_config {key}={config[key]!r} is not supported (plain LoRA only)")
+            raise InvalidArgument(f"adapter_config {key} is not supported (plain LoRA only: {key}={plain!r})")
     try:
         spec = AdapterSpec.from_peft_config(config)
     except (KeyError, TypeError, ValueError) as exc:
-        raise InvalidArgument(f"bad {CONFIG_FILE}: {exc!r}") from None
+        raise InvalidArgument(f"bad {CONFIG_FILE}: {type(exc).__name__} reading its LoRA fields (r, lora_alpha, "
+                              f"lora_dropout, target_modules)") from None
     if not 1 <= spec.rank <= MAX_RANK:
         raise InvalidArgument(f"LoRA rank must be in [1, {MAX_RANK}], got {spec.rank}")
     if not math.isfinite(spec.alpha) or spec.alpha <= 0 or not 0 <= spec.dropout < 1:
@@ -86,9 +91,14 @@ def read_config(data: bytes, base_model: str, available: set[str]) -> tuple[Adap
         if spec.targets and spec.targets == lora_targets(attn, mlp, unembed) and set(spec.targets) <= available:
             return spec, ImportedLora(rank=spec.rank, alpha=spec.alpha, dropout=spec.dropout, train_attn=attn,
                                               train_mlp=mlp, train_unembed=unembed)
-    raise InvalidArgument(f"target_modules {list(spec.targets)} must be whole groups Temper trains: attention "
+    raise InvalidArgument(f"target_modules {_shown(list(spec.targets))} must be whole groups Temper trains: attention "
                           f"{list(lora_targets(attn=True))}, MLP {list(lora_targets(mlp=True))}, unembedding ['lm_head'], "
                           f"or unions of them, of layers this model has")
+
+
+def _shown(value, limit: int = 160) -> str:
+    """A value of the caller's config or file for a message, cut short."""
+    return shown(value, limit) if isinstance(value, str) else bounded(repr(value), limit)
 
 
 def check_adapter_folder(folder: Path, lora: LoraModel) -> ImportedLora:
@@ -96,7 +106,7 @@ def check_adapter_folder(folder: Path, lora: LoraModel) -> ImportedLora:
     Reads, never writes."""
     names = sorted(p.name for p in folder.iterdir())
     if names != sorted([CONFIG_FILE, WEIGHTS_FILE]):
-        raise InvalidArgument(f"an adapter is exactly {CONFIG_FILE} and {WEIGHTS_FILE}, got {names}")
+        raise InvalidArgument(f"an adapter is exactly {CONFIG_FILE} and {WEIGHTS_FILE}, got {_shown(names)}")
     spec, config = read_config((folder / CONFIG_FILE).read_bytes(), lora.base_model_name, lora.available_targets())
     weights_file = folder / WEIGHTS_FILE
     if weights_file.stat().st_size > max_weights_bytes(lora, spec):
@@ -108,11 +118,11 @@ def check_adapter_folder(folder: Path, lora: LoraModel) -> ImportedLora:
     expected = lora.param_shapes(spec)
     if set(weights) != set(expected):
         extra, missing = sorted(set(weights) - set(expected)), sorted(set(expected) - set(weights))
-        raise InvalidArgument(f"adapter tensors do not match a rank-{spec.rank} LoRA of {list(spec.targets)} on this model: "
-                              f"unexpected {extra[:3]}, missing {missing[:3]}")
+        raise InvalidArgument(f"adapter tensors do not match a rank-{spec.rank} LoRA of {_shown(list(spec.targets))} on this "
+                              f"model: {len(extra)} unexpected {_shown(extra[:3])}, {len(missing)} missing {_shown(missing[:3])}")
     for name, tensor in weights.items():
         if tuple(tensor.shape) != expected[name]:
-            raise InvalidArgument(f"{name}: shape {tuple(tensor.shape)}, expected {expected[name]}")
+            raise InvalidArgument(f"{name}: shape {_shown(tuple(tensor.shape))}, expected {expected[name]}")
         if tensor.dtype not in _FLOAT_DTYPES:
             raise InvalidArgument(f"{name}: dtype {tensor.dtype}; LoRA weights are float32, bfloat16 or float16")
         if not bool(torch.isfinite(tensor).all()):

@@ -30,6 +30,12 @@ alone (q, the sampler logprobs, is the information it needs; provenance spans an
 Defaults lo = 0, hi = 2 (truncated importance sampling), kl_coeff = 0. On-policy w = 1 and the
 gradient is importance_sampling's; off-policy the geometric-mean weight does not grow with length
 and the cap bounds the variance. Temper's result will not match Tinker's numerically.
+
+Ratios (``_exp_ratio``): every exp(lp - q) (and GSPO's s) is taken of a log-ratio capped at
+``MAX_LOG_RATIO``. Only the value is capped: the gradient is still the ratio's (exp at the capped
+value) times that of lp. A log-ratio of 20 (the current model 5e8 times likelier than the sampler) is
+far off any policy; below it the result is exactly exp's. Without the cap, sampler logprobs that
+validation allows (down to -1e6) overflow float32 exp and make the loss infinite or NaN.
 """
 
 from __future__ import annotations
@@ -60,8 +66,18 @@ def cross_entropy(lp, inputs, config):
     return -lp * inputs["weights"], {}
 
 
+MAX_LOG_RATIO = 20.0  # exp(20) * the largest advantage (1e6) summed over a long datum stays far from float32's max
+
+
+def _exp_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    """exp(log_ratio), its value capped at exp(MAX_LOG_RATIO) (module docstring). Below the cap the
+    added term is exactly 0: the value is exp's bit for bit, the gradient exp's."""
+    detached = log_ratio.detach()
+    return torch.exp(detached.clamp(max=MAX_LOG_RATIO) + (log_ratio - detached))
+
+
 def _ratio(lp, inputs) -> torch.Tensor:
-    return torch.exp(lp - inputs["logprobs"])
+    return _exp_ratio(lp - inputs["logprobs"])
 
 
 def importance_sampling(lp, inputs, config):
@@ -89,7 +105,7 @@ def cispo(lp, inputs, config):
 
 def dro(lp, inputs, config):
     diff = lp - inputs["logprobs"]
-    return -(lp * inputs["advantages"] - 0.5 * config["beta"] * diff**2), {"ratio": torch.exp(diff).detach()}
+    return -(lp * inputs["advantages"] - 0.5 * config["beta"] * diff**2), {"ratio": _exp_ratio(diff).detach()}
 
 
 def _sequence_ratio_positions(inputs) -> torch.Tensor:
@@ -106,18 +122,20 @@ def _sequence_ratio_positions(inputs) -> torch.Tensor:
 
 def gspo(lp, inputs, config):
     log_s = _row_mean((lp - inputs["logprobs"]).detach(), _sequence_ratio_positions(inputs))
-    ratio = torch.exp(log_s + lp - lp.detach())
+    ratio = _exp_ratio(log_s + lp - lp.detach())
     return _clipped_objective(ratio, inputs["advantages"], config)
 
 
 def stable_reinforce(lp, inputs, config):
     positions = loss_positions(inputs)
     diff = lp - inputs["logprobs"]
-    raw = torch.exp(_row_mean(diff.detach(), positions))
+    raw = _exp_ratio(_row_mean(diff.detach(), positions))
     weight = raw.clamp(config["clip_low_threshold"], config["clip_high_threshold"])
-    ratio = torch.exp(diff)
+    ratio = _exp_ratio(diff)
     kl = torch.where(positions, ratio - 1 - diff, torch.zeros_like(diff))
-    loss = -weight * inputs["advantages"] * lp + config["kl_coeff"] * kl
+    loss = -weight * inputs["advantages"] * lp
+    if config["kl_coeff"]:  # left out at 0: no term (and no 0 * a huge kl) in the loss or its graph
+        loss = loss + config["kl_coeff"] * kl
     was_clipped = (weight != raw).float().expand_as(lp)
     return loss, {"ratio": ratio.detach(), "clip_fraction": was_clipped, "kl": kl.detach()}
 

@@ -117,3 +117,67 @@ def test_sampling_options_and_prompt_lengths_are_checked(raw, service_client, ti
         encoded_text=types_pb2.EncodedTextChunk(tokens=np.ones(context + 1, "<i4").tobytes()))])
     assert "context length" in refused(raw.ComputeLogprobs, service_pb2.ComputeLogprobsRequest(sampler_id=sampler.sampler_id,
                                                                                               prompt=long_prompt))
+
+
+def test_bounds_the_trainer_needs_are_checked_at_admission(raw, service_client, tiny_model_dir, postgres_url, tmp_path):
+    """What a float32 trainer cannot run is refused by the scheduler (no row, nothing applied); what
+    it can, even at the bounds, runs with a finite answer."""
+    dirty = service_client.create_lora_training_client(tiny_model_dir, rank=4, seed=5)
+    clean = service_client.create_lora_training_client(tiny_model_dir, rank=4, seed=5)
+    seq = 0
+
+    def step(**adam) -> service_pb2.OptimStepRequest:
+        nonlocal seq
+        seq += 1
+        return service_pb2.OptimStepRequest(training_run_id=dirty.model_id, seq_id=seq, adam_params=types_pb2.AdamParams(**adam))
+
+    for adam in (dict(learning_rate=1e38, eps=1e-8), dict(learning_rate=1e300, eps=1e-8), dict(learning_rate=1e30, eps=1e-8),
+                 dict(learning_rate=1e-3, eps=1e-8, weight_decay=1e12), dict(learning_rate=1e-4, eps=1e-50)):
+        refused(raw.OptimStep, step(**adam))
+    seq += 1
+    for key in ("kl_coeff", "beta"):
+        loss_fn = "stable_reinforce" if key == "kl_coeff" else "dro"
+        datum = Datum(model_input=ModelInput.from_ints(PATTERN[:-1]), loss_fn_inputs={
+            "target_tokens": np.asarray(PATTERN[1:], np.int64), "logprobs": np.full(len(PATTERN) - 1, -1.0, np.float32),
+            "advantages": np.ones(len(PATTERN) - 1, np.float32)})
+        refused(raw.ForwardBackward, fb(dirty.model_id, seq, datum, loss_fn, {key: types_pb2.LossConfigValue(number=1e300)}))
+        seq += 1
+    request = fb(dirty.model_id, seq)
+    for i in range(250):
+        request.data[0].loss_fn_inputs[f"{i:03d}" + "k" * 253].CopyFrom(request.data[0].loss_fn_inputs["weights"])
+    assert "250 in all" in refused(raw.ForwardBackward, request)
+    for far in (2**63 - 1, 2**62):  # refused without spending anything: no seq, no row
+        refused(raw.ForwardBackward, fb(dirty.model_id, far))
+    refused(raw.CreateTrainingRun, service_pb2.CreateTrainingRunRequest(
+        session_id=service_client.session_id, base_model=tiny_model_dir, run_index=2**31 - 1,
+        lora_config=types_pb2.LoraConfig(rank=4, train_mlp=True)))
+    assert request_rows(postgres_url, dirty.model_id) == [] and dirty.list_checkpoints() == []
+
+    # the rejected requests spent their seqs and nothing else: the run goes on and ends as its twin does
+    for _ in range(seq):
+        dirty._next_seq()
+    for tc in (clean, dirty):
+        tc.forward_backward([sft_datum(PATTERN)]).result()
+        tc.optim_step(AdamParams(learning_rate=5e-3, eps=1e-8)).result()
+    paths = [tc.save_weights_for_sampler("final").result().path for tc in (clean, dirty)]
+    assert_same_weights(adapter_weights(service_client, paths[0], tmp_path), adapter_weights(service_client, paths[1], tmp_path))
+
+    # sampler logprobs far below the current ones (allowed: |x| <= 1e6) train with a finite loss
+    n = len(PATTERN) - 1
+    for loss_fn in ("importance_sampling", "ppo", "stable_reinforce"):
+        extreme = Datum(model_input=ModelInput.from_ints(PATTERN[:-1]), loss_fn_inputs={
+            "target_tokens": np.asarray(PATTERN[1:], np.int64), "logprobs": np.full(n, -1e5, np.float32),
+            "advantages": np.full(n, -1.0, np.float32)})
+        out = clean.forward_backward([extreme], loss_fn).result()
+        assert np.isfinite(out.metrics["loss:sum"])
+
+
+def test_sampling_requests_the_sampler_would_refuse_are_refused_first(raw, service_client, tiny_model_dir):
+    sampler = service_client.create_sampling_client(base_model=tiny_model_dir)
+    prompt = types_pb2.ModelInput(chunks=[types_pb2.ModelInputChunk(
+        encoded_text=types_pb2.EncodedTextChunk(tokens=np.asarray([1, 2, 3], "<i4").tobytes()))])
+    for num_samples, params, topk in ((1, dict(max_tokens=0), 0), (1, dict(max_tokens=4, temperature=float("nan")), 0),
+                                      (1, dict(max_tokens=4, top_p=float("nan")), 0), (65, dict(max_tokens=4), 0),
+                                      (1, dict(max_tokens=4), -1)):
+        refused(raw.Sample, service_pb2.SampleRequest(sampler_id=sampler.sampler_id, prompt=prompt, num_samples=num_samples,
+                                                      topk_logprobs=topk, sampling_params=types_pb2.SamplingParams(**params)))

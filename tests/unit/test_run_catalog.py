@@ -101,9 +101,9 @@ def test_gateway_and_client_renderings():
     assert body["last_checkpoint"]["user_metadata"] == {"step": "2"} and body["last_checkpoint"]["base_model"] == "base"
     assert convert.weights_info_to_json(ckpt) == {"base_model": "base", "optimizer_config": {"type": "adamw"}, "is_lora": True,
                                                   "lora_rank": 8, "train_unembed": False, "train_mlp": True, "train_attn": True}
-    assert convert.metadata_from_json({"a": 1}) == {"a": "1"} and convert.metadata_from_json(None) == {}
+    assert convert.metadata_from_json({"user_metadata": {"a": 1}}) == {"a": "1"} and convert.metadata_from_json({}) == {}
     with pytest.raises(GatewayError):
-        convert.metadata_from_json(["not", "an", "object"])
+        convert.metadata_from_json({"user_metadata": ["not", "an", "object"]})
     run = rest_client._training_run(info, [ckpt])
     assert run.model_owner == "alice" and run.user_metadata == {"renderer": "llama3"}
     assert run.last_checkpoint.user_metadata == {"step": "2"} and run.last_request_time == T0 + timedelta(seconds=30)
