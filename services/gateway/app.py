@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
@@ -19,7 +21,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from temper.services.gateway.errors import GatewayError, error_body, failed_result, http_headers, http_status, invalid
+from temper.common.errors import TemperError
+from temper.services.gateway.body_limit import JSON_LIMIT, PROTOBUF_LIMIT, BodyLimit
+from temper.services.gateway.errors import (PARSE_ERRORS, GatewayError, error_body, failed_result, http_headers, http_status,
+                                            invalid, request_error)
 from temper.services.gateway.futures import Futures
 from temper.services.gateway.upstream import Scheduler
 
@@ -41,8 +46,10 @@ class Gateway:
     futures: Futures
     long_poll_seconds: float = 25.0
 
-    def submit(self, key: str | None, request_id: str, work: Callable[[], Awaitable[Any]], **extra) -> dict:
-        """Start a verb behind a future; its failure becomes the future's error result."""
+    def submit(self, key: str | None, request_id: str, work: Callable[[], Awaitable[Any]], fingerprint: str = "",
+               **extra) -> dict:
+        """Start a verb behind a future; its failure becomes the future's error result. ``fingerprint``
+        (``fingerprint(request)``) tells a resent submission from another request under the same id."""
         async def run():
             try:
                 return await work()
@@ -54,29 +61,46 @@ class Gateway:
                     log.exception("%s failed", request_id)
                 return Result(json=lambda: failed_result(error))
 
-        return {"request_id": self.futures.submit(key, request_id, run), **extra}
+        return {"request_id": self.futures.submit(key, request_id, run, fingerprint), **extra}
 
 
 def gateway(request: Request) -> Gateway:
     return request.app.state.gateway
 
 
+# Temper's keys are "tml-" and 43 URL-safe characters; any printable ASCII token up to this length is
+# passed on (a scheduler with auth off takes any key). gRPC metadata holds nothing else, and a longer
+# one overflows its header limit (RESOURCE_EXHAUSTED, which clients would resend).
+MAX_KEY_CHARS = 512
+_KEY = re.compile(rf"[\x21-\x7e]{{1,{MAX_KEY_CHARS}}}")
+
+
 def api_key(request: Request) -> str:
-    """The caller's key: ``X-API-Key`` as the SDK sends it, or ``Authorization: Bearer``. Not checked
-    here: the scheduler checks it on every call."""
+    """The caller's key: ``X-API-Key`` as the SDK sends it, or ``Authorization: Bearer``. Only its
+    form is checked here: the scheduler checks the key itself on every call. Routes read it before
+    the body, so a call without a key is 401 whatever its body."""
     key = request.headers.get("x-api-key")
     if not key:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         key = token.strip() if scheme.lower() == "bearer" else ""
     if not key:
         raise GatewayError(grpc.StatusCode.UNAUTHENTICATED, "no API key: set TINKER_API_KEY (a Temper key, tml-...)")
+    if not _KEY.fullmatch(key):
+        raise GatewayError(grpc.StatusCode.UNAUTHENTICATED,
+                           f"the API key is not a Temper key (tml-..., printable ASCII, at most {MAX_KEY_CHARS} characters)")
     return key
+
+
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not a JSON value")
 
 
 async def json_body(request: Request) -> dict:
     raw = await request.body()
     try:
-        body = json.loads(raw or b"{}")
+        body = json.loads(raw or b"{}", parse_constant=_not_json)  # Python's json would take NaN and Infinity
+    except RecursionError:
+        raise invalid("the body is not JSON the gateway reads: nested too deeply") from None
     except ValueError as exc:
         raise invalid(f"the body is not JSON: {exc}") from None
     if not isinstance(body, dict):
@@ -84,12 +108,20 @@ async def json_body(request: Request) -> dict:
     return body
 
 
+async def fingerprint(request: Request) -> str:
+    """What makes a submission the same request: its route and its body (a resent one repeats both)."""
+    digest = hashlib.sha256(request.url.path.encode())
+    digest.update(await request.body())
+    return digest.hexdigest()
+
+
 def error_response(error: GatewayError) -> JSONResponse:
     status = http_status(error)
     return JSONResponse(error_body(error), status_code=status, headers=http_headers(status))
 
 
-def create_app(scheduler: Scheduler, long_poll_seconds: float = 25.0, future_keep_seconds: float = 3600.0) -> FastAPI:
+def create_app(scheduler: Scheduler, long_poll_seconds: float = 25.0, future_keep_seconds: float = 3600.0,
+               json_body_limit: int = JSON_LIMIT, protobuf_body_limit: int = PROTOBUF_LIMIT) -> FastAPI:
     from temper.services.gateway import routes_openai, routes_rest, routes_sampling, routes_session, routes_training
 
     state = Gateway(scheduler, Futures(future_keep_seconds), long_poll_seconds)
@@ -106,11 +138,28 @@ def create_app(scheduler: Scheduler, long_poll_seconds: float = 25.0, future_kee
 
     app = FastAPI(title="Temper gateway (Tinker SDK protocol)", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = state
+    app.add_middleware(BodyLimit, json_limit=json_body_limit, protobuf_limit=protobuf_body_limit)
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError):
         log.info("%s %s -> %s", request.method, request.url.path, exc)
         return error_response(exc)
+
+    @app.exception_handler(TemperError)  # raised by shared checks (parse_path, encode_tokens)
+    async def _temper_error(request: Request, exc: TemperError):
+        return await _gateway_error(request, GatewayError.of(exc))
+
+    # The backstop for a body no typed read (fields.py) caught: a route handler reads the request,
+    # makes scheduler calls (whose failures are GatewayErrors already) and renders the answer, so
+    # these exceptions come from a malformed request in practice. 400 is the lesser harm: a 5xx makes
+    # the SDK resend the same body for minutes. The traceback is logged (request_error), so a gateway
+    # bug behind one stays visible. Verbs behind a future are handled in their own task
+    # (Gateway.submit, routes_training._build).
+    async def _malformed(request: Request, exc: Exception):
+        return await _gateway_error(request, request_error(exc))
+
+    for kind in PARSE_ERRORS:
+        app.add_exception_handler(kind, _malformed)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):

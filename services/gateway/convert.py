@@ -16,15 +16,16 @@ from google.protobuf.message import DecodeError
 
 from temper.client import convert as client_convert
 from temper.client import types as t
-from temper.common.codec import decode_array, decode_floats, decode_tokens, encode_array, encode_tokens
+from temper.common.codec import decode_array, decode_floats, decode_tokens, encode_tokens
+from temper.common.strings import shown
 from temper.common.validation import TOPK_MASK_LOGPROB
+from temper.services.gateway import fields
 from temper.services.gateway import tinker_wire_pb2 as wire
 from temper.services.gateway.errors import invalid
+from temper.services.gateway.tensors import Budget, frombuffer, tensor_from_json, tensor_from_wire
 from temper.v1 import service_pb2, types_pb2
 
 PROTO = "application/x-protobuf"
-_WIRE_DTYPES = {wire.DTYPE_FLOAT32: np.float32, wire.DTYPE_INT64: np.int64, wire.DTYPE_INT32: np.int32}
-_JSON_DTYPES = {"float32": np.float32, "int64": np.int64}
 _STOP_TO_WIRE = {types_pb2.STOP_REASON_STOP: wire.STOP_REASON_STOP, types_pb2.STOP_REASON_LENGTH: wire.STOP_REASON_LENGTH}
 _STOP_TO_JSON = {types_pb2.STOP_REASON_STOP: "stop", types_pb2.STOP_REASON_LENGTH: "length"}
 _KIND_TO_JSON = {types_pb2.CHECKPOINT_KIND_TRAINING: "training", types_pb2.CHECKPOINT_KIND_SAMPLER: "sampler"}
@@ -36,7 +37,7 @@ def session_of(model_id: str) -> str:
     """``<session>:train:<n>`` -> ``<session>``."""
     session, sep, _ = model_id.rpartition(":train:")
     if not sep or not session:
-        raise invalid(f"model_id {model_id!r} is not of the form <session>:train:<n>")
+        raise invalid(f"model_id {shown(model_id)} is not of the form <session>:train:<n>")
     return session
 
 
@@ -49,77 +50,26 @@ def tinker_path(training_run_id: str, checkpoint_id: str) -> str:
     return f"tinker://{training_run_id}/{checkpoint_id}"
 
 
-def metadata_from_json(obj: Any) -> dict[str, str]:
-    """A ``user_metadata`` body field (a JSON object, or absent) as string pairs."""
-    if obj is None:
-        return {}
+def metadata_from_json(body: Mapping[str, Any]) -> dict[str, str]:
+    """The ``user_metadata`` field of ``body`` (an object, or absent) as string pairs."""
+    return fields.string_map(body, "user_metadata")
+
+
+# ---- data in -----------------------------------------------------------------------------------
+
+def model_input_from_json(obj: Any, label: str = "model_input") -> types_pb2.ModelInput:
     if not isinstance(obj, Mapping):
-        raise invalid("user_metadata must be an object of strings")
-    return {str(k): str(v) for k, v in obj.items()}
-
-
-# ---- tensors and data in -------------------------------------------------------------------------
-
-def _csr_to_dense(values: np.ndarray, crow: np.ndarray, col: np.ndarray, shape: list[int]) -> np.ndarray:
-    """A 2-D CSR tensor (the SDK sends 2-D target_tokens / weights this way) as a dense one, pad 0."""
-    if len(shape) != 2 or len(crow) != shape[0] + 1 or len(col) != len(values):
-        raise invalid(f"sparse tensor of shape {shape}: {len(crow)} row pointers, {len(col)} columns, {len(values)} values")
-    rows = np.repeat(np.arange(shape[0]), np.diff(crow))
-    if len(rows) != len(values) or (len(col) and (col.min() < 0 or col.max() >= shape[1])):
-        raise invalid("sparse tensor indices out of range")
-    dense = np.zeros(shape, dtype=values.dtype)
-    dense[rows, col] = values
-    return dense
-
-
-def _shaped(arr: np.ndarray, shape: list[int] | None) -> np.ndarray:
-    if not shape:
-        return arr
-    if int(np.prod(shape)) != arr.size:
-        raise invalid(f"tensor of {arr.size} values does not fit shape {shape}")
-    return arr.reshape(shape)
-
-
-def tensor_from_json(obj: Mapping[str, Any]) -> types_pb2.Tensor:
-    dtype = _JSON_DTYPES.get(obj.get("dtype"))
-    if dtype is None:
-        raise invalid(f"tensor dtype must be float32 or int64, got {obj.get('dtype')!r}")
-    values = np.asarray(obj.get("data", []), dtype=dtype).reshape(-1)
-    if obj.get("sparse_crow_indices") is not None:
-        arr = _csr_to_dense(values, np.asarray(obj["sparse_crow_indices"], np.int64),
-                            np.asarray(obj.get("sparse_col_indices") or [], np.int64), list(obj.get("shape") or []))
-    else:
-        arr = _shaped(values, obj.get("shape"))
-    return encode_array(arr, obj["dtype"])
-
-
-def tensor_from_wire(msg: wire.Tensor) -> types_pb2.Tensor:
-    dtype = _WIRE_DTYPES.get(msg.dtype)
-    if dtype is None:
-        raise invalid(f"tensor dtype {wire.DType.Name(msg.dtype) if msg.dtype in wire.DType.values() else msg.dtype} is not supported")
-    name = "float32" if dtype is np.float32 else "int64"
-    if msg.WhichOneof("encoding") == "sparse_csr":
-        csr = msg.sparse_csr
-        arr = _csr_to_dense(_frombuffer(csr.values, dtype), _frombuffer(csr.crow_indices, np.int64),
-                            _frombuffer(csr.col_indices, np.int64), list(msg.shape))
-    else:
-        arr = _shaped(_frombuffer(msg.dense, dtype), list(msg.shape))
-    return encode_array(arr.astype(np.float32 if name == "float32" else np.int64), name)
-
-
-def _frombuffer(data: bytes, dtype) -> np.ndarray:
-    if len(data) % np.dtype(dtype).itemsize:
-        raise invalid(f"{len(data)} bytes are not a whole number of {np.dtype(dtype).name} values")
-    return np.frombuffer(data, dtype=np.dtype(dtype).newbyteorder("<"))
-
-
-def model_input_from_json(obj: Mapping[str, Any]) -> types_pb2.ModelInput:
+        raise invalid(f"{label} must be an object")
     chunks = []
-    for chunk in obj.get("chunks", []):
-        kind = chunk.get("type", "encoded_text")
+    for i, chunk in enumerate(fields.array(obj, "chunks", default=[], where=f"{label}.")):
+        where = f"{label}.chunks[{i}]"
+        if not isinstance(chunk, Mapping):
+            raise invalid(f"{where} must be an object")
+        kind = fields.string(chunk, "type", default="encoded_text", where=f"{where}.")
         if kind != "encoded_text":
-            raise invalid(f"{kind} chunks are not supported by Temper (text tokens only)")
-        chunks.append(types_pb2.ModelInputChunk(encoded_text=types_pb2.EncodedTextChunk(tokens=encode_tokens(chunk.get("tokens", [])))))
+            raise invalid(f"{shown(kind)} chunks are not supported by Temper (text tokens only)")
+        tokens = fields.integers(fields.array(chunk, "tokens", default=[], where=f"{where}."), f"{where}.tokens", *fields.INT32)
+        chunks.append(types_pb2.ModelInputChunk(encoded_text=types_pb2.EncodedTextChunk(tokens=encode_tokens(tokens))))
     return types_pb2.ModelInput(chunks=chunks)
 
 
@@ -129,23 +79,32 @@ def _model_input_from_wire(chunks) -> types_pb2.ModelInput:
         kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
             raise invalid(f"{kind} chunks are not supported by Temper (text tokens only)")
-        _frombuffer(chunk.encoded_text.tokens, np.int32)  # whole int32 values
+        frombuffer(chunk.encoded_text.tokens, np.int32)  # whole int32 values
         out.append(types_pb2.ModelInputChunk(encoded_text=types_pb2.EncodedTextChunk(tokens=chunk.encoded_text.tokens)))
     return types_pb2.ModelInput(chunks=out)
 
 
-def datum_from_json(obj: Mapping[str, Any]) -> types_pb2.Datum:
-    return types_pb2.Datum(model_input=model_input_from_json(obj.get("model_input", {})),
-                           loss_fn_inputs={k: tensor_from_json(v) for k, v in obj.get("loss_fn_inputs", {}).items()})
+def datum_from_json(obj: Any, budget: Budget, label: str) -> types_pb2.Datum:
+    if not isinstance(obj, Mapping):
+        raise invalid(f"{label} must be a Datum object")
+    inputs = fields.obj(obj, "loss_fn_inputs", {}, where=f"{label}.")
+    return types_pb2.Datum(model_input=model_input_from_json(fields.obj(obj, "model_input", {}, where=f"{label}."),
+                                                             f"{label}.model_input"),
+                           loss_fn_inputs={k: tensor_from_json(v, budget, f"{label}.loss_fn_inputs[{shown(k, 32)}]")
+                                           for k, v in inputs.items()})
 
 
-def datum_from_wire(msg: wire.Datum) -> types_pb2.Datum:
+def datum_from_wire(msg: wire.Datum, budget: Budget) -> types_pb2.Datum:
     # Provenance spans serve only stable_reinforce, which Temper does not have yet: ignored.
     return types_pb2.Datum(model_input=_model_input_from_wire(msg.model_input),
-                           loss_fn_inputs={k: tensor_from_wire(v) for k, v in msg.loss_fn_inputs.items()})
+                           loss_fn_inputs={k: tensor_from_wire(v, budget) for k, v in msg.loss_fn_inputs.items()})
 
 
-def loss_config(values: Mapping[str, float | str] | None) -> dict[str, types_pb2.LossConfigValue]:
+def loss_config(values: Mapping[str, Any] | None) -> dict[str, types_pb2.LossConfigValue]:
+    """``loss_fn_config``: numbers (finite) or strings."""
+    for key, value in (values or {}).items():
+        if not isinstance(value, str) and fields.finite(value) is None:
+            raise invalid(f"loss_fn_config[{shown(key, 32)}] must be a finite number or a string")
     return client_convert.loss_config_to_proto(values)
 
 
@@ -162,47 +121,72 @@ def forward_backward_from_wire(msg: wire.ForwardBackwardRequest) -> service_pb2.
     config: dict[str, float | str] = dict(msg.loss_fn_config)
     for key, value in msg.loss_fn_config_v2.items():  # v2 carries strings too and wins
         config[key] = value.text if value.WhichOneof("value") == "text" else value.number
+    budget = Budget()
     return service_pb2.ForwardBackwardRequest(
-        training_run_id=msg.model_id, seq_id=msg.seq_id, data=[datum_from_wire(d) for d in msg.data], loss_fn=msg.loss_fn,
-        loss_fn_config=loss_config(config), forward_only=msg.forward_only)
+        training_run_id=msg.model_id, seq_id=msg.seq_id, data=[datum_from_wire(d, budget) for d in msg.data],
+        loss_fn=msg.loss_fn, loss_fn_config=loss_config(config), forward_only=msg.forward_only)
 
 
 def forward_backward_from_json(body: Mapping[str, Any], forward_only: bool) -> service_pb2.ForwardBackwardRequest:
     """JSON bodies of SDKs before 0.22.3 (``forward_backward_input``) and of ``/forward`` (``forward_input``)."""
-    fb = body.get("forward_input" if forward_only else "forward_backward_input") or body.get("forward_backward_input") or {}
+    name = "forward_input" if forward_only and body.get("forward_input") is not None else "forward_backward_input"
+    fb, budget = fields.obj(body, name, {}), Budget()
+    data = fields.array(fb, "data", default=[], where=f"{name}.")
     return service_pb2.ForwardBackwardRequest(
-        training_run_id=body.get("model_id", ""), seq_id=int(body.get("seq_id") or 0),
-        data=[datum_from_json(d) for d in fb.get("data", [])], loss_fn=fb.get("loss_fn", ""),
-        loss_fn_config=loss_config(fb.get("loss_fn_config")), forward_only=forward_only)
+        training_run_id=fields.string(body, "model_id", default=""), seq_id=fields.integer(body, "seq_id", 0, default=0),
+        data=[datum_from_json(d, budget, f"{name}.data[{i}]") for i, d in enumerate(data)],
+        loss_fn=fields.string(fb, "loss_fn", default="", where=f"{name}."),
+        loss_fn_config=loss_config(fields.obj(fb, "loss_fn_config", None, where=f"{name}.")), forward_only=forward_only)
+
+
+_ADAM = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
 
 
 def adam_from_json(body: Mapping[str, Any]) -> types_pb2.AdamParams:
-    params = body.get("adam_params") or body.get("optim_params")
+    name = "adam_params" if body.get("adam_params") is not None else "optim_params"
+    params = fields.obj(body, name, None)
     if params is None:
-        other = (body.get("optimizer_params") or {}).get("type", "unknown")
-        raise invalid(f"optimizer {other!r} is not supported by Temper (AdamW only)")
+        other = fields.string(fields.obj(body, "optimizer_params", {}), "type", default="unknown", where="optimizer_params.")
+        raise invalid(f"optimizer {shown(other)} is not supported by Temper (AdamW only)")
     defaults = t.AdamParams()
-    return client_convert.adam_to_proto(t.AdamParams(**{k: float(params.get(k, getattr(defaults, k))) for k in (
-        "learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")}))
+    return client_convert.adam_to_proto(t.AdamParams(**{
+        k: fields.number(params, k, default=getattr(defaults, k), where=f"{name}.") for k in _ADAM}))
 
 
 def lora_from_json(obj: Mapping[str, Any]) -> types_pb2.LoraConfig:
+    where = "lora_config."
     return client_convert.lora_to_proto(t.LoraConfig(
-        rank=int(obj.get("rank", 32)), seed=obj.get("seed"), train_attn=bool(obj.get("train_attn", True)),
-        train_mlp=bool(obj.get("train_mlp", True)), train_unembed=bool(obj.get("train_unembed", True))))
+        rank=fields.integer(obj, "rank", *fields.INT32, default=32, where=where),
+        seed=fields.integer(obj, "seed", default=None, where=where),
+        train_attn=fields.boolean(obj, "train_attn", True, where), train_mlp=fields.boolean(obj, "train_mlp", True, where),
+        train_unembed=fields.boolean(obj, "train_unembed", True, where)))
 
 
 def check_optimizer_config(obj: Mapping[str, Any] | None) -> None:
-    kind = (obj or {}).get("type", "adamw")
+    kind = fields.string(obj or {}, "type", default="adamw", where="optimizer_config.")
     if kind != "adamw":
-        raise invalid(f"optimizer {kind!r} is not supported by Temper (AdamW only)")
+        raise invalid(f"optimizer {shown(kind)} is not supported by Temper (AdamW only)")
+
+
+def _stop(params: Mapping[str, Any]) -> str | list[str] | list[int] | None:
+    """None (the model's EOS), a string, a list of strings or a list of token ids."""
+    stop = params.get("stop")
+    if stop is None or isinstance(stop, str):
+        return fields.string(params, "stop", fields.MAX_TEXT_CHARS, default=None, where="sampling_params.")
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return fields.strings(params, "stop", where="sampling_params.")
+    return fields.integers(stop, "sampling_params.stop (strings or token ids)", *fields.INT32)
 
 
 def sampling_params_from_json(obj: Mapping[str, Any]) -> types_pb2.SamplingParams:
     """Same semantics as temper.client (stop None: the model's EOS; [] : no stop; top_k -1: off)."""
+    where, f32 = "sampling_params.", fields.FLOAT32_MAX
     return client_convert.sampling_params_to_proto(t.SamplingParams(
-        max_tokens=obj.get("max_tokens"), seed=obj.get("seed"), stop=obj.get("stop"),
-        temperature=float(obj.get("temperature", 1.0)), top_k=int(obj.get("top_k", -1)), top_p=float(obj.get("top_p", 1.0))))
+        max_tokens=fields.integer(obj, "max_tokens", *fields.INT32, default=None, where=where),
+        seed=fields.integer(obj, "seed", default=None, where=where), stop=_stop(obj),
+        temperature=fields.number(obj, "temperature", -f32, f32, 1.0, where),
+        top_k=fields.integer(obj, "top_k", *fields.INT32, default=-1, where=where),
+        top_p=fields.number(obj, "top_p", -f32, f32, 1.0, where)))
 
 
 # ---- results out ---------------------------------------------------------------------------------

@@ -11,11 +11,18 @@ Two places an error reaches the SDK (tinker-wire-spec.md 4.4, 4.9):
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import grpc
 
 from temper.common.errors import TemperError, is_hard_limit
+
+log = logging.getLogger("temper.gateway")
+MAX_MESSAGE_CHARS = 1000  # an error message echoes parts of the request: never the whole of a large one
+# What reading a malformed body raises where no check named the field (int("x"), .get on a list, a
+# protobuf field out of range, json nested too deeply): the request's fault, answered 400.
+PARSE_ERRORS = (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError, RecursionError)
 
 # The statuses worth resending: the scheduler deduplicates a training run's (run, seq), and sampling
 # calls change nothing when refused. A hard quota limit is RESOURCE_EXHAUSTED too but is final.
@@ -47,9 +54,10 @@ class GatewayError(Exception):
 
     code: grpc.StatusCode
     message: str
+    status: int | None = None  # an HTTP status no gRPC code stands for (413)
 
     def __str__(self) -> str:
-        return f"{self.code.name}: {self.message}"
+        return f"{self.code.name}: {bounded(self.message)}"
 
     @classmethod
     def of(cls, exc: BaseException) -> "GatewayError":
@@ -74,8 +82,30 @@ def invalid(message: str) -> GatewayError:
     return GatewayError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
+def too_large(limit: int) -> GatewayError:
+    return GatewayError(grpc.StatusCode.INVALID_ARGUMENT, f"the request body is larger than {limit} bytes", status=413)
+
+
+def request_error(exc: BaseException) -> GatewayError:
+    """An exception raised while reading a request: a malformed request (INVALID_ARGUMENT) unless it
+    carries a status of its own. Logged with its traceback, so a gateway bug behind it stays visible."""
+    if isinstance(exc, (GatewayError, TemperError, grpc.aio.AioRpcError)):
+        return GatewayError.of(exc)
+    if isinstance(exc, PARSE_ERRORS):
+        log.warning("malformed request (%s)", type(exc).__name__, exc_info=exc)
+        return invalid(f"malformed request ({type(exc).__name__}): check the types of its fields")
+    log.error("request failed", exc_info=exc)
+    return GatewayError.of(exc)
+
+
+def bounded(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def http_status(error: GatewayError) -> int:
     """A hard quota limit is 403: 429 would be resent for minutes, and 402 would pause the SDK an hour."""
+    if error.status is not None:
+        return error.status
     if error.hard_limit:
         return 403
     return _HTTP.get(error.code, 500)
@@ -88,7 +118,7 @@ def http_headers(status: int) -> dict[str, str]:
 
 def error_body(error: GatewayError) -> dict:
     """The JSON body of an HTTP error (the SDK shows it in the exception's message)."""
-    return {"error": error.message, "code": error.code.name, "category": category(error)}
+    return {"error": bounded(error.message), "code": error.code.name, "category": category(error)}
 
 
 def category(error: GatewayError) -> str:
@@ -97,4 +127,4 @@ def category(error: GatewayError) -> str:
 
 def failed_result(error: GatewayError) -> dict:
     """A future's result for a failed verb: the SDK raises RequestFailedError with this message."""
-    return {"error": f"{error.code.name}: {error.message}", "category": category(error)}
+    return {"error": str(error), "category": category(error)}

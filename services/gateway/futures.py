@@ -4,8 +4,10 @@ A verb's route starts its gRPC call as a task and answers ``{"request_id"}`` at 
 long-polls retrieve_future. Entries are keyed by (API key digest, request id), so one caller can
 neither see nor join another's futures. A request id is derived from what makes the request unique
 (``<run>:<seq>``, ``<sampler>:<seq>``), so a resent submission joins the call already running
-instead of starting a second one. Answered entries are dropped shortly after they are retrieved
-(the grace covers a poll whose answer was lost on the way), unretrieved ones after ``keep_seconds``.
+instead of starting a second one; a different request under an id in use (a seq reused for other
+work) is refused with ALREADY_EXISTS rather than answered with the first one's result. Answered
+entries are dropped shortly after they are retrieved (the grace covers a poll whose answer was lost
+on the way), unretrieved ones after ``keep_seconds``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+import grpc
+
+from temper.common.strings import shown
+from temper.services.gateway.errors import GatewayError
+
 log = logging.getLogger(__name__)
 RETRIEVED_GRACE_SECONDS = 60.0
 
@@ -24,6 +31,7 @@ RETRIEVED_GRACE_SECONDS = 60.0
 @dataclass
 class Entry:
     task: asyncio.Task
+    fingerprint: str = ""  # of the request that started it
     created: float = field(default_factory=time.monotonic)
     retrieved: float | None = None
 
@@ -37,11 +45,17 @@ class Futures:
     def owner(key: str | None) -> str:
         return hashlib.sha256((key or "").encode()).hexdigest()
 
-    def submit(self, key: str | None, request_id: str, work: Callable[[], Awaitable[Any]]) -> str:
-        """Start ``work()`` under ``request_id`` unless that request is already running or answered."""
+    def submit(self, key: str | None, request_id: str, work: Callable[[], Awaitable[Any]], fingerprint: str = "") -> str:
+        """Start ``work()`` under ``request_id`` unless that request (same ``fingerprint``) is already
+        running or answered."""
         slot = (self.owner(key), request_id)
-        if slot not in self._entries:
-            self._entries[slot] = Entry(asyncio.get_running_loop().create_task(work(), name=f"gateway {request_id}"))
+        entry = self._entries.get(slot)
+        if entry is None:
+            task = asyncio.get_running_loop().create_task(work(), name=f"gateway {shown(request_id)}")
+            self._entries[slot] = Entry(task, fingerprint)
+        elif entry.fingerprint != fingerprint:
+            raise GatewayError(grpc.StatusCode.ALREADY_EXISTS, f"request {shown(request_id)} was already made with another "
+                                                               "body (a seq_id is used once per training run or sampler)")
         return request_id
 
     def __len__(self) -> int:

@@ -18,7 +18,9 @@ import grpc
 import numpy as np
 
 from temper.common.codec import decode_array, decode_floats, decode_tokens, encode_tokens
-from temper.services.gateway.errors import GatewayError, http_status, invalid
+from temper.common.strings import shown
+from temper.services.gateway import fields
+from temper.services.gateway.errors import GatewayError, bounded, http_status, invalid
 from temper.v1 import types_pb2
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /completions; chat defaults to the context left
@@ -28,7 +30,7 @@ MAX_STOP = 4
 _NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": None, "suffix": None,
             "tools": None, "functions": None, "tool_choice": None, "function_call": None}
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-          409: "conflict_error", 429: "rate_limit_error"}
+          409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error"}
 
 
 @dataclass
@@ -50,12 +52,11 @@ class Generation:
 
 
 def _number(body: Mapping[str, Any], name: str, default, kind=float):
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-        raise invalid(f"'{name}' must be a{'n integer' if kind is int else ' number'}, got {value!r}")
-    return kind(value)
+    """An OpenAI number field, bounded by the Sample field it goes into (int32, or int64 for seed)."""
+    if kind is float:
+        return fields.number(body, name, -fields.FLOAT32_MAX, fields.FLOAT32_MAX, default)
+    lo, hi = fields.INT64 if name == "seed" else fields.INT32
+    return fields.integer(body, name, lo, hi, default)
 
 
 def generation(body: Mapping[str, Any], chat: bool) -> Generation:
@@ -67,7 +68,7 @@ def generation(body: Mapping[str, Any], chat: bool) -> Generation:
         value = body.get(name)
         if value is not None and value != neutral and not (neutral is None and value in ({}, [], "", "none")):
             raise invalid(f"'{name}' is not supported by Temper")
-    if (body.get("response_format") or {}).get("type", "text") != "text":
+    if fields.string(fields.obj(body, "response_format", {}), "type", default="text", where="response_format.") != "text":
         raise invalid("'response_format' other than text is not supported by Temper")
     n = _number(body, "n", 1, int)
     if body.get("best_of") not in (None, n):
@@ -78,17 +79,17 @@ def generation(body: Mapping[str, Any], chat: bool) -> Generation:
     max_tokens = _number(body, "max_tokens", max_tokens, int)
     if max_tokens is None and not chat:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
-    if max_tokens is not None and max_tokens < (0 if body.get("echo") else 1):
+    if max_tokens is not None and max_tokens < (0 if fields.boolean(body, "echo") else 1):
         raise invalid(f"'max_tokens' must be at least 1, got {max_tokens}")
     stop = body.get("stop")
     stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
         raise invalid(f"'stop' must be a non-empty string or a list of at most {MAX_STOP} of them")
     if chat:
-        if body.get("echo"):
+        if fields.boolean(body, "echo"):
             raise invalid("'echo' is for /v1/completions")
         top = _number(body, "top_logprobs", 0, int)
-        logprobs = top if body.get("logprobs") else None
+        logprobs = top if fields.boolean(body, "logprobs") else None
         if top and logprobs is None:
             raise invalid("'top_logprobs' needs 'logprobs': true")
     else:
@@ -99,8 +100,8 @@ def generation(body: Mapping[str, Any], chat: bool) -> Generation:
     return Generation(
         model=model, n=n, max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0),
         top_p=_number(body, "top_p", 1.0), top_k=_number(body, "top_k", -1, int), seed=seed, stop=tuple(stop),
-        logprobs=logprobs, echo=bool(body.get("echo")), stream=bool(body.get("stream")),
-        include_usage=bool((body.get("stream_options") or {}).get("include_usage")))
+        logprobs=logprobs, echo=fields.boolean(body, "echo"), stream=fields.boolean(body, "stream"),
+        include_usage=fields.boolean(fields.obj(body, "stream_options", {}), "include_usage", where="stream_options."))
 
 
 def model_source(model: str) -> tuple[str, str, str | None]:
@@ -119,12 +120,12 @@ def completion_prompts(body: Mapping[str, Any]) -> list[str | list[int]]:
     if isinstance(prompt, str):
         return [prompt]
     if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-            return [list(prompt)]
+        if all(fields.is_integer(p) for p in prompt):
+            return [fields.integers(prompt, "'prompt' token ids", 0, fields.INT32[1])]
         if all(isinstance(p, str) for p in prompt):
             return list(prompt)
-        if all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt):
-            return [list(p) for p in prompt]
+        if all(isinstance(p, list) and p and all(fields.is_integer(t) for t in p) for p in prompt):
+            return [fields.integers(p, "'prompt' token ids", 0, fields.INT32[1]) for p in prompt]
     raise invalid("'prompt' must be a string, a list of strings, a list of token ids or a list of such lists (not empty)")
 
 
@@ -298,11 +299,11 @@ def error_body(error: GatewayError, param: str | None = None, code: str | None =
     kind = _TYPES.get(status, "server_error")
     if code is None:
         code = {grpc.StatusCode.UNAUTHENTICATED: "invalid_api_key", grpc.StatusCode.UNIMPLEMENTED: "unsupported"}.get(error.code)
-    return status, {"error": {"message": error.message, "type": kind, "param": param, "code": code}}
+    return status, {"error": {"message": bounded(error.message), "type": kind, "param": param, "code": code}}
 
 
 def model_not_found(model: str, error: GatewayError) -> tuple[int, dict]:
-    wrapped = GatewayError(grpc.StatusCode.NOT_FOUND, f"The model {model!r} does not exist or you do not have access "
+    wrapped = GatewayError(grpc.StatusCode.NOT_FOUND, f"The model {shown(model)} does not exist or you do not have access "
                                                       f"to it ({error.message})")
     status, body = error_body(wrapped, "model", "model_not_found")
     body["error"]["type"] = "invalid_request_error"  # as OpenAI answers an unknown model

@@ -1,6 +1,7 @@
 """The routes of the SDK's RestClient: training runs, checkpoints (0.39's search too), weights info.
 
-A checkpoint id is ``<weights|sampler_weights>/<name>``, so it spans two path segments here.
+A checkpoint id is ``<weights|sampler_weights>/<name>``, so it spans two path segments here. Every
+route reads the API key before anything else, so a call without one is 401 whatever it sends.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from fastapi import APIRouter, Request
 
 from temper.common import checkpoint_search
 from temper.common.checkpoints import parse_path
-from temper.services.gateway import convert
+from temper.services.gateway import convert, fields
 from temper.services.gateway.app import api_key, gateway, json_body
 from temper.services.gateway.errors import invalid
 from temper.v1 import service_pb2
@@ -19,14 +20,15 @@ RUNS_PATH = "/training_runs/{run_id}/checkpoints/{kind}/{name}"
 
 
 def _page(request: Request, default_limit: int) -> tuple[int, int]:
-    try:
-        limit = int(request.query_params.get("limit", default_limit))
-        offset = int(request.query_params.get("offset", 0))
-    except ValueError:
-        raise invalid("limit and offset are integers") from None
-    if limit < 0 or offset < 0:
-        raise invalid("limit and offset must be >= 0")
-    return limit, offset
+    """``limit`` and ``offset`` query parameters: decimal integers in [0, 2**31 - 1] (the scheduler's int32)."""
+    hi = fields.INT32[1]
+    values = []
+    for name, default in (("limit", default_limit), ("offset", 0)):
+        raw = request.query_params.get(name, str(default))
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= 10 and int(raw) <= hi):
+            raise invalid(f"limit and offset are integers in [0, {hi}]")
+        values.append(int(raw))
+    return values[0], values[1]
 
 
 async def _checkpoints(request: Request, run_id: str = "") -> list:
@@ -41,6 +43,7 @@ async def _info(request: Request, run_id: str):
 
 @router.get("/training_runs")
 async def list_training_runs(request: Request):
+    api_key(request)
     limit, offset = _page(request, 20)
     if limit == 0:
         listed = await gateway(request).scheduler.call("ListTrainingRuns", service_pb2.ListTrainingRunsRequest(limit=1), api_key(request))
@@ -55,6 +58,7 @@ async def list_training_runs(request: Request):
 
 @router.get("/training_runs/{run_id}")
 async def get_training_run(run_id: str, request: Request):
+    api_key(request)
     info = await _info(request, run_id)
     return convert.training_run_to_json(info, await _checkpoints(request, run_id))
 
@@ -66,6 +70,7 @@ async def list_checkpoints(run_id: str, request: Request):
 
 @router.get("/checkpoints")
 async def list_user_checkpoints(request: Request):
+    api_key(request)
     limit, offset = _page(request, 100)
     everything = await _checkpoints(request)
     return {"checkpoints": [convert.checkpoint_to_json(c) for c in everything[offset: offset + limit]],
@@ -76,6 +81,7 @@ async def list_user_checkpoints(request: Request):
 async def search_checkpoints(request: Request):
     """Tinker 0.39's RestClient.search_checkpoints: the body is its CheckpointSearchRequest (see
     temper.common.checkpoint_search), the answer a CheckpointSearchResponse, newest first."""
+    api_key(request)
     try:
         query = checkpoint_search.parse_query(await json_body(request))
     except ValueError as exc:
@@ -90,48 +96,50 @@ async def search_checkpoints(request: Request):
 
 @router.post("/weights_info")
 async def weights_info(request: Request):
-    body = await json_body(request)
-    path = str(parse_path(str(body.get("tinker_path", ""))))
-    checkpoint = await gateway(request).scheduler.call("GetCheckpoint", service_pb2.GetCheckpointRequest(path=path), api_key(request))
+    key, body = api_key(request), await json_body(request)
+    path = str(parse_path(fields.string(body, "tinker_path")))
+    checkpoint = await gateway(request).scheduler.call("GetCheckpoint", service_pb2.GetCheckpointRequest(path=path), key)
     return convert.weights_info_to_json(checkpoint)
 
 
-def _path(run_id: str, kind: str, name: str) -> str:
+def _path(request: Request, run_id: str, kind: str, name: str) -> str:
+    api_key(request)
     return str(parse_path(convert.tinker_path(run_id, f"{kind}/{name}")))
 
 
-async def _update(request: Request, path: str, **fields) -> None:
-    await gateway(request).scheduler.call("UpdateCheckpoint", service_pb2.UpdateCheckpointRequest(path=path, **fields), api_key(request))
+async def _update(request: Request, path: str, **changes) -> None:
+    await gateway(request).scheduler.call("UpdateCheckpoint", service_pb2.UpdateCheckpointRequest(path=path, **changes), api_key(request))
 
 
 @router.delete(RUNS_PATH)
 async def delete_checkpoint(run_id: str, kind: str, name: str, request: Request):
-    await gateway(request).scheduler.call("DeleteCheckpoint", service_pb2.DeleteCheckpointRequest(path=_path(run_id, kind, name)),
-                                          api_key(request))
+    path = _path(request, run_id, kind, name)
+    await gateway(request).scheduler.call("DeleteCheckpoint", service_pb2.DeleteCheckpointRequest(path=path), api_key(request))
     return None
 
 
 @router.post(RUNS_PATH + "/publish")
 async def publish_checkpoint(run_id: str, kind: str, name: str, request: Request):
-    await _update(request, _path(run_id, kind, name), published=True)
+    await _update(request, _path(request, run_id, kind, name), published=True)
     return None
 
 
 @router.delete(RUNS_PATH + "/publish")
 async def unpublish_checkpoint(run_id: str, kind: str, name: str, request: Request):
-    await _update(request, _path(run_id, kind, name), published=False)
+    await _update(request, _path(request, run_id, kind, name), published=False)
     return None
 
 
 @router.put(RUNS_PATH + "/ttl")
 async def set_checkpoint_ttl(run_id: str, kind: str, name: str, request: Request):
-    body = await json_body(request)
-    ttl = body.get("ttl_seconds")
-    await _update(request, _path(run_id, kind, name), ttl_seconds=int(ttl) if ttl else 0)
+    path = _path(request, run_id, kind, name)
+    ttl = fields.integer(await json_body(request), "ttl_seconds", default=0)  # the scheduler checks its range
+    await _update(request, path, ttl_seconds=ttl)
     return None
 
 
 @router.get(RUNS_PATH + "/external_weights_urls")
 async def external_weights_urls(run_id: str, kind: str, name: str, request: Request):
+    api_key(request)
     raise invalid(
         "external weights URLs are not served by Temper; download a checkpoint with temper.client.download_checkpoint")

@@ -6,9 +6,9 @@ import grpc
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from temper.services.gateway import convert
+from temper.services.gateway import convert, fields
 from temper.services.gateway.app import api_key, gateway, json_body
-from temper.services.gateway.errors import GatewayError
+from temper.services.gateway.errors import GatewayError, bounded
 from temper.v1 import service_pb2
 
 router = APIRouter(prefix="/api/v1")
@@ -42,40 +42,41 @@ async def telemetry():
 
 @router.get("/get_server_capabilities")
 async def server_capabilities(request: Request):
-    resp = await gateway(request).scheduler.call("GetServerCapabilities", service_pb2.GetServerCapabilitiesRequest(), api_key(request))
+    key = api_key(request)
+    resp = await gateway(request).scheduler.call("GetServerCapabilities", service_pb2.GetServerCapabilitiesRequest(), key)
     return convert.capabilities_to_json(resp)
 
 
 @router.post("/create_session")
 async def create_session(request: Request):
-    body = await json_body(request)
-    metadata = {str(k): str(v) for k, v in (body.get("user_metadata") or {}).items()}
-    tags = [str(tag) for tag in body.get("tags") or []]
-    session = await gateway(request).scheduler.call("CreateSession", service_pb2.CreateSessionRequest(tags=tags, user_metadata=metadata),
-                                                    api_key(request))
+    key, body = api_key(request), await json_body(request)
+    create = service_pb2.CreateSessionRequest(tags=fields.strings(body, "tags", default=[]),
+                                              user_metadata=convert.metadata_from_json(body))
+    session = await gateway(request).scheduler.call("CreateSession", create, key)
     return {"type": "create_session", "session_id": session.session_id}
 
 
 @router.post("/session_heartbeat")
 async def session_heartbeat(request: Request):
-    body = await json_body(request)
+    key, body = api_key(request), await json_body(request)
     try:
-        await gateway(request).scheduler.call("Heartbeat", service_pb2.HeartbeatRequest(session_id=body.get("session_id", "")),
-                                              api_key(request))
+        await gateway(request).scheduler.call("Heartbeat", service_pb2.HeartbeatRequest(session_id=fields.string(body, "session_id")),
+                                              key)
     except GatewayError as error:
         if error.code == grpc.StatusCode.FAILED_PRECONDITION:  # closed: 410 ends the SDK's heartbeat loop
-            return JSONResponse({"error": error.message}, status_code=410)
+            return JSONResponse({"error": bounded(error.message)}, status_code=410)
         raise
     return {"type": "session_heartbeat"}
 
 
 @router.post("/sessions/{session_id}/finish")
 async def finish_session(session_id: str, request: Request):
-    body = await json_body(request)
-    status = (body.get("reason") or {}).get("type", "success")
+    key, body = api_key(request), await json_body(request)
+    # the scheduler checks the value: success, errored or interrupted
+    status = fields.string(fields.obj(body, "reason", {}), "type", default="success", where="reason.")
     try:
         await gateway(request).scheduler.call("CloseSession", service_pb2.CloseSessionRequest(session_id=session_id, status=status),
-                                              api_key(request))
+                                              key)
     except GatewayError as error:
         if error.code != grpc.StatusCode.FAILED_PRECONDITION:  # already closed is done
             raise

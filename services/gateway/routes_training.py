@@ -1,24 +1,28 @@
 """Training routes: create_model, get_info, the sequenced verbs, save/load, and retrieve_future.
 
 A sequenced verb keeps the SDK's seq_id (the scheduler runs a run's requests in that order and
-answers a resent (run, seq) with its first answer). A request the gateway itself refuses after
-reading its seq still spends that seq at the scheduler, so the run's later requests do not wait on
-a gap (``_spend``).
+answers a resent (run, seq) with its first answer). A route reads the run and the seq first (a body
+without them is refused at once); the rest of the request is read in ``build``, inside the future, so
+a request refused there, for any reason, still spends its seq at the scheduler (``_spend``) and the
+run's later requests do not wait on a gap.
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
 
+import grpc
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from temper.common.errors import TemperError
-from temper.services.gateway import convert
-from temper.services.gateway.app import Gateway, Result, api_key, gateway, json_body
-from temper.services.gateway.errors import GatewayError, invalid
+from temper.common.strings import shown
+from temper.services.gateway import convert, fields
+from temper.services.gateway.app import Gateway, Result, api_key, fingerprint, gateway, json_body
+from temper.services.gateway.errors import GatewayError, failed_result, invalid, request_error
 from temper.v1 import service_pb2, types_pb2
 
+log = logging.getLogger("temper.gateway")
 router = APIRouter(prefix="/api/v1")
 
 
@@ -32,19 +36,30 @@ async def _spend(gw: Gateway, key: str, run: str, seq: int, error: GatewayError)
     raise error
 
 
-def _sequenced(gw: Gateway, key: str, run: str, sdk_seq: int, build, method: str, render) -> dict:
-    """Submit one sequenced verb: ``build(seq)`` makes the request (a GatewayError from it spends the
-    seq), ``render(response)`` the Result."""
-    seq = sdk_seq
+async def _build(gw: Gateway, key: str, run: str, seq: int, build):
+    """``build(seq)``, the request; whatever it raises is the caller's request refused (INVALID_ARGUMENT
+    unless it carries a code of its own), and the seq is spent."""
+    try:
+        return build(seq)
+    except Exception as exc:  # noqa: BLE001 - any failure to read the request spends its seq
+        error = request_error(exc)
+        if error.code == grpc.StatusCode.INTERNAL:  # a request it takes too much to read is refused all the same
+            error = invalid(f"the request could not be read ({type(exc).__name__})")
+        await _spend(gw, key, run, seq, error)
+
+
+def _run_and_seq(body: dict) -> tuple[str, int]:
+    return fields.string(body, "model_id"), fields.integer(body, "seq_id", 0, default=0)
+
+
+async def _sequenced(request: Request, run: str, seq: int, build, method: str, render) -> dict:
+    """Submit one sequenced verb: ``build(seq)`` makes the request, ``render(response)`` the Result."""
+    gw, key = gateway(request), api_key(request)
 
     async def work():
-        try:
-            request = build(seq)
-        except (GatewayError, TemperError) as exc:
-            await _spend(gw, key, run, seq, GatewayError.of(exc))
-        return render(await gw.scheduler.verb(method, request, key))
+        return render(await gw.scheduler.verb(method, await _build(gw, key, run, seq, build), key))
 
-    return gw.submit(key, f"{run}:{sdk_seq}", work)
+    return gw.submit(key, f"{run}:{seq}", work, await fingerprint(request))
 
 
 # ---- runs ----------------------------------------------------------------------------------------
@@ -52,25 +67,25 @@ def _sequenced(gw: Gateway, key: str, run: str, sdk_seq: int, build, method: str
 @router.post("/create_model")
 async def create_model(request: Request):
     gw, key, body = gateway(request), api_key(request), await json_body(request)
-    convert.check_optimizer_config(body.get("optimizer_config"))
-    session, model_seq_id = body.get("session_id", ""), int(body.get("model_seq_id") or 0)
+    convert.check_optimizer_config(fields.obj(body, "optimizer_config", None))
+    session, model_seq_id = fields.string(body, "session_id"), fields.integer(body, "model_seq_id", 0, default=None)
     create = service_pb2.CreateTrainingRunRequest(
-        session_id=session, base_model=body.get("base_model", ""), lora_config=convert.lora_from_json(body.get("lora_config") or {}),
-        user_metadata=convert.metadata_from_json(body.get("user_metadata")))
-    if body.get("model_seq_id") is not None:
+        session_id=session, base_model=fields.string(body, "base_model"),
+        lora_config=convert.lora_from_json(fields.obj(body, "lora_config", {})), user_metadata=convert.metadata_from_json(body))
+    if model_seq_id is not None:
         create.run_index = model_seq_id  # the run id the SDK computes: <session>:train:<model_seq_id>
 
     async def work():
         info = await gw.scheduler.verb("CreateTrainingRun", create, key)
         return Result(json=lambda: {"type": "create_model", "model_id": info.training_run_id})
 
-    return gw.submit(key, f"{session}:create_model:{model_seq_id}", work)
+    return gw.submit(key, f"{session}:create_model:{model_seq_id or 0}", work, await fingerprint(request))
 
 
 @router.post("/get_info")
 async def get_info(request: Request):
-    gw, body = gateway(request), await json_body(request)
-    info = await gw.scheduler.call("GetInfo", service_pb2.GetInfoRequest(training_run_id=body.get("model_id", "")), api_key(request))
+    gw, key, body = gateway(request), api_key(request), await json_body(request)
+    info = await gw.scheduler.call("GetInfo", service_pb2.GetInfoRequest(training_run_id=fields.string(body, "model_id")), key)
     return convert.info_to_json(info)
 
 
@@ -83,12 +98,14 @@ def _fwdbwd_result(out) -> Result:
 @router.post("/forward_backward")
 async def forward_backward(request: Request):
     """Protobuf (SDK >= 0.22.3) or JSON (older SDKs) body."""
-    gw, key = gateway(request), api_key(request)
+    api_key(request)
     if request.headers.get("content-encoding", "identity") not in ("identity", ""):
         raise invalid("compressed forward_backward bodies are not accepted (client config proto_compress_fwdbwd is off)")
     if "protobuf" in request.headers.get("content-type", ""):
         msg = convert.parse_forward_backward(await request.body())
-        run, sdk_seq = msg.model_id, msg.seq_id
+        run, seq = fields.text(msg.model_id, "model_id"), msg.seq_id
+        if seq < 0:
+            raise invalid("seq_id must be >= 0")
 
         def build(seq):
             out = convert.forward_backward_from_wire(msg)
@@ -96,33 +113,35 @@ async def forward_backward(request: Request):
             return out
     else:
         body = await json_body(request)
-        run, sdk_seq = body.get("model_id", ""), int(body.get("seq_id") or 0)
+        run, seq = _run_and_seq(body)
 
         def build(seq):
             out = convert.forward_backward_from_json(body, forward_only=False)
             out.seq_id = seq
             return out
-    return _sequenced(gw, key, run, sdk_seq, build, "ForwardBackward", _fwdbwd_result)
+    return await _sequenced(request, run, seq, build, "ForwardBackward", _fwdbwd_result)
 
 
 @router.post("/forward")
 async def forward(request: Request):
     """SDKs before 0.25 send forward passes here, as JSON."""
-    gw, key, body = gateway(request), api_key(request), await json_body(request)
-    run, sdk_seq = body.get("model_id", ""), int(body.get("seq_id") or 0)
+    api_key(request)
+    body = await json_body(request)
+    run, seq = _run_and_seq(body)
 
     def build(seq):
         out = convert.forward_backward_from_json(body, forward_only=True)
         out.seq_id = seq
         return out
 
-    return _sequenced(gw, key, run, sdk_seq, build, "ForwardBackward", _fwdbwd_result)
+    return await _sequenced(request, run, seq, build, "ForwardBackward", _fwdbwd_result)
 
 
 @router.post("/optim_step")
 async def optim_step(request: Request):
-    gw, key, body = gateway(request), api_key(request), await json_body(request)
-    run, sdk_seq = body.get("model_id", ""), int(body.get("seq_id") or 0)
+    api_key(request)
+    body = await json_body(request)
+    run, seq = _run_and_seq(body)
 
     def build(seq):
         return service_pb2.OptimStepRequest(training_run_id=run, seq_id=seq, adam_params=convert.adam_from_json(body))
@@ -130,31 +149,30 @@ async def optim_step(request: Request):
     def render(resp):
         return Result(json=lambda: {"type": "optim_step", "metrics": {convert.metric_key(k): v for k, v in resp.metrics.items()}})
 
-    return _sequenced(gw, key, run, sdk_seq, build, "OptimStep", render)
+    return await _sequenced(request, run, seq, build, "OptimStep", render)
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------
 
-def _save_request(body: dict, seq: int, kind: int, name: str, ephemeral: bool = False,
-                  overwrite: bool = False) -> service_pb2.SaveWeightsRequest:
-    return service_pb2.SaveWeightsRequest(training_run_id=body.get("model_id", ""), seq_id=seq, name=name, kind=kind,
-                                          ttl_seconds=int(body.get("ttl_seconds") or 0), ephemeral=ephemeral, overwrite=overwrite,
-                                          user_metadata=convert.metadata_from_json(body.get("user_metadata")))
+def _save_request(body: dict, run: str, seq: int, kind: int, name: str, ephemeral: bool = False) -> service_pb2.SaveWeightsRequest:
+    return service_pb2.SaveWeightsRequest(
+        training_run_id=run, seq_id=seq, name=name, kind=kind, ttl_seconds=fields.integer(body, "ttl_seconds", default=0),
+        ephemeral=ephemeral, overwrite=fields.boolean(body, "overwrite"), user_metadata=convert.metadata_from_json(body))
 
 
 @router.post("/save_weights")
 async def save_weights(request: Request):
-    gw, key, body = gateway(request), api_key(request), await json_body(request)
-    run, sdk_seq = body.get("model_id", ""), int(body.get("seq_id") or 0)
+    api_key(request)
+    body = await json_body(request)
+    run, seq = _run_and_seq(body)
 
     def build(seq):
-        return _save_request(body, seq, types_pb2.CHECKPOINT_KIND_TRAINING, body.get("path") or f"state-{sdk_seq}",
-                             overwrite=bool(body.get("overwrite")))
+        return _save_request(body, run, seq, types_pb2.CHECKPOINT_KIND_TRAINING, fields.string(body, "path", default="") or f"state-{seq}")
 
     def render(resp):
         return Result(json=lambda: {"type": "save_weights", "path": resp.checkpoint.path})
 
-    return _sequenced(gw, key, run, sdk_seq, build, "SaveWeights", render)
+    return await _sequenced(request, run, seq, build, "SaveWeights", render)
 
 
 @router.post("/save_weights_for_sampler")
@@ -162,34 +180,40 @@ async def save_weights_for_sampler(request: Request):
     """Named (``path``: a listed sampler checkpoint) or ephemeral (``sampling_session_seq_id``: an
     unlisted snapshot, answered with a sampling client on it)."""
     gw, key, body = gateway(request), api_key(request), await json_body(request)
-    run, sdk_seq = body.get("model_id", ""), int(body.get("seq_id") or 0)
-    seq = sdk_seq
-    named = body.get("path") is not None
+    run, seq = _run_and_seq(body)
+
+    def build(seq):
+        kind = fields.string(body, "kind", default="snapshot")
+        if kind != "snapshot":
+            raise invalid(f"sampler kind {shown(kind)} is not supported by Temper (snapshot only)")
+        fields.integer(body, "sampling_session_seq_id", 0, default=None)  # the scheduler names the sampler
+        name = fields.string(body, "path", default=None)
+        ephemeral = name is None
+        save = _save_request(body, run, seq, types_pb2.CHECKPOINT_KIND_SAMPLER, name or f"ephemeral-{seq}-{uuid.uuid4().hex[:8]}",
+                             ephemeral=ephemeral)
+        return save, (convert.session_of(run) if ephemeral else None)
 
     async def work():
-        if body.get("kind", "snapshot") != "snapshot":
-            await _spend(gw, key, run, seq, invalid(f"sampler kind {body.get('kind')!r} is not supported by Temper (snapshot only)"))
-        name = body["path"] if named else f"ephemeral-{sdk_seq}-{uuid.uuid4().hex[:8]}"
-        saved = await gw.scheduler.verb("SaveWeights", _save_request(body, seq, types_pb2.CHECKPOINT_KIND_SAMPLER, name,
-                                                                     ephemeral=not named), key)
-        if named:
+        save, session = await _build(gw, key, run, seq, build)
+        saved = await gw.scheduler.verb("SaveWeights", save, key)
+        if session is None:
             return Result(json=lambda: {"type": "save_weights_for_sampler", "path": saved.checkpoint.path})
         sampler = await gw.scheduler.verb("CreateSamplingClient", service_pb2.CreateSamplingClientRequest(
-            session_id=convert.session_of(run), model_path=saved.checkpoint.path), key)
+            session_id=session, model_path=saved.checkpoint.path), key)
         return Result(json=lambda: {"type": "save_weights_for_sampler", "sampling_session_id": sampler.sampler_id})
 
-    return gw.submit(key, f"{run}:{sdk_seq}", work)
+    return gw.submit(key, f"{run}:{seq}", work, await fingerprint(request))
 
 
 @router.post("/save_weights_external")
 async def save_weights_external(request: Request):
-    gw, key, body = gateway(request), api_key(request), await json_body(request)
-    run, sdk_seq = body.get("model_id", ""), int(body.get("seq_id") or 0)
+    api_key(request)
+    run, seq = _run_and_seq(await json_body(request))
 
     def build(seq):
         raise invalid("save_weights_external is not supported by Temper yet (download a checkpoint with temper.client)")
 
-    return _sequenced(gw, key, run, sdk_seq, build, "SaveWeights", lambda resp: None)
+    return await _sequenced(request, run, seq, build, "SaveWeights", lambda resp: None)
 
 
 @router.post("/load_weights")
@@ -197,45 +221,53 @@ async def load_weights(request: Request):
     """On a run (``model_id`` + ``seq_id``), or creating one from the checkpoint (``session_id`` +
     ``model_seq_id``: the SDK's create_training_client_from_state[_with_optimizer])."""
     gw, key, body = gateway(request), api_key(request), await json_body(request)
-    path, optimizer = body.get("path", ""), bool(body.get("optimizer"))
-    if body.get("model_id"):
-        run, sdk_seq = body["model_id"], int(body.get("seq_id") or 0)
+    if fields.string(body, "model_id", default=""):
+        run, seq = _run_and_seq(body)
 
         def build(seq):
-            return service_pb2.LoadWeightsRequest(training_run_id=run, seq_id=seq, path=path, with_optimizer=optimizer)
+            return service_pb2.LoadWeightsRequest(training_run_id=run, seq_id=seq, path=fields.string(body, "path"),
+                                                  with_optimizer=fields.boolean(body, "optimizer"))
 
         def render(resp):
-            return Result(json=lambda: {"type": "load_weights", "path": resp.path or path, "model_id": run})
+            return Result(json=lambda: {"type": "load_weights", "path": resp.path or body["path"], "model_id": run})
 
-        return _sequenced(gw, key, run, sdk_seq, build, "LoadWeights", render)
-    session, model_seq_id = body.get("session_id", ""), int(body.get("model_seq_id") or 0)
-    convert.check_optimizer_config(body.get("optimizer_config"))
+        return await _sequenced(request, run, seq, build, "LoadWeights", render)
+    session, model_seq_id = fields.string(body, "session_id"), fields.integer(body, "model_seq_id", 0, default=0)
+    path = fields.string(body, "path")
+    convert.check_optimizer_config(fields.obj(body, "optimizer_config", None))
     # One call: the scheduler takes the LoRA config from the checkpoint (also another tenant's published
     # one) and loads it as part of creation, using no seq, so the SDK's seq 1 is the run's seq 1.
     create = service_pb2.CreateTrainingRunRequest(
-        session_id=session, base_model=body.get("base_model") or "", from_path=path, with_optimizer=optimizer,
-        run_index=model_seq_id, user_metadata=convert.metadata_from_json(body.get("user_metadata")))
+        session_id=session, base_model=fields.string(body, "base_model", default=""), from_path=path,
+        with_optimizer=fields.boolean(body, "optimizer"), run_index=model_seq_id, user_metadata=convert.metadata_from_json(body))
 
     async def work():
         created = await gw.scheduler.verb("CreateTrainingRun", create, key)
         return Result(json=lambda: {"type": "load_weights", "path": path, "model_id": created.training_run_id})
 
-    return gw.submit(key, f"{session}:load_model:{model_seq_id}", work)
+    return gw.submit(key, f"{session}:load_model:{model_seq_id}", work, await fingerprint(request))
 
 
 # ---- futures -------------------------------------------------------------------------------------
 
+MAX_REQUEST_ID_CHARS = 1024  # longer than any id the gateway hands out
+
+
 @router.post("/retrieve_future")
 async def retrieve_future(request: Request):
     gw, key, body = gateway(request), api_key(request), await json_body(request)
-    request_id = str(body.get("request_id", ""))
+    request_id = fields.string(body, "request_id", MAX_REQUEST_ID_CHARS)
     entry = await gw.futures.wait(key, request_id, gw.long_poll_seconds)
     if entry is None:
         # 410: the SDK resubmits a sample; a training verb raises. Seen after a gateway restart.
-        return JSONResponse({"error": f"future {request_id!r} is unknown or expired"}, status_code=410)
+        return JSONResponse({"error": f"future {shown(request_id)} is unknown or expired"}, status_code=410)
     if not entry.task.done():
         return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
     result: Result = entry.task.result()
-    if result.proto is not None and convert.PROTO in request.headers.get("accept", ""):
-        return Response(result.proto(), media_type=convert.PROTO)
-    return result.json()
+    try:
+        if result.proto is not None and convert.PROTO in request.headers.get("accept", ""):
+            return Response(result.proto(), media_type=convert.PROTO)
+        return result.json()
+    except Exception as exc:  # noqa: BLE001 - a result that cannot be rendered is a failed verb, never a 4xx
+        log.exception("rendering %s failed", shown(request_id))
+        return failed_result(GatewayError.of(exc))

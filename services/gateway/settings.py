@@ -8,6 +8,7 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from temper.common.settings import ProcessSettings
+from temper.services.gateway.body_limit import JSON_LIMIT, PROTOBUF_LIMIT
 
 
 class GatewaySettings(ProcessSettings):
@@ -31,3 +32,8 @@ class GatewaySettings(ProcessSettings):
     long_poll_seconds: float = Field(25.0, gt=0, description="How long retrieve_future holds a poll before answering "
                                                             "try_again (the SDK's poll times out at 45 s).")
     future_keep_seconds: float = Field(3600.0, gt=0, description="How long an answered future nobody retrieves is kept.")
+    max_json_body_bytes: int = Field(JSON_LIMIT, gt=0, description="Largest JSON request body; a larger one is refused "
+                                                                   "with 413 (parsing takes several times its size).")
+    max_protobuf_body_bytes: int = Field(PROTOBUF_LIMIT, gt=0, description="Largest protobuf request body (forward_backward); "
+                                                                           "a larger one is refused with 413. Default: the "
+                                                                           "scheduler's message limit.")

@@ -225,7 +225,7 @@ def test_routes_json_body_futures_and_protobuf_results():
             {"model_input": {"chunks": [{"type": "image", "data": "", "format": "png"}]}, "loss_fn_inputs": {}}]}}
         http.post("/api/v1/forward_backward", json=bad, headers=headers)
         failed = http.post("/api/v1/retrieve_future", json={"request_id": "s:train:0:3"}, headers=headers).json()
-        assert "image chunks" in failed["error"] and failed["category"] == "user"
+        assert "'image' chunks" in failed["error"] and failed["category"] == "user"
         assert fake.sent[-1][1].seq_id == 3 and not fake.sent[-1][1].data
 
         assert http.post("/api/v1/create_session", json={}).status_code == 401
