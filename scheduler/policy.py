@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from temper.common.cycles import ITEMS_PER_RUN_PER_CYCLE
 from temper.scheduler.work import Work, WorkKind
 
 
@@ -43,15 +44,21 @@ class FairShare:
 
 
 class _RunCursor:
-    """Walks one run's ready work; passes are taken one at a time."""
+    """Walks one run's ready work; passes are taken one at a time, at most ITEMS_PER_RUN_PER_CYCLE
+    items of the run per cycle (with its optim step): the trainer holds that many answers of a run
+    for a resent cycle."""
 
     def __init__(self, works: list[Work]):
         self.works = deque(works)
+        self.taken = 0
 
     def next_pass(self) -> Work | None:
+        if self.taken >= ITEMS_PER_RUN_PER_CYCLE - 1:  # room left for the optim step after them
+            return None
         return self.works[0] if self.works and self.works[0].kind.is_pass else None
 
     def take_pass(self) -> Work:
+        self.taken += 1
         return self.works.popleft()
 
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from temper.common.cycles import ITEMS_PER_RUN_PER_CYCLE
 from temper.common.errors import FailedPrecondition, Internal, InvalidArgument, TemperError, shown
 from temper.common.optim import AdamParams
 from temper.services.lora.model import AdapterSpec, LoraModel
@@ -78,7 +79,7 @@ log = logging.getLogger("temper.trainer")
 # so bigger passes are split there even when memory allows them; accelerators let memory alone decide.
 CPU_MICROBATCH_TOKENS = 1024
 
-ANSWERS_KEPT = 16  # per run: a re-sent cycle is one cycle's worth of a run's items
+ANSWERS_KEPT = ITEMS_PER_RUN_PER_CYCLE  # per run: a re-sent cycle is one cycle's worth of a run's items
 
 
 class TrainerEngine:

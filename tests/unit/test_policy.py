@@ -37,6 +37,17 @@ def test_work_after_an_optim_step_waits_for_the_next_cycle():
     assert seqs(plan.passes) == [("a", 4)] and plan.optim_steps == []
 
 
+def test_a_cycle_holds_at_most_as_many_items_of_a_run_as_a_trainer_keeps_answers_for():
+    from temper.common.cycles import ITEMS_PER_RUN_PER_CYCLE as most
+
+    q = queue("a", [FB] * 40 + [OPT])
+    plan = plan_cycle({"a": q.ready(), "b": queue("b", [FB, OPT]).ready()}, 10_000)
+    assert seqs(plan.passes) == [("a", s) for s in range(1, most)] + [("b", 1)] and seqs(plan.optim_steps) == [("b", 2)]
+    short = queue("c", [FB] * (most - 1) + [OPT])
+    plan = plan_cycle({"c": short.ready()}, 10_000)
+    assert len(plan.passes) + len(plan.optim_steps) == most  # a full run's passes and its step still fit together
+
+
 def test_ordering_waits_for_gaps():
     q = RunQueue("a", 1)
     q.add(Work("a", 2, FB))
