@@ -158,7 +158,21 @@ class SamplerRouting:
                            load: Callable[[SamplerHandle], Awaitable[None]] | None = None) -> T | None:
         """``load`` (which puts ``key``'s adapter there), then ``action``, on the sampler chosen for
         ``key``; a sampler that cannot be reached or stops answering is replaced by the next one chosen
-        among those not tried yet. Unavailable when none answers; other errors are the caller's."""
+        among those not tried yet. When every one failed, they are tried again (backing off) for
+        sampler_retry_seconds: a restarting sampler completes the call late instead of failing it.
+        Unavailable after that; other errors are the caller's."""
+        deadline, delay = time.monotonic() + self.settings.sampler_retry_seconds, 0.2
+        while True:
+            try:
+                return await self._each_sampler_once(base_model, key, action, load)
+            except Unavailable as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning("%s; trying again in %.1f s", exc.message, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def _each_sampler_once(self, base_model: str, key: str, action, load) -> T | None:
         candidates, tried, failures = self.samplers_of(base_model), [], []
         while len(tried) < len(candidates):
             sampler = self._choose([s for s in candidates if s not in tried], key)

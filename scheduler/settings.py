@@ -79,6 +79,10 @@ class SchedulerSettings(ProcessSettings, InternalTokenSettings):
     sampler_affinity_slack: int = Field(
         4, ge=0, description="A request for an adapter goes to a sampler that holds it unless that sampler has more than this "
                              "many requests in flight beyond the model's least loaded sampler; then the adapter is pushed there.")
+    sampler_retry_seconds: float = Field(
+        10.0, ge=0, description="How long a sampling call goes on trying the model's samplers when none answers (one "
+                                "restarting comes back without its adapters; they are pushed again) before answering "
+                                "UNAVAILABLE; 0: each sampler once.")
     dispatch_retry_seconds: float = Field(
         10.0, description="How long the loop resends a cycle whose trainer is unreachable (the trainer answers a resent "
                           "seq from memory) before answering UNAVAILABLE; the client's retry then resends it again.")

@@ -15,7 +15,7 @@ from temper.scheduler.backends import Backends, SamplerHandle, TrainerHandle
 from temper.scheduler.settings import SchedulerSettings
 from temper.v1 import sampler_pb2, trainer_pb2, types_pb2
 
-SETTINGS = SchedulerSettings(database_url="sqlite://", bind="127.0.0.1:0")
+SETTINGS = SchedulerSettings(database_url="sqlite://", bind="127.0.0.1:0", sampler_retry_seconds=0)  # each sampler once
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:

@@ -72,7 +72,7 @@ def test_concurrent_calls_count_as_load_and_spread():
 
 
 def test_an_adapter_stays_where_it_is_loaded_within_the_slack_then_spreads():
-    settings = SchedulerSettings(database_url="sqlite://", bind="127.0.0.1:0", sampler_affinity_slack=2)
+    settings = SchedulerSettings(database_url="sqlite://", bind="127.0.0.1:0", sampler_affinity_slack=2, sampler_retry_seconds=0)
     a, b_ = sampler("a:1", settings), sampler("b:1", settings)
     b = backends(a, b_, settings=settings)
 
@@ -224,3 +224,20 @@ def test_the_save_time_push_target_is_the_least_loaded_sampler_and_settings_defa
     assert SETTINGS.sampler_affinity_slack == 4
     with pytest.raises(Exception, match="no sampler serves"):
         b.sampler_for("other")
+
+
+def test_a_call_whose_only_sampler_is_restarting_completes_late_within_sampler_retry_seconds(monkeypatch):
+    monkeypatch.setattr(routing, "SUSPECT_SECONDS", 0.0)
+    settings = SchedulerSettings(database_url="sqlite://", bind="127.0.0.1:0", sampler_retry_seconds=30)
+    only = sampler("a:1", settings)
+    b = backends(only, settings=settings)
+
+    async def scenario():
+        only.stub.down = True  # killed; back a moment later
+        call = asyncio.create_task(sample(b, "k"))
+        await asyncio.sleep(0.5)
+        assert not call.done() and only.stub.info_calls >= 1  # tried again (asked who it is first), not failed
+        only.stub.down = False
+        assert await asyncio.wait_for(call, 10) == "a:1" and only.stub.held == {"k"}  # the adapter pushed again
+
+    asyncio.run(scenario())
