@@ -202,7 +202,7 @@ def test_hard_limits_answer_resource_exhausted_naming_the_limit(tenancy_stack, t
     shown = admin(tenancy_stack, "show-quota", "--tenant", "gina").stdout
     assert "max_training_runs = 1" in shown and "train_tokens_per_minute = default" in shown
     with tenancy_stack.client("gina") as gina:
-        run = gina.create_lora_training_client(tiny_model_dir, rank=4, seed=1)
+        run = gina.create_lora_training_client(tiny_model_dir, rank=4, seed=1).result(timeout=300)  # created: it holds the quota
         stub = raw_stub(tenancy_stack, "gina")
         code, details = code_of(stub.CreateTrainingRun, service_pb2.CreateTrainingRunRequest(
             session_id=gina.session_id, base_model=tiny_model_dir, lora_config={"rank": 4, "train_mlp": True}))
