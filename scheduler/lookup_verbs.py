@@ -1,4 +1,4 @@
-"""Lookups of the caller's objects (ListTrainingRuns, GetSamplingClient), the checks shared by
+"""Lookups of the caller's objects (ListTrainingRuns, GetSamplingClient, GetRequestResult), the checks shared by
 run creation, and what a run created from a checkpoint starts from (``CheckpointSource``).
 
 Every lookup sees only the caller's tenant: another tenant's id answers the same NOT_FOUND as a
@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from temper.common.checkpoints import CheckpointPath
-from temper.common.errors import InvalidArgument, TemperError
+from temper.common.errors import FailedPrecondition, InvalidArgument, NotFound, TemperError
+from temper.scheduler.admission import ANSWER_TYPES
 from temper.scheduler.auth import caller
 from temper.scheduler.backends import TrainerHandle
 from temper.scheduler.db import models as m
 from temper.scheduler.views import run_message
+from temper.scheduler.work import WorkKind
 from temper.v1 import service_pb2, trainer_pb2, types_pb2
 
 log = logging.getLogger(__name__)
@@ -87,6 +89,26 @@ class LookupVerbs:
             return self.backends.trainer_for(base_model, "").info
         except TemperError:  # no trainer serves that model now: listed without tokenizer and sizes
             return None
+
+    async def GetRequestResult(self, request, context):
+        """A sequenced request's answer from its row (the row is marked done before its answer goes out)."""
+        if request.seq_id < 1:
+            raise InvalidArgument(f"seq_id must be >= 1, got {request.seq_id}")
+        run = await self.runs.get(request.training_run_id, caller())
+        record = await asyncio.to_thread(self.store.get_request, run.run_id, request.seq_id)
+        if record is None:
+            raise NotFound(f"seq_id {request.seq_id} of {run.run_id} was not received")
+        result = service_pb2.RequestResult(kind=record.kind, done=record.status not in ("queued", "running"))
+        if not result.done:
+            return result
+        if record.status != "done":
+            raise FailedPrecondition(f"seq_id {request.seq_id} of {run.run_id} {record.status}: {record.error or 'no detail'}")
+        if record.result is None:
+            raise FailedPrecondition(f"seq_id {request.seq_id} of {run.run_id} is done; its answer is no longer held")
+        answer = ANSWER_TYPES[WorkKind(record.kind)].FromString(record.result)
+        field = {"forward": "forward_backward"}.get(record.kind, record.kind)
+        getattr(result, field).CopyFrom(answer)
+        return result
 
     async def GetSamplingClient(self, request, context):
         row, _, _ = await asyncio.to_thread(self.store.get_sampling_client, request.sampler_id, caller())

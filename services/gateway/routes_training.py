@@ -9,6 +9,7 @@ run's later requests do not wait on a gap.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 
@@ -17,7 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from temper.common.strings import shown
-from temper.services.gateway import convert, fields
+from temper.services.gateway import convert, fields, results
 from temper.services.gateway.app import Gateway, Result, api_key, fingerprint, gateway, json_body
 from temper.services.gateway.errors import GatewayError, failed_result, invalid, request_error
 from temper.v1 import service_pb2, types_pb2
@@ -59,7 +60,7 @@ async def _sequenced(request: Request, run: str, seq: int, build, method: str, r
     async def work():
         return render(await gw.scheduler.verb(method, await _build(gw, key, run, seq, build), key))
 
-    return gw.submit(key, f"{run}:{seq}", work, await fingerprint(request))
+    return gw.submit(key, results.sequenced_id(run, seq), work, await fingerprint(request))
 
 
 # ---- runs ----------------------------------------------------------------------------------------
@@ -91,10 +92,6 @@ async def get_info(request: Request):
 
 # ---- forward / backward / optim ------------------------------------------------------------------
 
-def _fwdbwd_result(out) -> Result:
-    return Result(json=lambda: convert.forward_backward_to_json(out), proto=lambda: convert.forward_backward_to_wire(out))
-
-
 @router.post("/forward_backward")
 async def forward_backward(request: Request):
     """Protobuf (SDK >= 0.22.3) or JSON (older SDKs) body."""
@@ -119,7 +116,7 @@ async def forward_backward(request: Request):
             out = convert.forward_backward_from_json(body, forward_only=False)
             out.seq_id = seq
             return out
-    return await _sequenced(request, run, seq, build, "ForwardBackward", _fwdbwd_result)
+    return await _sequenced(request, run, seq, build, "ForwardBackward", results.forward_backward_result)
 
 
 @router.post("/forward")
@@ -134,7 +131,7 @@ async def forward(request: Request):
         out.seq_id = seq
         return out
 
-    return await _sequenced(request, run, seq, build, "ForwardBackward", _fwdbwd_result)
+    return await _sequenced(request, run, seq, build, "ForwardBackward", results.forward_backward_result)
 
 
 @router.post("/optim_step")
@@ -146,10 +143,7 @@ async def optim_step(request: Request):
     def build(seq):
         return service_pb2.OptimStepRequest(training_run_id=run, seq_id=seq, adam_params=convert.adam_from_json(body))
 
-    def render(resp):
-        return Result(json=lambda: {"type": "optim_step", "metrics": {convert.metric_key(k): v for k, v in resp.metrics.items()}})
-
-    return await _sequenced(request, run, seq, build, "OptimStep", render)
+    return await _sequenced(request, run, seq, build, "OptimStep", results.optim_step_result)
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------
@@ -169,10 +163,7 @@ async def save_weights(request: Request):
     def build(seq):
         return _save_request(body, run, seq, types_pb2.CHECKPOINT_KIND_TRAINING, fields.string(body, "path", default="") or f"state-{seq}")
 
-    def render(resp):
-        return Result(json=lambda: {"type": "save_weights", "path": resp.checkpoint.path})
-
-    return await _sequenced(request, run, seq, build, "SaveWeights", render)
+    return await _sequenced(request, run, seq, build, "SaveWeights", results.save_weights_result)
 
 
 @router.post("/save_weights_for_sampler")
@@ -189,7 +180,7 @@ async def save_weights_for_sampler(request: Request):
         fields.integer(body, "sampling_session_seq_id", 0, default=None)  # the scheduler names the sampler
         name = fields.string(body, "path", default=None)
         ephemeral = name is None
-        save = _save_request(body, run, seq, types_pb2.CHECKPOINT_KIND_SAMPLER, name or f"ephemeral-{seq}-{uuid.uuid4().hex[:8]}",
+        save = _save_request(body, run, seq, types_pb2.CHECKPOINT_KIND_SAMPLER, name or f"{results.EPHEMERAL_PREFIX}{seq}-{uuid.uuid4().hex[:8]}",
                              ephemeral=ephemeral)
         return save, (convert.session_of(run) if ephemeral else None)
 
@@ -202,7 +193,7 @@ async def save_weights_for_sampler(request: Request):
             session_id=session, model_path=saved.checkpoint.path), key)
         return Result(json=lambda: {"type": "save_weights_for_sampler", "sampling_session_id": sampler.sampler_id})
 
-    return gw.submit(key, f"{run}:{seq}", work, await fingerprint(request))
+    return gw.submit(key, results.sequenced_id(run, seq), work, await fingerprint(request))
 
 
 @router.post("/save_weights_external")
@@ -228,10 +219,8 @@ async def load_weights(request: Request):
             return service_pb2.LoadWeightsRequest(training_run_id=run, seq_id=seq, path=fields.string(body, "path"),
                                                   with_optimizer=fields.boolean(body, "optimizer"))
 
-        def render(resp):
-            return Result(json=lambda: {"type": "load_weights", "path": resp.path or body["path"], "model_id": run})
-
-        return await _sequenced(request, run, seq, build, "LoadWeights", render)
+        return await _sequenced(request, run, seq, build, "LoadWeights",
+                                lambda resp: results.load_weights_result(resp, run, body.get("path") or ""))
     session, model_seq_id = fields.string(body, "session_id"), fields.integer(body, "model_seq_id", 0, default=0)
     path = fields.string(body, "path")
     convert.check_optimizer_config(fields.obj(body, "optimizer_config", None))
@@ -258,12 +247,18 @@ async def retrieve_future(request: Request):
     gw, key, body = gateway(request), api_key(request), await json_body(request)
     request_id = fields.string(body, "request_id", MAX_REQUEST_ID_CHARS)
     entry = await gw.futures.wait(key, request_id, gw.long_poll_seconds)
-    if entry is None:
-        # 410: the SDK resubmits a sample; a training verb raises. Seen after a gateway restart.
-        return JSONResponse({"error": f"future {shown(request_id)} is unknown or expired"}, status_code=410)
-    if not entry.task.done():
+    result = entry.task.result() if entry is not None and entry.task.done() else None
+    if entry is None:  # this gateway restarted since (or it expired): a sequenced verb's answer is read back
+        result = await results.recovered(gw, key, request_id)
+        if result is None:  # 410: the SDK resubmits a sample; a training verb raises
+            return JSONResponse({"error": f"future {shown(request_id)} is unknown or expired"}, status_code=410)
+        if result == {}:  # still running at the scheduler: asked again after a pause, not in a tight loop
+            await asyncio.sleep(min(1.0, gw.long_poll_seconds))
+            return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+        if isinstance(result, dict):
+            return result
+    if result is None:
         return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
-    result: Result = entry.task.result()
     try:
         if result.proto is not None and convert.PROTO in request.headers.get("accept", ""):
             return Response(result.proto(), media_type=convert.PROTO)

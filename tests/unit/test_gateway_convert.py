@@ -177,7 +177,7 @@ class FakeScheduler:
     """Answers the verbs the routes call; records what it was sent."""
 
     def __init__(self):
-        self.sent, self.release = [], None
+        self.sent, self.release, self.records = [], None, {}
 
     async def verb(self, method, request, key):
         self.sent.append((method, request, key))
@@ -187,10 +187,36 @@ class FakeScheduler:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, "no data")
         return _temper_fwdbwd()
 
-    call = verb
+    async def call(self, method, request, key):
+        if method == "GetRequestResult":  # as the scheduler: its record of (run, seq), NOT_FOUND if none is the caller's
+            record = self.records.get((request.training_run_id, request.seq_id))
+            if record is None:
+                raise GatewayError(grpc.StatusCode.NOT_FOUND, "not received")
+            return record
+        return await self.verb(method, request, key)
 
     async def close(self):
         pass
+
+
+def test_a_restarted_gateway_reads_a_sequenced_verbs_answer_back_from_the_scheduler():
+    from fastapi.testclient import TestClient
+
+    from temper.services.gateway.app import create_app
+    from temper.v1 import service_pb2
+
+    fake, headers = FakeScheduler(), {"X-API-Key": "tml-k"}
+    fake.records = {("s:train:0", 1): service_pb2.RequestResult(kind="forward_backward", done=True, forward_backward=_temper_fwdbwd()),
+                    ("s:train:0", 2): service_pb2.RequestResult(kind="optim_step", done=False)}
+    with TestClient(create_app(fake, long_poll_seconds=0.05)) as http:  # a new gateway: it holds no futures
+        def retrieve(request_id):
+            return http.post("/api/v1/retrieve_future", json={"request_id": request_id}, headers=headers)
+
+        assert retrieve("s:train:0:1").json()["metrics"]["loss:sum"] == 1.5
+        assert retrieve("s:train:0:2").json()["type"] == "try_again"  # still running at the scheduler
+        assert retrieve("s:train:0:3").status_code == 410  # never reached the scheduler
+        assert retrieve("some-sampling-future").status_code == 410  # not a sequenced verb: nothing to read back
+        assert [m for m, _, _ in fake.sent] == []  # nothing was sent again
 
 
 def test_routes_json_body_futures_and_protobuf_results():

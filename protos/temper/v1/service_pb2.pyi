@@ -243,6 +243,30 @@ class LoadWeightsRequest(_message.Message):
     with_optimizer: bool
     def __init__(self, training_run_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., path: _Optional[str] = ..., with_optimizer: _Optional[bool] = ...) -> None: ...
 
+class GetRequestResultRequest(_message.Message):
+    __slots__ = ("training_run_id", "seq_id")
+    TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    training_run_id: str
+    seq_id: int
+    def __init__(self, training_run_id: _Optional[str] = ..., seq_id: _Optional[int] = ...) -> None: ...
+
+class RequestResult(_message.Message):
+    __slots__ = ("kind", "done", "forward_backward", "optim_step", "save_weights", "load_weights")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    OPTIM_STEP_FIELD_NUMBER: _ClassVar[int]
+    SAVE_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    done: bool
+    forward_backward: _types_pb2.ForwardBackwardOutput
+    optim_step: OptimStepResponse
+    save_weights: SaveWeightsResponse
+    load_weights: LoadWeightsResponse
+    def __init__(self, kind: _Optional[str] = ..., done: _Optional[bool] = ..., forward_backward: _Optional[_Union[_types_pb2.ForwardBackwardOutput, _Mapping]] = ..., optim_step: _Optional[_Union[OptimStepResponse, _Mapping]] = ..., save_weights: _Optional[_Union[SaveWeightsResponse, _Mapping]] = ..., load_weights: _Optional[_Union[LoadWeightsResponse, _Mapping]] = ...) -> None: ...
+
 class LoadWeightsResponse(_message.Message):
     __slots__ = ("path",)
     PATH_FIELD_NUMBER: _ClassVar[int]

@@ -90,6 +90,11 @@ class TemperStub:
                 request_serializer=temper_dot_v1_dot_service__pb2.LoadWeightsRequest.SerializeToString,
                 response_deserializer=temper_dot_v1_dot_service__pb2.LoadWeightsResponse.FromString,
                 _registered_method=True)
+        self.GetRequestResult = channel.unary_unary(
+                '/temper.v1.Temper/GetRequestResult',
+                request_serializer=temper_dot_v1_dot_service__pb2.GetRequestResultRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_service__pb2.RequestResult.FromString,
+                _registered_method=True)
         self.CreateSamplingClient = channel.unary_unary(
                 '/temper.v1.Temper/CreateSamplingClient',
                 request_serializer=temper_dot_v1_dot_service__pb2.CreateSamplingClientRequest.SerializeToString,
@@ -220,6 +225,16 @@ class TemperServicer:
 
     def LoadWeights(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRequestResult(self, request, context):
+        """The answer of a sequenced request by (run, seq_id), without sending it again: for a caller that
+        no longer has the request (an HTTP gateway that restarted). Answers are kept for each run's last
+        durable_results_per_run requests; a failed request answers its error, one not yet finished
+        answers done = false.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -369,6 +384,11 @@ def add_TemperServicer_to_server(servicer, server):
                     servicer.LoadWeights,
                     request_deserializer=temper_dot_v1_dot_service__pb2.LoadWeightsRequest.FromString,
                     response_serializer=temper_dot_v1_dot_service__pb2.LoadWeightsResponse.SerializeToString,
+            ),
+            'GetRequestResult': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRequestResult,
+                    request_deserializer=temper_dot_v1_dot_service__pb2.GetRequestResultRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_service__pb2.RequestResult.SerializeToString,
             ),
             'CreateSamplingClient': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateSamplingClient,
@@ -728,6 +748,33 @@ class Temper:
             '/temper.v1.Temper/LoadWeights',
             temper_dot_v1_dot_service__pb2.LoadWeightsRequest.SerializeToString,
             temper_dot_v1_dot_service__pb2.LoadWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRequestResult(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Temper/GetRequestResult',
+            temper_dot_v1_dot_service__pb2.GetRequestResultRequest.SerializeToString,
+            temper_dot_v1_dot_service__pb2.RequestResult.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,81 @@
+"""How each sequenced verb's answer renders for the SDK, and the futures a restarted gateway no longer
+holds, answered from the scheduler's record of the request.
+
+A sequenced verb's future id is ``<run>:<seq>`` (routes_training.py), and the scheduler keeps each
+run's recent answers by (run, seq) (``GetRequestResult``). So when the gateway restarts while the SDK
+waits on such a future, the answer is read back instead of lost; only futures of other calls
+(sampling, run creation) and requests the gateway never passed on are gone (410, as before).
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from temper.services.gateway import convert
+from temper.services.gateway.app import Gateway, Result
+from temper.services.gateway.errors import GatewayError, failed_result
+from temper.v1 import service_pb2, types_pb2
+
+EPHEMERAL_PREFIX = "ephemeral-"  # the name of an unlisted sampler snapshot (save_weights_for_sampler without a path)
+
+
+def forward_backward_result(out) -> Result:
+    return Result(json=lambda: convert.forward_backward_to_json(out), proto=lambda: convert.forward_backward_to_wire(out))
+
+
+def optim_step_result(resp) -> Result:
+    return Result(json=lambda: {"type": "optim_step", "metrics": {convert.metric_key(k): v for k, v in resp.metrics.items()}})
+
+
+def save_weights_result(resp) -> Result:
+    return Result(json=lambda: {"type": "save_weights", "path": resp.checkpoint.path})
+
+
+def load_weights_result(resp, run: str, path: str = "") -> Result:
+    return Result(json=lambda: {"type": "load_weights", "path": resp.path or path, "model_id": run})
+
+
+def sequenced_id(run: str, seq: int) -> str:
+    return f"{run}:{seq}"
+
+
+def parse_sequenced_id(request_id: str) -> tuple[str, int] | None:
+    """``<session>:train:<n>:<seq>`` -> (run, seq); None for any other future id."""
+    run, sep, seq = request_id.rpartition(":")
+    if not sep or ":train:" not in run or not seq.isdigit() or int(seq) < 1:
+        return None
+    return run, int(seq)
+
+
+async def recovered(gw: Gateway, key: str, request_id: str) -> Result | dict | None:
+    """The answer of a sequenced verb this gateway does not hold (it restarted): a Result, a failed
+    result, ``{}`` while the scheduler still runs it, or None when it has no such request."""
+    parsed = parse_sequenced_id(request_id)
+    if parsed is None:
+        return None
+    run, seq = parsed
+    try:
+        record = await gw.scheduler.call("GetRequestResult", service_pb2.GetRequestResultRequest(training_run_id=run, seq_id=seq), key)
+    except GatewayError as exc:
+        if exc.code == grpc.StatusCode.NOT_FOUND:
+            return None
+        if exc.code == grpc.StatusCode.FAILED_PRECONDITION:  # it failed, or its answer is no longer held
+            return failed_result(exc)
+        raise
+    if not record.done:
+        return {}
+    answer = record.WhichOneof("answer")
+    if answer == "forward_backward":
+        return forward_backward_result(record.forward_backward)
+    if answer == "optim_step":
+        return optim_step_result(record.optim_step)
+    if answer == "load_weights":
+        return load_weights_result(record.load_weights, run)
+    checkpoint = record.save_weights.checkpoint
+    if checkpoint.kind != types_pb2.CHECKPOINT_KIND_SAMPLER:
+        return save_weights_result(record.save_weights)
+    if not checkpoint.checkpoint_id.split("/", 1)[-1].startswith(EPHEMERAL_PREFIX):
+        return Result(json=lambda: {"type": "save_weights_for_sampler", "path": checkpoint.path})
+    sampler = await gw.scheduler.call("CreateSamplingClient", service_pb2.CreateSamplingClientRequest(
+        session_id=convert.session_of(run), model_path=checkpoint.path), key)
+    return Result(json=lambda: {"type": "save_weights_for_sampler", "sampling_session_id": sampler.sampler_id})
