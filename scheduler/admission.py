@@ -87,7 +87,7 @@ class Admission:
             record = await asyncio.to_thread(self.store.get_request, run_id, seq_id)
             existing = self._known(run_id, seq_id)  # another retry may have arrived meanwhile
             if existing is None and record is not None:
-                answer = _answer_from_record(record, sha, kind)
+                answer = _answer_from_record(record, sha)
                 if answer is not None:
                     return answer
                 # Accepted by an earlier process (or left by a worker that did not answer) and never
@@ -298,12 +298,18 @@ def _digest_and_check(request, check: Check | None, run: RunInfo) -> tuple[str, 
         return sha, 0, exc, serialized
 
 
-def _answer_from_record(record, sha: str, kind: WorkKind):
+def _answer_from_record(record, sha: str):
     """The stored answer of a request an earlier process completed; None when it must be queued again."""
     if record.payload_sha256 != sha:
         raise AlreadyExists(f"seq_id {record.seq_id} of {record.training_run_id} was used by a different request")
+    return stored_answer(record)
+
+
+def stored_answer(record):
+    """A request row's answer (its kind's message); None while it is queued or running; FailedPrecondition
+    when it failed or its answer is no longer held. Also GetRequestResult's (lookup_verbs.py)."""
     if record.status == "done" and record.result is not None:
-        return ANSWER_TYPES[kind].FromString(record.result)
+        return ANSWER_TYPES[WorkKind(record.kind)].FromString(record.result)
     if record.status in ("queued", "running"):
         return None
     detail = f": {record.error}" if record.error else ""

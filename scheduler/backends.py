@@ -242,6 +242,10 @@ class Backends(SamplerRouting):
                 held[address] += 1
         return next(t for t in self.trainers if t.address == min(held, key=lambda a: (held[a], a)))
 
+    def moved_off(self, run_id: str, trainer: TrainerHandle) -> bool:
+        """Whether the run is now placed on another trainer than ``trainer`` (fail-over moved it)."""
+        return self.placements.get(run_id, trainer.address) != trainer.address
+
     def remember_placement(self, run_id: str, address: str | None) -> None:
         if address:
             self.placements[run_id] = address

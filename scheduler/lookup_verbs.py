@@ -14,13 +14,12 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from temper.common.checkpoints import CheckpointPath
-from temper.common.errors import FailedPrecondition, InvalidArgument, NotFound, TemperError
-from temper.scheduler.admission import ANSWER_TYPES
+from temper.common.errors import InvalidArgument, NotFound, TemperError
+from temper.scheduler.admission import stored_answer
 from temper.scheduler.auth import caller
 from temper.scheduler.backends import TrainerHandle
 from temper.scheduler.db import models as m
 from temper.scheduler.views import run_message
-from temper.scheduler.work import WorkKind
 from temper.v1 import service_pb2, trainer_pb2, types_pb2
 
 log = logging.getLogger(__name__)
@@ -98,16 +97,10 @@ class LookupVerbs:
         record = await asyncio.to_thread(self.store.get_request, run.run_id, request.seq_id)
         if record is None:
             raise NotFound(f"seq_id {request.seq_id} of {run.run_id} was not received")
-        result = service_pb2.RequestResult(kind=record.kind, done=record.status not in ("queued", "running"))
-        if not result.done:
-            return result
-        if record.status != "done":
-            raise FailedPrecondition(f"seq_id {request.seq_id} of {run.run_id} {record.status}: {record.error or 'no detail'}")
-        if record.result is None:
-            raise FailedPrecondition(f"seq_id {request.seq_id} of {run.run_id} is done; its answer is no longer held")
-        answer = ANSWER_TYPES[WorkKind(record.kind)].FromString(record.result)
-        field = {"forward": "forward_backward"}.get(record.kind, record.kind)
-        getattr(result, field).CopyFrom(answer)
+        answer = stored_answer(record)  # FailedPrecondition: it failed, or its answer is no longer held
+        result = service_pb2.RequestResult(kind=record.kind, done=answer is not None)
+        if answer is not None:
+            getattr(result, {"forward": "forward_backward"}.get(record.kind, record.kind)).CopyFrom(answer)
         return result
 
     async def GetSamplingClient(self, request, context):

@@ -102,7 +102,7 @@ class SchedulerLoop:
             for run_id in runs:
                 if self.in_flight.get(run_id) is trainer:
                     del self.in_flight[run_id]
-            if any(self.backends.placements.get(r, trainer.address) != trainer.address for r in runs):
+            if any(self.backends.moved_off(r, trainer) for r in runs):
                 self.admission.wake.set()  # moved meanwhile: their new trainer's lane may plan them now
             elapsed = time.monotonic() - started
             tokens = sum(w.num_tokens for w in plan.passes)
@@ -140,7 +140,7 @@ class SchedulerLoop:
         return "failed" if failed else "held" if len(works) < count else "ok"
 
     async def _barrier(self, trainer: TrainerHandle, work: Work, plan: CyclePlan) -> str:
-        if self.backends.placements.get(work.run_id, trainer.address) != trainer.address:  # moved while the passes ran
+        if self.backends.moved_off(work.run_id, trainer):  # moved while the passes ran
             self.admission.hold([work])
             return "held"
         await self._mark_running([work])

@@ -115,10 +115,9 @@ class Recovery:
 
     async def after_cycle(self, trainer: TrainerHandle, plan: CyclePlan) -> None:
         """Snapshot the plan's runs that are due (their cycle's answers have already gone out)."""
-        placed_here = self.loop.backends.placements
         for run_id in [r for r in dict.fromkeys(w.run_id for w in plan.all_work()) if r in self.due]:
             self.due.discard(run_id)
-            if run_id not in self.pending and placed_here.get(run_id, trainer.address) == trainer.address:  # not moved meanwhile
+            if run_id not in self.pending and not self.loop.backends.moved_off(run_id, trainer):  # its copy here is stale
                 await self.snapshot(trainer, run_id, self.finished_seq[run_id])
 
     async def snapshot(self, trainer: TrainerHandle, run_id: str, seq: int) -> bool:
@@ -216,7 +215,7 @@ class Recovery:
         again. Asked once per run and process."""
         self._checked.add(run_id)
         info = self.loop.runs.known(run_id)
-        if info is None or not getattr(info.row, "restoring", False):
+        if info is None or not info.row.restoring:
             return False
         self._mark(run_id, "an earlier scheduler process was restoring it when it stopped")
         return True

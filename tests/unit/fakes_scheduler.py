@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 from temper.common.errors import AlreadyExists, TemperError, Unauthenticated, NotFound, Unavailable, status_number
 from temper.scheduler.db.request_log import LoggedRequest
+from temper.scheduler.backends import Backends
 from temper.scheduler.admission import Admission
 from temper.scheduler.loop import SchedulerLoop
 from temper.scheduler.runs import RunRegistry
@@ -303,6 +304,8 @@ class FakeBackends:
 
     def remember_placement(self, run_id, address):
         pass
+
+    moved_off = Backends.moved_off
 
     def mark_down(self, address):
         self.down.add(address)
