@@ -43,6 +43,8 @@ class Routing:
     gathers: dict = field(default_factory=dict)  # padded (G, L) row indices per bucket of segments
     plans: dict = field(default_factory=dict)    # present adapter keys -> their buckets (_bucket_shapes)
     offsets: dict = field(default_factory=dict)  # grouped_mm token offsets per bucket of segments
+    batch_rows: int = 0                          # rows of the model's input (LoraModel's embedding hook)
+    slots: dict = field(default_factory=dict)    # (tokens, batch_rows) -> each flat token's group (token_slots)
 
     def prepare(self, rows: int) -> bool:
         """Compute the sort order for inputs with ``rows`` leading entries (once per pass);
@@ -70,6 +72,26 @@ class Routing:
         self.inverse[self.order] = torch.arange(rows, device=device)
         return True
 
+
+    def token_slots(self, tokens: int, device) -> torch.Tensor:
+        """Each of ``tokens`` flattened (row, position) tokens' group index, -1 for rows of no group:
+        for layers that see the batch as one (tokens, hidden) matrix (routed experts)."""
+        key = (tokens, self.batch_rows)
+        slots = self.slots.get(key)
+        if slots is not None:
+            return slots
+        if len(self.groups) == 1 and self.groups[0][1] is None:
+            slots = torch.zeros(tokens, dtype=torch.long, device=device)
+        else:
+            rows = self.batch_rows
+            if rows <= 0 or tokens % rows:
+                raise RuntimeError(f"{tokens} tokens do not split into the {rows} rows of the routed batch")
+            row_slot = torch.full((rows,), -1, dtype=torch.long, device=device)
+            for g, (_key, index) in enumerate(self.groups):
+                row_slot[index] = g
+            slots = row_slot.repeat_interleave(tokens // rows).to(device)
+        self.slots[key] = slots
+        return slots
 
     def plan(self, layer: "MultiLoraLinear") -> list["BucketPlan"]:
         """The buckets of ``layer``'s adapters present in this routing (computed once per set of

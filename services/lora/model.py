@@ -1,11 +1,13 @@
-"""LoraModel: installs MultiLoraLinear layers into a transformers model and manages adapters
-(create, drop, state in peft's file format, routing for mixed batches)."""
+"""LoraModel: installs MultiLoraLinear layers (and MultiLoraExperts on a mixture-of-experts family's
+routed experts) into a transformers model and manages adapters (create, drop, state in peft's file
+format, routing for mixed batches). What a model's layers are called comes from its family
+(``services/models/families.py``); a model of no known family takes no adapter."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -13,36 +15,79 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from temper.services.lora.experts import MultiLoraExperts
 from temper.services.lora.layer import LoraWeights, MultiLoraLinear, Router, Routing
+from temper.services.models import families
+from temper.services.models.families import ATTN_LINEARS as ATTN_MODULES
+from temper.services.models.families import EXPERTS_PATH, MLA_LINEARS, UNEMBED_LINEARS as UNEMBED_MODULES
+from temper.services.models.families import MLP_LINEARS as MLP_MODULES
 
-ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-UNEMBED_MODULES = ("lm_head",)
 PEFT_PREFIX = "base_model.model."
+# peft's target_parameters keys of the fused routed experts (the projections an MoE "mlp" group adapts)
+EXPERT_TARGETS = {f"{EXPERTS_PATH}.gate_up_proj": "gate_up", f"{EXPERTS_PATH}.down_proj": "down"}
+_LINEAR_NAMES = tuple(dict.fromkeys(ATTN_MODULES + MLA_LINEARS + MLP_MODULES + UNEMBED_MODULES))
 
 
 @dataclass(frozen=True)
 class AdapterSpec:
     rank: int
     alpha: float
-    targets: tuple[str, ...]           # short module names, e.g. ("q_proj", "v_proj")
+    targets: tuple[str, ...]           # short module names, e.g. ("q_proj", "v_proj"), and EXPERT_TARGETS keys
     dropout: float = 0.0
+    # each routed expert's rank (its A is r x in, its B out x r); alpha / expert_rank scales it. 0: no
+    # expert targets, or not resolved yet (LoraModel.resolve: rank // num_experts_per_tok)
+    expert_rank: int = 0
+
+    @property
+    def linear_targets(self) -> tuple[str, ...]:
+        return tuple(t for t in self.targets if t not in EXPERT_TARGETS)
+
+    @property
+    def expert_targets(self) -> tuple[str, ...]:
+        return tuple(t for t in self.targets if t in EXPERT_TARGETS)
 
     def peft_config(self, base_model: str) -> dict:
-        return {
+        config = {
             "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": self.rank,
-            "lora_alpha": self.alpha, "lora_dropout": self.dropout, "target_modules": sorted(self.targets),
+            "lora_alpha": self.alpha, "lora_dropout": self.dropout, "target_modules": sorted(self.linear_targets),
             "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "inference_mode": True,
             "init_lora_weights": True, "modules_to_save": None,
         }
+        if self.expert_targets:
+            # peft's ParamWrapper on the fused expert tensors; their rank through rank_pattern (keys match
+            # the parameter's full name, which ends with the target key). On transformers 5, peft rewrites
+            # target_modules gate_proj/up_proj/down_proj of an MoE model into its routed experts (it takes them
+            # for a transformers-4 checkpoint), so the dense MLPs' and shared experts' projections are named
+            # through their weights instead: the same tensors, names and math as target_modules LoRA.
+            dense = sorted(t for t in self.linear_targets if t in MLP_MODULES)
+            config["target_modules"] = sorted(t for t in self.linear_targets if t not in MLP_MODULES)
+            config["target_parameters"] = sorted(self.expert_targets) + [f"{t}.weight" for t in dense]
+            if self.expert_rank != self.rank:
+                config["rank_pattern"] = {t: self.expert_rank for t in sorted(self.expert_targets)}
+        return config
 
     @classmethod
     def from_peft_config(cls, config: dict) -> "AdapterSpec":
         targets = config.get("target_modules") or []
-        if isinstance(targets, str):
+        parameters = config.get("target_parameters") or []
+        if isinstance(targets, str) or isinstance(parameters, str):
             raise ValueError("regex target_modules are not supported; list module names")
-        return cls(rank=int(config["r"]), alpha=float(config.get("lora_alpha", config["r"])),
-                   targets=tuple(sorted(targets)), dropout=float(config.get("lora_dropout", 0.0) or 0.0))
+        dense = [p.removesuffix(".weight") for p in parameters if p.removesuffix(".weight") in MLP_MODULES]
+        parameters = [p for p in parameters if p.removesuffix(".weight") not in MLP_MODULES]
+        targets = [*targets, *dense]
+        unknown = sorted(set(parameters) - set(EXPERT_TARGETS))
+        if unknown:
+            raise ValueError(f"target_parameters {unknown[:3]} are not routed-expert projections {sorted(EXPERT_TARGETS)}")
+        rank = int(config["r"])
+        pattern = config.get("rank_pattern") or {}
+        if not isinstance(pattern, dict) or set(pattern) - set(parameters):
+            raise ValueError("rank_pattern may only name target_parameters")
+        expert_ranks = {int(pattern.get(t, rank)) for t in parameters}
+        if len(expert_ranks) > 1:
+            raise ValueError("every routed-expert projection must have the same rank")
+        return cls(rank=rank, alpha=float(config.get("lora_alpha", config["r"])),
+                   targets=tuple(sorted([*targets, *parameters])), dropout=float(config.get("lora_dropout", 0.0) or 0.0),
+                   expert_rank=expert_ranks.pop() if expert_ranks else 0)
 
 
 @dataclass
@@ -65,26 +110,82 @@ class LoraModel:
         self.base_model_name = base_model_name
         self.router = Router(lora_math_dtype)
         self.layers: dict[str, MultiLoraLinear] = {}   # module path -> wrapper
+        self.experts: dict[str, MultiLoraExperts] = {}  # module path -> wrapper of a layer's routed experts
         self.adapters: dict[str, Adapter] = {}
+        try:
+            self.family: families.Family | None = families.check_config(model.config)
+            self.family_error = ""
+        except families.UnknownFamily as exc:  # the model still runs; no adapter can be added (``add``)
+            self.family, self.family_error = None, str(exc)
+        layout = self.family.experts if self.family else None
         for path, module in list(model.named_modules()):
             short = path.rsplit(".", 1)[-1]
-            if isinstance(module, nn.Linear) and short in ATTN_MODULES + MLP_MODULES + UNEMBED_MODULES:
-                parent_path, _, name = path.rpartition(".")
+            parent_path, _, name = path.rpartition(".")
+            if isinstance(module, nn.Linear) and short in _LINEAR_NAMES:
                 wrapper = MultiLoraLinear(module, self.router)
-                setattr(model.get_submodule(parent_path) if parent_path else model, name, wrapper)
-                self.layers[path] = wrapper
+            elif layout is not None and type(module).__name__ in layout.class_names and path.endswith(EXPERTS_PATH):
+                wrapper = MultiLoraExperts(module, layout, self.router)
+            else:
+                continue
+            setattr(model.get_submodule(parent_path) if parent_path else model, name, wrapper)
+            (self.layers if isinstance(wrapper, MultiLoraLinear) else self.experts)[path] = wrapper
+        if self.family and self.family.moe and not self.experts:
+            self.family_error = (f"{self.family.name} model has no {'/'.join(layout.class_names)} modules at "
+                                 f"*.{EXPERTS_PATH} (a module layout Temper does not know)")
+        self.top_k = int(getattr(getattr(model.config, "text_config", None) or model.config, "num_experts_per_tok", 0) or 0)
+        # routed experts see the batch as (tokens, hidden): they need the rows of the input (Routing.token_slots)
+        model.get_input_embeddings().register_forward_hook(self._note_batch_rows)
         self.device = next(model.parameters()).device
         self.checkpointing = False  # see checkpoint_decoder_layers
 
-    def available_targets(self) -> set[str]:
-        return {p.rsplit(".", 1)[-1] for p in self.layers}
+    def _note_batch_rows(self, _module, _inputs, output) -> None:
+        routing = self.router.current
+        if routing is not None:
+            routing.batch_rows = int(output.shape[0])
 
-    def add(self, key: str, spec: AdapterSpec, seed: int | None = None) -> Adapter:
-        if key in self.adapters:
-            raise KeyError(f"adapter {key} exists")
+    def available_targets(self) -> set[str]:
+        names = {p.rsplit(".", 1)[-1] for p in self.layers}
+        return names | (set(EXPERT_TARGETS) if self.experts else set())
+
+    def group_targets(self, attn: bool = False, mlp: bool = False, unembed: bool = False) -> tuple[str, ...]:
+        """The targets of an adapter that trains these groups of this model, sorted: attention (its
+        family's projections, MLA's included), MLP (dense MLPs, shared experts and routed experts), the
+        unembedding. Raises ValueError for a model of no known family."""
+        if self.family is None:
+            raise ValueError(self.family_error)
+        present = {p.rsplit(".", 1)[-1] for p in self.layers}
+        wanted = ((self.family.attention if attn else ()) + (self.family.mlp if mlp else ())
+                  + (UNEMBED_MODULES if unembed else ()))
+        targets = {t for t in wanted if t in present}
+        if mlp and self.experts:
+            targets |= set(EXPERT_TARGETS)
+        return tuple(sorted(targets))
+
+    def resolve(self, spec: AdapterSpec) -> AdapterSpec:
+        """``spec`` checked against this model, its expert rank filled in (ValueError naming the field)."""
+        if self.family is None or self.family_error:
+            raise ValueError(self.family_error)
         missing = set(spec.targets) - self.available_targets()
         if missing:
-            raise ValueError(f"the base model has no {sorted(missing)} layers to adapt")
+            raise ValueError(f"the base model ({self.family.name}) has no {sorted(missing)} layers to adapt")
+        if not spec.expert_targets:
+            return replace(spec, expert_rank=0)
+        if spec.dropout:
+            raise ValueError(f"dropout must be 0 for LoRA on routed experts ({self.family.name}; peft's "
+                             f"target_parameters have no dropout), got {spec.dropout}")
+        expert_rank = spec.expert_rank or families.default_expert_rank(spec.rank, self.top_k)
+        if expert_rank < 1:
+            raise ValueError(f"rank {spec.rank} spread over num_experts_per_tok={self.top_k} active experts leaves no "
+                             f"rank per expert: use rank >= {self.top_k} or set expert_rank")
+        if expert_rank > spec.rank:
+            raise ValueError(f"expert_rank {expert_rank} is larger than rank {spec.rank}")
+        return replace(spec, expert_rank=expert_rank)
+
+    def add(self, key: str, spec: AdapterSpec, seed: int | None = None) -> Adapter:
+        """Adds an adapter for ``spec`` (resolved: ``resolve``); the Adapter's spec is the resolved one."""
+        if key in self.adapters:
+            raise KeyError(f"adapter {key} exists")
+        spec = self.resolve(spec)
         generator = torch.Generator(device=self.device)
         if seed is not None:
             generator.manual_seed(seed)
@@ -98,22 +199,38 @@ class LoraModel:
             layer.adapters[key] = weights
             adapter.params[f"{PEFT_PREFIX}{path}.lora_A.weight"] = weights.lora_A
             adapter.params[f"{PEFT_PREFIX}{path}.lora_B.weight"] = weights.lora_B
+        if spec.expert_targets:
+            for path, experts in self.experts.items():
+                weights = experts.new_weights(spec.expert_rank, spec.alpha, self.device, generator)
+                experts.adapters[key] = weights
+                for projection, prefix in _expert_prefixes(experts).items():
+                    adapter.params[f"{PEFT_PREFIX}{path}.{prefix}lora_A.weight"] = getattr(weights, f"{projection}_A")
+                    adapter.params[f"{PEFT_PREFIX}{path}.{prefix}lora_B.weight"] = getattr(weights, f"{projection}_B")
         self.adapters[key] = adapter
         return adapter
 
     def param_shapes(self, spec: AdapterSpec) -> dict[str, tuple[int, int]]:
-        """The peft-format names and shapes of the parameters ``add`` would create for ``spec``."""
+        """The peft-format names and shapes of the parameters ``add`` would create for ``spec`` (resolved)."""
         shapes = {}
         for path, layer in self.layers.items():
             if path.rsplit(".", 1)[-1] in spec.targets:
                 shapes[f"{PEFT_PREFIX}{path}.lora_A.weight"] = (spec.rank, layer.in_features)
                 shapes[f"{PEFT_PREFIX}{path}.lora_B.weight"] = (layer.out_features, spec.rank)
+        if spec.expert_targets and spec.expert_rank > 0:
+            for path, experts in self.experts.items():
+                width = spec.expert_rank * experts.num_experts
+                for projection, prefix in _expert_prefixes(experts).items():
+                    fan_in, fan_out = experts.shapes[projection]
+                    shapes[f"{PEFT_PREFIX}{path}.{prefix}lora_A.weight"] = (width, fan_in)
+                    shapes[f"{PEFT_PREFIX}{path}.{prefix}lora_B.weight"] = (fan_out, width)
         return shapes
 
     def remove(self, key: str) -> None:
         self.adapters.pop(key)
         for layer in self.layers.values():
             layer.adapters.pop(key, None)
+        for experts in self.experts.values():
+            experts.adapters.pop(key, None)
 
     @contextlib.contextmanager
     def route(self, groups: list[tuple[str | None, torch.Tensor | None]]):
@@ -197,3 +314,12 @@ class LoraModel:
         with torch.no_grad():
             for name, tensor in weights.items():
                 params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+
+
+def _expert_prefixes(experts: MultiLoraExperts) -> dict[str, str]:
+    """Where peft puts each projection's LoRA below the experts module: it wraps the targeted parameters
+    one inside the other in the module's parameter order, so the first is under ``base_layer.``."""
+    order = [n for n, _ in experts.base.named_parameters(recurse=False)]
+    names = {"gate_up": experts.layout.gate_up, "down": experts.layout.down}
+    ranked = sorted(names, key=lambda projection: order.index(names[projection]))
+    return {projection: "base_layer." * (len(ranked) - 1 - i) for i, projection in enumerate(ranked)}

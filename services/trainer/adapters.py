@@ -247,7 +247,7 @@ class AdapterHost:
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         params = lora_adapter.params
-        adapter = TrainedAdapter(run_id, spec, params, new_optimizer(params), last_used=next(self._clock))
+        adapter = TrainedAdapter(run_id, lora_adapter.spec, params, new_optimizer(params), last_used=next(self._clock))
         self.adapters[run_id] = adapter
         self._evict_over_capacity(keep=run_id)
         return adapter
@@ -280,10 +280,11 @@ class AdapterHost:
     def read_checkpoint(self, adapter: TrainedAdapter, folder: Path, with_optimizer: bool) -> dict[str, torch.Tensor]:
         """Read a checkpoint and check it fits ``adapter``; returns its weights. Touches nothing."""
         spec, weights = LoraModel.read(folder)
-        if (spec.rank, spec.targets) != (adapter.spec.rank, adapter.spec.targets):
+        if (spec.rank, spec.targets, spec.expert_rank) != (adapter.spec.rank, adapter.spec.targets, adapter.spec.expert_rank):
+            experts = lambda s: f", expert rank {s.expert_rank}" if s.expert_targets else ""  # noqa: E731
             raise FailedPrecondition(
-                f"checkpoint LoRA config (rank {spec.rank}, targets {list(spec.targets)}) does not match run "
-                f"{adapter.run_id} (rank {adapter.spec.rank}, targets {list(adapter.spec.targets)})"
+                f"checkpoint LoRA config (rank {spec.rank}{experts(spec)}, targets {list(spec.targets)}) does not match run "
+                f"{adapter.run_id} (rank {adapter.spec.rank}{experts(adapter.spec)}, targets {list(adapter.spec.targets)})"
             )
         if set(weights) != set(adapter.params):
             raise FailedPrecondition("checkpoint weights do not match the run's adapter layout")

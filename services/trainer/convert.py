@@ -15,7 +15,8 @@ from temper.common.checkpoints import WEIGHT_FILES
 from temper.common.codec import encode_array
 from temper.common.errors import InvalidArgument, TemperError, status_number
 from temper.common.validation import validate_adam, validate_forward_backward
-from temper.services.lora.model import AdapterSpec
+from temper.services.lora.model import AdapterSpec, LoraModel
+from temper.services.models import families
 from temper.services.trainer.adapters import lora_targets
 from temper.services.trainer.checkpoints import FilePiece
 from temper.services.trainer.engine import AdamParams, ForwardBackwardItem, ForwardBackwardResult, OptimStepItem, Refused
@@ -23,25 +24,35 @@ from temper.services.trainer.imports import ImportedLora
 from temper.v1 import trainer_pb2, types_pb2
 
 
-def adapter_from_pb(cfg: types_pb2.LoraConfig, default_alpha: float) -> tuple[AdapterSpec, int | None]:
-    """The adapter's spec and its initialisation seed (None: random)."""
+def adapter_from_pb(cfg: types_pb2.LoraConfig, default_alpha: float, lora: LoraModel | None = None
+                    ) -> tuple[AdapterSpec, int | None]:
+    """The adapter's spec and its initialisation seed (None: random). With ``lora``, the groups name that
+    model's layers (its family's attention, dense and expert MLP); without, a Llama-shaped model's."""
     if cfg.rank <= 0:
         raise InvalidArgument(f"LoRA rank must be positive, got {cfg.rank}")
     if not math.isfinite(cfg.alpha) or cfg.alpha < 0:
         raise InvalidArgument(f"LoRA alpha must be a finite number >= 0, got {cfg.alpha}")
     if not 0.0 <= cfg.dropout < 1.0:
         raise InvalidArgument(f"LoRA dropout must be in [0, 1), got {cfg.dropout}")
-    targets = lora_targets(cfg.train_attn, cfg.train_mlp, cfg.train_unembed)
+    if not 0 <= cfg.expert_rank <= cfg.rank:
+        raise InvalidArgument(f"LoRA expert_rank must be in [0, rank={cfg.rank}] (0: rank // num_experts_per_tok), "
+                              f"got {cfg.expert_rank}")
+    try:
+        targets = (lora.group_targets(cfg.train_attn, cfg.train_mlp, cfg.train_unembed) if lora is not None
+                   else lora_targets(cfg.train_attn, cfg.train_mlp, cfg.train_unembed))
+    except ValueError as exc:  # a model of no known family
+        raise InvalidArgument(str(exc)) from None
     if not targets:
         raise InvalidArgument("LoRA config trains nothing: enable train_attn, train_mlp or train_unembed")
-    spec = AdapterSpec(rank=cfg.rank, alpha=cfg.alpha or default_alpha, targets=targets, dropout=cfg.dropout)
+    spec = AdapterSpec(rank=cfg.rank, alpha=cfg.alpha or default_alpha, targets=targets, dropout=cfg.dropout,
+                       expert_rank=cfg.expert_rank)
     return spec, (cfg.seed if cfg.HasField("seed") else None)
 
 
 def imported_lora_to_pb(lora: ImportedLora) -> types_pb2.LoraConfig:
     """The LoRA config of a run an imported adapter loads into (no seed: its weights come from the file)."""
     return types_pb2.LoraConfig(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, train_attn=lora.train_attn,
-                                train_mlp=lora.train_mlp, train_unembed=lora.train_unembed)
+                                train_mlp=lora.train_mlp, train_unembed=lora.train_unembed, expert_rank=lora.expert_rank)
 
 
 def forward_backward_from_pb(item: trainer_pb2.ForwardBackwardItem, vocab_size: int,
@@ -123,6 +134,11 @@ def file_chunks_to_pb(pieces: Iterable[FilePiece]) -> Iterable[types_pb2.FileChu
 
 
 def model_info_to_pb(loaded, device: str, dtype: str, incarnation: str = "") -> trainer_pb2.ModelInfo:
+    try:
+        family, moe = families.family_of(loaded.model.config).name, families.moe_shape(loaded.model.config)
+    except families.UnknownFamily:  # the trainer runs; it refuses adapters, naming why (LoraModel.family_error)
+        family, moe = "", None
     return trainer_pb2.ModelInfo(base_model=loaded.name, tokenizer_id=loaded.path, vocab_size=loaded.vocab_size,
                                  max_context_length=loaded.max_context_length, device=device, dtype=dtype,
-                                 incarnation=incarnation)
+                                 incarnation=incarnation, family=family, num_experts=moe.num_experts if moe else 0,
+                                 num_experts_per_tok=moe.top_k if moe else 0)

@@ -3,7 +3,8 @@ becomes a checkpoint: the same rules as our own files, stated up front so a bad 
 (InvalidArgument) before anything is written.
 
 What is accepted is what a Temper run could have saved: plain LoRA on this trainer's base model,
-targets one of the module groups a run trains (attention, MLP, unembedding, or a union of them), the
+targets one of the module groups a run trains (attention, MLP, unembedding, or a union of them; on a
+mixture-of-experts model the MLP group holds the routed experts as peft ``target_parameters``), the
 tensor names and shapes ``LoraModel.add`` would make, float weights that are all finite. Such an
 adapter can be sampled and loaded into a run (``load_state``) like one trained here.
 """
@@ -41,7 +42,7 @@ def max_weights_bytes(lora: LoraModel, spec: AdapterSpec) -> int:
 
 def max_upload_bytes(lora: LoraModel) -> int:
     """The largest upload (both files) an acceptable adapter can be on this model: rank MAX_RANK on every layer."""
-    widest = AdapterSpec(rank=MAX_RANK, alpha=1.0, targets=tuple(sorted(lora.available_targets())))
+    widest = AdapterSpec(rank=MAX_RANK, alpha=1.0, targets=tuple(sorted(lora.available_targets())), expert_rank=MAX_RANK)
     return max_weights_bytes(lora, widest) + MAX_CONFIG_BYTES
 
 
@@ -55,10 +56,13 @@ class ImportedLora:
     train_attn: bool
     train_mlp: bool
     train_unembed: bool
+    expert_rank: int = 0
 
 
-def read_config(data: bytes, base_model: str, available: set[str]) -> tuple[AdapterSpec, ImportedLora]:
-    """The adapter's spec and the LoRA config of a run with the same adapter layout."""
+def read_config(data: bytes, base_model: str, available: set[str], group_targets=lora_targets
+                ) -> tuple[AdapterSpec, ImportedLora]:
+    """The adapter's spec and the LoRA config of a run with the same adapter layout. ``group_targets(attn,
+    mlp, unembed)``: the targets of each group on this model (``LoraModel.group_targets``)."""
     if len(data) > MAX_CONFIG_BYTES:
         raise InvalidArgument(f"{CONFIG_FILE} is over {MAX_CONFIG_BYTES} bytes")
     # Messages name the config's keys, never echo its values (up to MAX_CONFIG_BYTES of the caller's).
@@ -87,13 +91,15 @@ def read_config(data: bytes, base_model: str, available: set[str]) -> tuple[Adap
         raise InvalidArgument(f"LoRA rank must be in [1, {MAX_RANK}], got {spec.rank}")
     if not math.isfinite(spec.alpha) or spec.alpha <= 0 or not 0 <= spec.dropout < 1:
         raise InvalidArgument("lora_alpha must be a finite number > 0 and lora_dropout in [0, 1)")
+    if spec.expert_targets and not 1 <= spec.expert_rank <= spec.rank:
+        raise InvalidArgument(f"rank_pattern: the routed experts' rank must be in [1, r={spec.rank}], got {spec.expert_rank}")
     for attn, mlp, unembed in product((False, True), repeat=3):
-        if spec.targets and spec.targets == lora_targets(attn, mlp, unembed) and set(spec.targets) <= available:
+        if spec.targets and spec.targets == group_targets(attn, mlp, unembed) and set(spec.targets) <= available:
             return spec, ImportedLora(rank=spec.rank, alpha=spec.alpha, dropout=spec.dropout, train_attn=attn,
-                                              train_mlp=mlp, train_unembed=unembed)
-    raise InvalidArgument(f"target_modules {_shown(list(spec.targets))} must be whole groups Temper trains: attention "
-                          f"{list(lora_targets(attn=True))}, MLP {list(lora_targets(mlp=True))}, unembedding ['lm_head'], "
-                          f"or unions of them, of layers this model has")
+                                      train_mlp=mlp, train_unembed=unembed, expert_rank=spec.expert_rank)
+    raise InvalidArgument(f"target_modules/target_parameters {_shown(list(spec.targets))} must be whole groups Temper "
+                          f"trains: attention {list(group_targets(attn=True))}, MLP {list(group_targets(mlp=True))}, "
+                          f"unembedding ['lm_head'], or unions of them, of layers this model has")
 
 
 def _shown(value, limit: int = 160) -> str:
@@ -107,7 +113,16 @@ def check_adapter_folder(folder: Path, lora: LoraModel) -> ImportedLora:
     names = sorted(p.name for p in folder.iterdir())
     if names != sorted([CONFIG_FILE, WEIGHTS_FILE]):
         raise InvalidArgument(f"an adapter is exactly {CONFIG_FILE} and {WEIGHTS_FILE}, got {_shown(names)}")
-    spec, config = read_config((folder / CONFIG_FILE).read_bytes(), lora.base_model_name, lora.available_targets())
+    try:
+        lora.group_targets()
+    except ValueError as exc:  # a model of no known family takes no adapter
+        raise InvalidArgument(str(exc)) from None
+    spec, config = read_config((folder / CONFIG_FILE).read_bytes(), lora.base_model_name, lora.available_targets(),
+                               lora.group_targets)
+    try:
+        lora.resolve(spec)
+    except ValueError as exc:
+        raise InvalidArgument(f"bad {CONFIG_FILE}: {exc}") from None
     weights_file = folder / WEIGHTS_FILE
     if weights_file.stat().st_size > max_weights_bytes(lora, spec):
         raise InvalidArgument(f"{WEIGHTS_FILE} is larger than a rank-{spec.rank} adapter of this model can be")
@@ -122,9 +137,20 @@ def check_adapter_folder(folder: Path, lora: LoraModel) -> ImportedLora:
                               f"model: {len(extra)} unexpected {_shown(extra[:3])}, {len(missing)} missing {_shown(missing[:3])}")
     for name, tensor in weights.items():
         if tuple(tensor.shape) != expected[name]:
-            raise InvalidArgument(f"{name}: shape {_shown(tuple(tensor.shape))}, expected {expected[name]}")
+            raise InvalidArgument(f"{name}: shape {_shown(tuple(tensor.shape))}, expected {expected[name]}"
+                                  f"{_experts_hint(name, tuple(tensor.shape), expected[name], spec.expert_rank)}")
         if tensor.dtype not in _FLOAT_DTYPES:
             raise InvalidArgument(f"{name}: dtype {tensor.dtype}; LoRA weights are float32, bfloat16 or float16")
         if not bool(torch.isfinite(tensor).all()):
             raise InvalidArgument(f"{name} holds NaN or infinite values")
     return config
+
+
+def _experts_hint(name: str, shape: tuple, expected: tuple, expert_rank: int) -> str:
+    """For a routed-experts tensor, how many experts of rank ``expert_rank`` the file holds against the model's."""
+    if ".experts." not in name or expert_rank <= 0 or len(shape) != 2:
+        return ""
+    width, wanted = (shape[0], expected[0]) if ".lora_A." in name else (shape[1], expected[1])
+    if width % expert_rank or width == wanted:
+        return ""
+    return f" ({width // expert_rank} experts of rank {expert_rank}; the model has {wanted // expert_rank} routed experts)"

@@ -36,12 +36,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                                         self.incarnation)
 
     async def CreateAdapter(self, request, context):
-        await self._run("CreateAdapter", self._create, request)
-        return trainer_pb2.CreateAdapterResponse()
+        expert_rank = await self._run("CreateAdapter", self._create, request)
+        return trainer_pb2.CreateAdapterResponse(expert_rank=expert_rank)
 
-    def _create(self, request: trainer_pb2.CreateAdapterRequest) -> None:
-        spec, seed = convert.adapter_from_pb(request.lora_config, self.engine.settings.default_lora_alpha)
-        self.engine.create_adapter(request.training_run_id, spec, seed)
+    def _create(self, request: trainer_pb2.CreateAdapterRequest) -> int:
+        spec, seed = convert.adapter_from_pb(request.lora_config, self.engine.settings.default_lora_alpha, self.engine.lora)
+        return self.engine.create_adapter(request.training_run_id, spec, seed).spec.expert_rank
 
     async def DropAdapter(self, request, context):
         await self._run("DropAdapter", self.engine.drop_adapter, request.training_run_id)

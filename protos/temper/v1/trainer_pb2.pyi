@@ -12,7 +12,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("base_model", "tokenizer_id", "vocab_size", "max_context_length", "device", "dtype", "incarnation")
+    __slots__ = ("base_model", "tokenizer_id", "vocab_size", "max_context_length", "device", "dtype", "incarnation", "family", "num_experts", "num_experts_per_tok")
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,9 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERTS_PER_TOK_FIELD_NUMBER: _ClassVar[int]
     base_model: str
     tokenizer_id: str
     vocab_size: int
@@ -27,7 +30,10 @@ class ModelInfo(_message.Message):
     device: str
     dtype: str
     incarnation: str
-    def __init__(self, base_model: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    family: str
+    num_experts: int
+    num_experts_per_tok: int
+    def __init__(self, base_model: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., incarnation: _Optional[str] = ..., family: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ...) -> None: ...
 
 class CreateAdapterRequest(_message.Message):
     __slots__ = ("training_run_id", "lora_config")
@@ -38,8 +44,10 @@ class CreateAdapterRequest(_message.Message):
     def __init__(self, training_run_id: _Optional[str] = ..., lora_config: _Optional[_Union[_types_pb2.LoraConfig, _Mapping]] = ...) -> None: ...
 
 class CreateAdapterResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("expert_rank",)
+    EXPERT_RANK_FIELD_NUMBER: _ClassVar[int]
+    expert_rank: int
+    def __init__(self, expert_rank: _Optional[int] = ...) -> None: ...
 
 class DropAdapterRequest(_message.Message):
     __slots__ = ("training_run_id",)

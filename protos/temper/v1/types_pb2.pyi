@@ -122,7 +122,7 @@ class ForwardBackwardOutput(_message.Message):
     def __init__(self, loss_fn_output_type: _Optional[str] = ..., loss_fn_outputs: _Optional[_Iterable[_Union[LossFnOutput, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class LoraConfig(_message.Message):
-    __slots__ = ("rank", "alpha", "seed", "train_attn", "train_mlp", "train_unembed", "dropout")
+    __slots__ = ("rank", "alpha", "seed", "train_attn", "train_mlp", "train_unembed", "dropout", "expert_rank")
     RANK_FIELD_NUMBER: _ClassVar[int]
     ALPHA_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class LoraConfig(_message.Message):
     TRAIN_MLP_FIELD_NUMBER: _ClassVar[int]
     TRAIN_UNEMBED_FIELD_NUMBER: _ClassVar[int]
     DROPOUT_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_RANK_FIELD_NUMBER: _ClassVar[int]
     rank: int
     alpha: float
     seed: int
@@ -137,7 +138,8 @@ class LoraConfig(_message.Message):
     train_mlp: bool
     train_unembed: bool
     dropout: float
-    def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., seed: _Optional[int] = ..., train_attn: _Optional[bool] = ..., train_mlp: _Optional[bool] = ..., train_unembed: _Optional[bool] = ..., dropout: _Optional[float] = ...) -> None: ...
+    expert_rank: int
+    def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., seed: _Optional[int] = ..., train_attn: _Optional[bool] = ..., train_mlp: _Optional[bool] = ..., train_unembed: _Optional[bool] = ..., dropout: _Optional[float] = ..., expert_rank: _Optional[int] = ...) -> None: ...
 
 class AdamParams(_message.Message):
     __slots__ = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")

@@ -1,0 +1,202 @@
+"""LoRA on a mixture-of-experts layer's routed experts, for many adapters in one pass.
+
+transformers 5 keeps a layer's routed experts as two fused 3-D parameters (``gate_up_proj`` and
+``down_proj``, one slice per expert). ``MultiLoraExperts`` wraps that module: every adapter gets its
+own rank-r pair per expert for each of the two projections, the router stays frozen, and each token's
+delta comes from its own adapter's LoRA on the experts the router chose for it:
+
+    gate_up_e(x) = W_e x (+ b_e) + s * B_e A_e x,  then the family's GLU,  then down_e likewise.
+
+The (token, expert) assignments are sorted by expert and, within an expert, by adapter; the frozen
+expert weights run once per expert over all its tokens, whatever adapter they belong to, and the
+LoRA factors of every (expert, adapter) pair present run together: two grouped matmuls over ragged
+slices on CUDA (bf16), or two batched matmuls over slices padded to a common length elsewhere. No
+per-token Python loop; gradients reach only the adapter a token belongs to, and only its experts that
+the token was routed to.
+
+An adapter's parameters are peft's ``ParamWrapper`` tensors as they are saved: ``lora_A`` (r·E, in)
+holds expert e's A in rows e·r..(e+1)·r, ``lora_B`` (out, r·E) holds expert e's B in columns
+e, E+e, 2E+e, ... (peft reshapes (out, r, E)); the per-expert factors are views of them, so a saved
+adapter is exactly what vanilla peft loads with ``target_parameters``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from temper.services.lora.layer import Router, Routing
+from temper.services.models.families import ExpertLayout
+
+PROJECTIONS = ("gate_up", "down")
+PAD_GROWTH_LIMIT = 4  # padded LoRA slices may hold this many times the real rows, else one pair at a time
+
+
+class ExpertLoraWeights(nn.Module):
+    """One adapter's LoRA on one layer's routed experts (both projections), in peft's layout."""
+
+    def __init__(self, num_experts: int, shapes: dict[str, tuple[int, int]], rank: int, alpha: float, device,
+                 generator=None):
+        super().__init__()
+        self.num_experts, self.rank, self.alpha = num_experts, rank, alpha
+        self.scale = alpha / rank
+        self.shapes = shapes  # projection -> (in, out)
+        for name, (fan_in, fan_out) in shapes.items():
+            a = nn.Parameter(torch.empty(rank * num_experts, fan_in, device=device, dtype=torch.float32))
+            b = nn.Parameter(torch.zeros(fan_out, rank * num_experts, device=device, dtype=torch.float32))
+            bound = 1.0 / math.sqrt(fan_in)  # peft's kaiming-uniform(a=sqrt(5)) on lora_A; B = 0: a no-op at start
+            with torch.no_grad():
+                a.uniform_(-bound, bound, generator=generator)
+            setattr(self, f"{name}_A", a)
+            setattr(self, f"{name}_B", b)
+
+    def factors(self, projection: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every expert's (A (E, r, in), B (E, out, r)) of ``projection``, as views of the parameters."""
+        a, b = getattr(self, f"{projection}_A"), getattr(self, f"{projection}_B")
+        fan_in, fan_out = self.shapes[projection]
+        return a.view(self.num_experts, self.rank, fan_in), b.view(fan_out, self.rank, self.num_experts).permute(2, 0, 1)
+
+
+class MultiLoraExperts(nn.Module):
+    """Wraps a family's fused experts module (``ExpertLayout``); runs it as it is for rows without an
+    adapter of this layer, else the routed computation above."""
+
+    def __init__(self, base: nn.Module, layout: ExpertLayout, router: Router):
+        super().__init__()
+        self.base = base
+        self.layout = layout
+        self.router = router
+        self.adapters: dict[str, ExpertLoraWeights] = {}  # owned by LoraModel
+        gate_up, down = getattr(base, layout.gate_up), getattr(base, layout.down)
+        self.num_experts = int(gate_up.shape[0])
+        # (in, out) of each projection whatever the storage order
+        swap = (lambda s: (s[1], s[2])) if layout.transposed else (lambda s: (s[2], s[1]))
+        self.shapes = {"gate_up": swap(gate_up.shape), "down": swap(down.shape)}
+
+    def new_weights(self, rank: int, alpha: float, device, generator=None) -> ExpertLoraWeights:
+        return ExpertLoraWeights(self.num_experts, self.shapes, rank, alpha, device, generator)
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        routing = self.router.current
+        if routing is None or not self.adapters:
+            return self.base(hidden, top_k_index, top_k_weights)
+        keys = [key for key, _ in routing.groups]
+        if not any(key in self.adapters for key in keys):
+            return self.base(hidden, top_k_index, top_k_weights)
+        slots = routing.token_slots(hidden.shape[0], hidden.device)   # (T,) index into ``keys``, -1: no adapter
+        return self._routed(hidden, top_k_index, top_k_weights, slots, keys)
+
+    def _routed(self, hidden, top_k_index, top_k_weights, slots, keys) -> torch.Tensor:
+        experts, top_k = self.num_experts, top_k_index.shape[-1]
+        adapters = [self.adapters.get(key) for key in keys]
+        # an assignment's adapter column: 0 for none, 1 + the slot of an adapter this layer has
+        column = torch.tensor([0] + [1 + s if w is not None else 0 for s, w in enumerate(adapters)],
+                              device=hidden.device)[slots + 1]
+        width = len(keys) + 1
+        flat_expert = top_k_index.reshape(-1)
+        token = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(top_k)
+        order = torch.argsort(flat_expert * width + column.repeat_interleave(top_k), stable=True)
+        counts = torch.bincount(flat_expert[order] * width + column.repeat_interleave(top_k)[order],
+                                minlength=experts * width).tolist()
+        token, weight = token[order], top_k_weights.reshape(-1)[order]
+        plan = _Plan(counts, experts, width)
+        x = hidden.index_select(0, token)                                     # (N, hidden), sorted
+        gate_up = self._projection(x, "gate_up", plan, adapters)
+        act = self.layout.glu(self.base, gate_up)
+        out = self._projection(act, "down", plan, adapters)
+        out = (out * weight[:, None]).to(hidden.dtype)
+        return torch.zeros_like(hidden).index_add(0, token, out)
+
+    def _projection(self, x: torch.Tensor, projection: str, plan: "_Plan", adapters: list) -> torch.Tensor:
+        """The frozen experts' projection of the sorted rows ``x``, plus every adapter's LoRA delta."""
+        layout = self.layout
+        weight = getattr(self.base, layout.gate_up if projection == "gate_up" else layout.down)
+        bias_name = layout.gate_up_bias if projection == "gate_up" else layout.down_bias
+        bias = getattr(self.base, bias_name) if bias_name else None
+        pieces = []
+        for expert, (start, stop) in enumerate(plan.experts):
+            if stop == start:
+                continue
+            rows = x[start:stop]
+            y = rows @ weight[expert] if layout.transposed else F.linear(rows, weight[expert])
+            pieces.append(y + bias[expert] if bias is not None else y)
+        base = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        delta = self._lora_delta(x, projection, plan, adapters)
+        return base if delta is None else base + delta.to(base.dtype)
+
+    def _lora_delta(self, x: torch.Tensor, projection: str, plan: "_Plan", adapters: list) -> torch.Tensor | None:
+        """Every adapter's delta on the sorted rows (zero on rows without an adapter of this layer)."""
+        dtype = self.router.compute_dtype(x)
+        fan_out = self.shapes[projection][1]
+        delta = None
+        for (rank, scale), pairs in plan.buckets(adapters).items():
+            # pairs: (slot, expert, start, stop) of every (adapter, expert) slice of this bucket with rows
+            factors = {}
+            for slot in dict.fromkeys(p[0] for p in pairs):
+                factors[slot] = adapters[slot].factors(projection)
+            lora_a = torch.stack([factors[s][0][e] for s, e, _, _ in pairs]).to(dtype)    # (G, r, in)
+            lora_b = torch.stack([factors[s][1][e] for s, e, _, _ in pairs]).to(dtype)    # (G, out, r)
+            bucket = _pair_deltas(x.to(dtype), [(start, stop) for _, _, start, stop in pairs], lora_a, lora_b, scale)
+            rows = torch.cat([torch.arange(start, stop, device=x.device) for _, _, start, stop in pairs])
+            part = torch.zeros(x.shape[0], fan_out, dtype=dtype, device=x.device).index_add(0, rows, bucket)
+            delta = part if delta is None else delta + part
+        return delta
+
+
+class _Plan:
+    """Where each expert's rows and each (expert, adapter column) slice sit among the sorted rows."""
+
+    def __init__(self, counts: list[int], experts: int, width: int):
+        self.width = width
+        self.slices: list[tuple[int, int]] = []
+        at = 0
+        for count in counts:
+            self.slices.append((at, at + count))
+            at += count
+        self.experts = [(self.slices[e * width][0], self.slices[e * width + width - 1][1]) for e in range(experts)]
+
+    def buckets(self, adapters: list) -> dict[tuple[int, float], list[tuple[int, int, int, int]]]:
+        """The (slot, expert, start, stop) slices with rows, per (rank, scale) of their adapter."""
+        out: dict[tuple[int, float], list] = {}
+        for e in range(len(self.experts)):
+            for column in range(1, self.width):
+                start, stop = self.slices[e * self.width + column]
+                if stop > start:
+                    w = adapters[column - 1]
+                    out.setdefault((w.rank, w.scale), []).append((column - 1, e, start, stop))
+        return out
+
+
+def _pair_deltas(x: torch.Tensor, bounds: list[tuple[int, int]], lora_a: torch.Tensor, lora_b: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """``scale * B_g A_g x`` over each pair's rows ``x[start:stop]``, concatenated in pair order."""
+    if x.is_cuda and _grouped_ok(x, lora_a, lora_b) and _contiguous(bounds):
+        rows = x[bounds[0][0]:bounds[-1][1]]
+        offsets = torch.tensor([stop - bounds[0][0] for _, stop in bounds], dtype=torch.int32, device=x.device)
+        low = F.grouped_mm(rows, lora_a.transpose(1, 2), offs=offsets)
+        return F.grouped_mm(low, lora_b.transpose(1, 2), offs=offsets) * scale
+    lengths = [stop - start for start, stop in bounds]
+    longest, total = max(lengths), sum(lengths)
+    if longest * len(bounds) > PAD_GROWTH_LIMIT * total:  # very uneven routing: padding would cost more than loops
+        return torch.cat([(x[start:stop] @ lora_a[g].t()) @ lora_b[g].t() * scale for g, (start, stop) in enumerate(bounds)])
+    pad = x.shape[0]  # index of the zero row appended below
+    index = torch.tensor([list(range(start, stop)) + [pad] * (longest - (stop - start)) for start, stop in bounds],
+                         device=x.device)
+    padded = torch.cat([x, x.new_zeros(1, x.shape[1])])[index]              # (G, L, in)
+    out = torch.bmm(torch.bmm(padded, lora_a.transpose(1, 2)), lora_b.transpose(1, 2)) * scale
+    keep = torch.cat([torch.arange(n, device=x.device) + g * longest for g, n in enumerate(lengths)])
+    return out.flatten(0, 1).index_select(0, keep)
+
+
+def _contiguous(bounds) -> bool:
+    return all(bounds[g][1] == bounds[g + 1][0] for g in range(len(bounds) - 1))
+
+
+def _grouped_ok(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> bool:
+    """grouped_mm on CUDA bf16 with 16-byte-aligned widths (its kernels' requirement)."""
+    if not hasattr(F, "grouped_mm") or x.dtype != torch.bfloat16:
+        return False
+    return all(n * 2 % 16 == 0 for n in (lora_a.shape[1], lora_a.shape[2], lora_b.shape[1]))
