@@ -168,6 +168,8 @@ class LoraModel:
         missing = set(spec.targets) - self.available_targets()
         if missing:
             raise ValueError(f"the base model ({self.family.name}) has no {sorted(missing)} layers to adapt")
+        if spec.expert_rank and not self.experts:
+            raise ValueError(f"expert_rank is for mixture-of-experts models; this {self.family.name} model has no routed experts")
         if not spec.expert_targets:
             return replace(spec, expert_rank=0)
         if spec.dropout:

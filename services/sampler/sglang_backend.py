@@ -26,7 +26,9 @@ Adapters: each pushed checkpoint version gets its own SGLang adapter name ``"<ke
 push of a key loads the new version under a new name, routes new requests to it, then unloads the
 old one (SGLang waits for the requests still using it: ``LoRARegistry.wait_for_unload``).
 Temper's ``residency.py`` alone decides what stays loaded: SGLang runs with no LRU of its own
-(``max_loaded_loras`` unset) and the servicer unloads the adapters it evicts.
+(``max_loaded_loras`` unset) and the servicer unloads the adapters it evicts. An adapter SGLang would
+accept but not serve as trained (LoRA on routed experts, per-module ranks, ...) is refused before it
+reaches SGLang: ``check_servable``, and docs/sglang_moe_lora.md for what 0.5.23 serves per family.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -71,6 +74,9 @@ def engine_kwargs(settings: SamplerSettings, model_path: str) -> dict[str, Any]:
         sampling_mask_max_tokens=settings.sglang_sampling_mask_max_tokens,
         mem_fraction_static=settings.sglang_mem_fraction_static,
         sampling_defaults="openai",  # never the model's generation_config: we send every field anyway
+        # DeepSeek-V3: fused into the routed experts, the shared expert has no module to carry LoRA
+        # (check_servable); other families have no shared expert to fuse
+        disable_shared_experts_fusion=True,
         random_seed=0, log_level="error",
     )
     kwargs.update(settings.sglang_engine_args)
@@ -118,6 +124,9 @@ class SGLangSamplerBackend(SamplerBackend):
         self.base_model = settings.base_model
         self.model_path = resolve_model_path(settings.base_model)
         self.facts, self.max_context_length = model_facts(self.model_path, settings)
+        args = engine_kwargs(settings, self.model_path)
+        self._shared_experts_fused = bool(args.get("enforce_shared_experts_fusion")) or not (
+            args.get("disable_shared_experts_fusion") or str(args.get("moe_runner_backend") or "").startswith("lora"))
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-engine")
         self._engine = self._call(start_engine, settings, self.model_path)
         self._names: dict[str, str] = {}   # checkpoint key -> SGLang adapter name of its loaded version
@@ -141,6 +150,13 @@ class SGLangSamplerBackend(SamplerBackend):
 
     def load_adapter(self, checkpoint_key: str, folder: Path) -> None:
         config, tensors = _read_adapter(folder)
+        check_servable(config, tensors, shared_experts_fused=self._shared_experts_fused)
+        if config.get("target_parameters") and isinstance(config.get("target_modules"), list):
+            # only linears' weights are left: SGLang reads target_modules alone, so list them there, where it
+            # checks them against lora_target_modules (at load, not at the first batch)
+            linears = {p.removesuffix(".weight").rsplit(".", 1)[-1] for p in config["target_parameters"]}
+            config = {**config, "target_modules": sorted({*config["target_modules"], *linears}),
+                      "target_parameters": None}
         self._version += 1
         name = f"{checkpoint_key}@{self._version}"
         result = self._call(self._engine.load_lora_adapter_from_tensors, name, tensors, config)
@@ -232,3 +248,57 @@ def _read_adapter(folder: Path) -> tuple[dict, dict]:
     if config.get("peft_type", "LORA") != "LORA" or not isinstance(config.get("r"), int):
         raise InvalidArgument("not a peft LoRA adapter: adapter_config.json needs peft_type LORA and an integer r")
     return config, tensors
+
+
+# peft's ParamWrapper on the fused 3-D routed-expert weights: the target_parameters entries, and tensor
+# keys that name no module (not shared_experts, a plain module)
+_ROUTED_PARAM = re.compile(r"(?:^|\.)experts\.")
+_PEFT_EXPERT_KEY = re.compile(r"\.experts\.(?:base_layer\.)*lora_[AB]\.")
+
+
+def check_servable(config: dict, tensor_names, *, shared_experts_fused: bool) -> None:
+    """Refuse (INVALID_ARGUMENT, naming the piece) an adapter SGLang 0.5.23 would load but not serve
+    as trained. Never drop part of an adapter: a sampler that cannot serve all of it serves none of it.
+
+    Why, as read in the 0.5.23 wheel (details and line references: docs/sglang_moe_lora.md):
+    ``srt/lora/lora_config.py::LoRAConfig`` reads only target_modules, r, lora_alpha and use_dora, so
+    - peft ``target_parameters`` on the fused routed-expert parameters (tensors
+      ``...mlp.experts[.base_layer].lora_A.weight``) load "successfully", name no module SGLang knows,
+      and the first batch that uses the adapter raises in the scheduler
+      (``LoRAMemoryPool.load_lora_weight_to_buffer``), which takes the engine (this process) down.
+      ``target_parameters`` on a linear's 2-D weight (``gate_proj.weight``: how Temper names the dense
+      MLPs and shared experts of an MoE model) are plain module LoRA, which SGLang serves;
+    - ``rank_pattern`` / ``alpha_pattern`` are ignored: every module is read at rank ``r`` (another
+      rank fails like the above) and scaled ``lora_alpha / r`` (another alpha: silently wrong);
+    - ``kv_a_proj_with_mqa`` is served only fused with ``q_a_proj`` (``fused_qkv_a_proj_with_mqa``):
+      alone its tensors match no module, and fail like the above;
+    - a shared expert fused into the routed experts (DeepSeek-V3 unless ``disable_shared_experts_fusion``)
+      has no ``shared_experts`` module, so its LoRA would be silently skipped.
+    """
+    def refuse(piece: str, fix: str = "use TEMPER_SAMPLER_BACKEND=torch for this adapter") -> InvalidArgument:
+        return InvalidArgument(f"SGLang {SGLANG_VERSION} cannot serve {piece}; {fix}")
+
+    names = sorted(tensor_names)
+    params = config.get("target_parameters") or []
+    params = [params] if isinstance(params, str) else list(params)
+    routed = [p for p in params if _ROUTED_PARAM.search(p)]
+    fused = routed or [p for p in params if not p.endswith(".weight")]  # "gate_proj.weight": a plain linear
+    if fused:
+        what = "routed experts" if routed else "fused parameters"
+        raise refuse(f"LoRA on {what} (target_parameters {', '.join(fused)})")
+    expert_keys = [n for n in names if _PEFT_EXPERT_KEY.search(n)]
+    if expert_keys:
+        raise refuse(f"LoRA on routed experts (peft expert tensors such as {expert_keys[0]})")
+    r, alpha = config["r"], config.get("lora_alpha", config["r"])
+    for field_name, plain in (("rank_pattern", r), ("alpha_pattern", alpha)):
+        odd = {k: v for k, v in (config.get(field_name) or {}).items() if v != plain}
+        if odd:
+            raise refuse(f"per-module ranks or scales ({field_name} {odd}; it serves every module at r={r}, "
+                         f"lora_alpha={alpha})")
+    if any(".kv_a_proj_with_mqa." in n for n in names) and not any(".q_a_proj." in n for n in names):
+        raise refuse("LoRA on kv_a_proj_with_mqa without q_a_proj (it serves the two only as one fused "
+                     "projection, fused_qkv_a_proj_with_mqa)")
+    if shared_experts_fused and any("shared_experts." in n for n in names):
+        raise refuse("LoRA on shared experts fused into the routed experts (no shared_experts module is left)",
+                     "drop disable_shared_experts_fusion=false from TEMPER_SAMPLER_SGLANG_ENGINE_ARGS (Temper "
+                     "starts SGLang with it true), or use TEMPER_SAMPLER_BACKEND=torch")

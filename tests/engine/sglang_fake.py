@@ -54,6 +54,7 @@ SERVER_ARGS = {  # the ServerArgs fields the fake accepts (all exist at 0.5.23)
     "model_path", "tokenizer_path", "dtype", "device", "enable_lora", "max_lora_rank", "lora_target_modules",
     "max_loras_per_batch", "max_loaded_loras", "enable_deterministic_inference", "sampling_mask_max_tokens",
     "mem_fraction_static", "sampling_defaults", "random_seed", "log_level",
+    "disable_shared_experts_fusion",  # srt/arg_groups/fields/exec_.py
 }
 FAIL_NEXT: list = []   # exceptions to raise, or {"abort": (message, status)} dicts, one per generate call
 ENGINES: list = []     # every Engine built (tests look inside)

@@ -5,6 +5,7 @@ option by name, keeps one SGLang adapter per checkpoint version through load / u
 and turns SGLang's errors into Temper's statuses. sglang itself is never imported."""
 
 import asyncio
+import json
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import sglang_fake
 from temper.common.checkpoints import WEIGHT_FILES
@@ -22,7 +24,7 @@ from temper.services.models.loading import load_model
 from temper.services.sampler.backend import SampleRequest, SamplingOptions
 from temper.services.sampler.servicer import SamplerServicer
 from temper.services.sampler.settings import SamplerSettings
-from temper.services.sampler.sglang_backend import SGLangSamplerBackend, engine_kwargs
+from temper.services.sampler.sglang_backend import SGLangSamplerBackend, check_servable, engine_kwargs
 from temper.services.sampler.sglang_requests import ModelFacts, check_options, derive_seed
 from temper.services.sampler.torch_backend import TorchSamplerBackend
 from temper.v1 import sampler_pb2, types_pb2
@@ -89,6 +91,7 @@ def test_engine_is_started_for_multi_lora_and_raw_logprobs(backend):
     args = engine.args
     assert args["enable_lora"] and args["max_loaded_loras"] is None and args["max_loras_per_batch"] == 8
     assert args["sampling_defaults"] == "openai" and args["enable_deterministic_inference"]
+    assert args["disable_shared_experts_fusion"] and not backend._shared_experts_fused  # shared-expert LoRA has a module
     assert engine.original_logprob, "SGLANG_RETURN_ORIGINAL_LOGPROB must be set before the engine starts"
     assert set(engine.adapters) == {f"{key}@{i + 1}" for i, key in enumerate(SPECS)}  # one name per version
     assert backend.describe().loaded_checkpoints == sorted(SPECS)
@@ -282,6 +285,87 @@ def test_errors_map_to_statuses(backend, folders, tmp_path):
     assert "run9/sampler_weights/big" not in backend.describe().loaded_checkpoints
     with pytest.raises(InvalidArgument, match="peft"):
         backend.load_adapter("run9/sampler_weights/none", tmp_path)
+
+
+def write_adapter(folder, config: dict, tensors: dict) -> None:
+    """A peft adapter folder from a config and tensors (no model needed)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+
+
+MOE_CONFIG = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
+              "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+              "rank_pattern": {"mlp.experts.gate_up_proj": 2, "mlp.experts.down_proj": 2}}
+MOE_TENSORS = {  # peft's ParamWrapper names (gate_up_proj nested under base_layer, down_proj not)
+    "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 8),
+    "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(8, 4),
+    "base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight": torch.zeros(2 * 4, 8),
+    "base_model.model.model.layers.0.mlp.experts.base_layer.lora_B.weight": torch.zeros(32, 2 * 4),
+    "base_model.model.model.layers.0.mlp.experts.lora_A.weight": torch.zeros(2 * 4, 16),
+    "base_model.model.model.layers.0.mlp.experts.lora_B.weight": torch.zeros(8, 2 * 4),
+}
+
+
+def test_expert_lora_is_refused_by_name_and_changes_nothing(backend, folders, reference, tmp_path):
+    engine = engine_of(backend)
+    before = (set(engine.adapters), dict(backend._names), backend._version, backend.describe().loaded_checkpoints)
+    moe = tmp_path / "moe"
+    write_adapter(moe, MOE_CONFIG, MOE_TENSORS)
+    with pytest.raises(InvalidArgument) as err:
+        backend.load_adapter("run7/sampler_weights/moe", moe)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert str(err.value) == ("SGLang 0.5.23 cannot serve LoRA on routed experts (target_parameters "
+                              "mlp.experts.gate_up_proj, mlp.experts.down_proj); use TEMPER_SAMPLER_BACKEND=torch "
+                              "for this adapter")
+    keys_only = tmp_path / "keys_only"  # the expert tensors alone give it away too
+    write_adapter(keys_only, {k: v for k, v in MOE_CONFIG.items() if k not in ("target_parameters", "rank_pattern")},
+                  MOE_TENSORS)
+    with pytest.raises(InvalidArgument, match=r"routed experts \(peft expert tensors such as .*mlp\.experts\."):
+        backend.load_adapter("run7/sampler_weights/moe", keys_only)
+    servicer = SamplerServicer(backend, tmp_path / "pushed", max_num_samples=8)  # over the wire: the same status
+    with pytest.raises(TemperError) as err:
+        asyncio.run(push(servicer, "run7/sampler_weights/moe", moe))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "target_parameters mlp.experts.gate_up_proj" in str(err.value)
+    after = (set(engine.adapters), dict(backend._names), backend._version, backend.describe().loaded_checkpoints)
+    assert after == before  # nothing reached SGLang, no version was used up
+
+    # dense adapters still load and sample: peft's empty MoE fields, and (as Temper writes an MoE model's dense
+    # MLPs) linears named through target_parameters "<linear>.weight", which SGLang is told as target_modules
+    prompt = np.array([5, 17, 42, 99], dtype=np.int32)
+    for source, fields in [(A, dict(target_parameters=None, rank_pattern={}, alpha_pattern={})),
+                           (B, dict(target_modules=[], target_parameters=["gate_proj.weight", "up_proj.weight"]))]:
+        dense, key = tmp_path / f"dense-{len(fields)}", f"run8/sampler_weights/dense-{len(fields)}"
+        config = {**json.loads((folders[source] / "adapter_config.json").read_text()), **fields}
+        write_adapter(dense, config, load_file(str(folders[source] / "adapter_model.safetensors")))
+        backend.load_adapter(key, dense)
+        seen = json.loads((engine.adapters[backend._names[key]] / "adapter_config.json").read_text())
+        assert not seen.get("target_parameters") and set(seen["target_modules"]) == set(SPECS[source].targets)
+        got = backend.sample(key, prompt, 1, GREEDY, False).sequences[0].tokens
+        assert got == reference.sample(source, prompt, 1, GREEDY, False).sequences[0].tokens
+        backend.drop_adapter(key)
+    assert set(engine.adapters) == before[0]
+
+
+def test_check_servable_names_each_piece_sglang_cannot_serve():
+    attn = ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
+    plain = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}
+    check_servable(dict(plain, target_parameters=[], rank_pattern={}, alpha_pattern={}), attn, shared_experts_fused=True)
+    with pytest.raises(InvalidArgument, match=r"^SGLang 0\.5\.23 cannot serve per-module ranks .*rank_pattern"):
+        check_servable(dict(plain, rank_pattern={"q_proj": 4}), attn, shared_experts_fused=False)
+    with pytest.raises(InvalidArgument, match=r"per-module ranks or scales \(alpha_pattern"):
+        check_servable(dict(plain, alpha_pattern={"q_proj": 2}), attn, shared_experts_fused=False)
+    mla = "base_model.model.model.layers.0.self_attn.{}.lora_A.weight"
+    check_servable(plain, [mla.format(m) for m in ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj")],
+                   shared_experts_fused=False)  # MLA: SGLang fuses q_a + kv_a, serves q_b / kv_b
+    with pytest.raises(InvalidArgument, match="kv_a_proj_with_mqa without q_a_proj"):
+        check_servable(plain, [mla.format("kv_a_proj_with_mqa"), mla.format("kv_b_proj")], shared_experts_fused=False)
+    shared = ["base_model.model.model.layers.3.mlp.shared_experts.gate_proj.lora_A.weight"]
+    check_servable(plain, shared, shared_experts_fused=False)  # its own module: served
+    with pytest.raises(InvalidArgument, match="shared experts fused into the routed experts.*disable_shared_experts_fusion"):
+        check_servable(plain, shared, shared_experts_fused=True)
 
 
 def test_engine_kwargs_and_seed_refusal_without_deterministic(tiny_model_dir):
