@@ -42,6 +42,10 @@ def build_tiny_model(target: Path, vocab_size: int = 512, hidden_size: int = 64,
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():  # transformers starts biases at zero: random ones, so that tests see them at work
+            for name, param in model.named_parameters():
+                if name.endswith("bias") and not param.any():
+                    param.normal_(0.0, 0.02)
     target.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
