@@ -103,14 +103,17 @@ class MultiLoraExperts(nn.Module):
                                 minlength=experts * width).tolist()
         token, weight = token[order], top_k_weights.reshape(-1)[order]
         plan = _Plan(counts, experts, width)
+        buckets = [_Bucket(slots, pairs, experts, hidden.shape[0] * top_k, hidden.device)
+                   for slots, pairs in plan.buckets(adapters)]
         x = hidden.index_select(0, token)                                     # (N, hidden), sorted
-        gate_up = self._projection(x, "gate_up", plan, adapters)
+        gate_up = self._projection(x, "gate_up", plan, buckets, adapters)
         act = self.layout.glu(self.base, gate_up)
-        out = self._projection(act, "down", plan, adapters)
+        out = self._projection(act, "down", plan, buckets, adapters)
         out = (out * weight[:, None]).to(hidden.dtype)
         return torch.zeros_like(hidden).index_add(0, token, out)
 
-    def _projection(self, x: torch.Tensor, projection: str, plan: "_Plan", adapters: list) -> torch.Tensor:
+    def _projection(self, x: torch.Tensor, projection: str, plan: "_Plan", buckets: list["_Bucket"],
+                    adapters: list) -> torch.Tensor:
         """The frozen experts' projection of the sorted rows ``x``, plus every adapter's LoRA delta."""
         layout = self.layout
         weight = getattr(self.base, layout.gate_up if projection == "gate_up" else layout.down)
@@ -123,27 +126,55 @@ class MultiLoraExperts(nn.Module):
             rows = x[start:stop]
             y = rows @ weight[expert] if layout.transposed else F.linear(rows, weight[expert])
             pieces.append(y + bias[expert] if bias is not None else y)
-        base = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-        delta = self._lora_delta(x, projection, plan, adapters)
-        return base if delta is None else base + delta.to(base.dtype)
-
-    def _lora_delta(self, x: torch.Tensor, projection: str, plan: "_Plan", adapters: list) -> torch.Tensor | None:
-        """Every adapter's delta on the sorted rows (zero on rows without an adapter of this layer)."""
+        out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         dtype = self.router.compute_dtype(x)
-        fan_out = self.shapes[projection][1]
-        delta = None
-        for (rank, scale), pairs in plan.buckets(adapters).items():
-            # pairs: (slot, expert, start, stop) of every (adapter, expert) slice of this bucket with rows
-            factors = {}
-            for slot in dict.fromkeys(p[0] for p in pairs):
-                factors[slot] = adapters[slot].factors(projection)
-            lora_a = torch.stack([factors[s][0][e] for s, e, _, _ in pairs]).to(dtype)    # (G, r, in)
-            lora_b = torch.stack([factors[s][1][e] for s, e, _, _ in pairs]).to(dtype)    # (G, out, r)
-            bucket = _pair_deltas(x.to(dtype), [(start, stop) for _, _, start, stop in pairs], lora_a, lora_b, scale)
-            rows = torch.cat([torch.arange(start, stop, device=x.device) for _, _, start, stop in pairs])
-            part = torch.zeros(x.shape[0], fan_out, dtype=dtype, device=x.device).index_add(0, rows, bucket)
-            delta = part if delta is None else delta + part
-        return delta
+        xs = x.to(dtype)
+        for bucket in buckets:
+            # every (adapter, expert) pair's factors of the bucket, stacked once: (slots·E, r, in), (slots·E, out, r)
+            factors = [adapters[slot].factors(projection) for slot in bucket.slots]
+            lora_a = torch.cat([a for a, _ in factors]).index_select(0, bucket.pair_ids).to(dtype)
+            lora_b = torch.cat([b for _, b in factors]).index_select(0, bucket.pair_ids).to(dtype)
+            delta = bucket.deltas(xs, lora_a, lora_b, adapters[bucket.slots[0]].scale)
+            out = out.index_add(0, bucket.rows, delta.to(out.dtype))
+        return out
+
+
+class _Bucket:
+    """The (adapter, expert) pairs with rows of adapters of one (rank, scale), and the index tensors
+    their LoRA matmuls need, built once per layer call for both projections."""
+
+    def __init__(self, slots: list[int], pairs: list[tuple[int, int, int, int]], experts: int, total: int, device):
+        self.slots = slots
+        position = {slot: k for k, slot in enumerate(slots)}
+        self.bounds = [(start, stop) for _, _, start, stop in pairs]
+        self.pair_ids = torch.tensor([position[slot] * experts + e for slot, e, _, _ in pairs], device=device)
+        lengths = [stop - start for start, stop in self.bounds]
+        self.rows = torch.cat([torch.arange(start, stop, device=device) for start, stop in self.bounds])
+        self.ragged = device.type == "cuda" and _contiguous(self.bounds)
+        longest = max(lengths)
+        # very uneven routing: padding would cost more than a matmul pair per (adapter, expert)
+        self.padded = not self.ragged and longest * len(lengths) <= PAD_GROWTH_LIMIT * sum(lengths)
+        if self.ragged:
+            first = self.bounds[0][0]
+            self.offsets = torch.tensor([stop - first for _, stop in self.bounds], dtype=torch.int32, device=device)
+        elif self.padded:
+            index = torch.full((len(lengths), longest), total, dtype=torch.long, device=device)  # total: a zero row
+            mask = torch.arange(longest, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
+            index[mask] = self.rows
+            self.index, self.keep = index, mask.flatten().nonzero().squeeze(-1)
+
+    def deltas(self, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
+        """``scale * B_g A_g x`` over each pair's rows, concatenated in pair order (as ``rows``)."""
+        if self.ragged and _grouped_ok(x, lora_a, lora_b):
+            rows = x[self.bounds[0][0]:self.bounds[-1][1]]
+            low = F.grouped_mm(rows, lora_a.transpose(1, 2), offs=self.offsets)
+            return F.grouped_mm(low, lora_b.transpose(1, 2), offs=self.offsets) * scale
+        if self.padded:
+            padded = torch.cat([x, x.new_zeros(1, x.shape[1])])[self.index]           # (G, L, in)
+            out = torch.bmm(torch.bmm(padded, lora_a.transpose(1, 2)), lora_b.transpose(1, 2)) * scale
+            return out.flatten(0, 1).index_select(0, self.keep)
+        return torch.cat([(x[start:stop] @ lora_a[g].t()) @ lora_b[g].t() * scale
+                          for g, (start, stop) in enumerate(self.bounds)])
 
 
 class _Plan:
@@ -158,8 +189,8 @@ class _Plan:
             at += count
         self.experts = [(self.slices[e * width][0], self.slices[e * width + width - 1][1]) for e in range(experts)]
 
-    def buckets(self, adapters: list) -> dict[tuple[int, float], list[tuple[int, int, int, int]]]:
-        """The (slot, expert, start, stop) slices with rows, per (rank, scale) of their adapter."""
+    def buckets(self, adapters: list) -> list[tuple[list[int], list[tuple[int, int, int, int]]]]:
+        """Per (rank, scale) of the adapters: their slots and the (slot, expert, start, stop) slices with rows."""
         out: dict[tuple[int, float], list] = {}
         for e in range(len(self.experts)):
             for column in range(1, self.width):
@@ -167,28 +198,7 @@ class _Plan:
                 if stop > start:
                     w = adapters[column - 1]
                     out.setdefault((w.rank, w.scale), []).append((column - 1, e, start, stop))
-        return out
-
-
-def _pair_deltas(x: torch.Tensor, bounds: list[tuple[int, int]], lora_a: torch.Tensor, lora_b: torch.Tensor,
-                 scale: float) -> torch.Tensor:
-    """``scale * B_g A_g x`` over each pair's rows ``x[start:stop]``, concatenated in pair order."""
-    if x.is_cuda and _grouped_ok(x, lora_a, lora_b) and _contiguous(bounds):
-        rows = x[bounds[0][0]:bounds[-1][1]]
-        offsets = torch.tensor([stop - bounds[0][0] for _, stop in bounds], dtype=torch.int32, device=x.device)
-        low = F.grouped_mm(rows, lora_a.transpose(1, 2), offs=offsets)
-        return F.grouped_mm(low, lora_b.transpose(1, 2), offs=offsets) * scale
-    lengths = [stop - start for start, stop in bounds]
-    longest, total = max(lengths), sum(lengths)
-    if longest * len(bounds) > PAD_GROWTH_LIMIT * total:  # very uneven routing: padding would cost more than loops
-        return torch.cat([(x[start:stop] @ lora_a[g].t()) @ lora_b[g].t() * scale for g, (start, stop) in enumerate(bounds)])
-    pad = x.shape[0]  # index of the zero row appended below
-    index = torch.tensor([list(range(start, stop)) + [pad] * (longest - (stop - start)) for start, stop in bounds],
-                         device=x.device)
-    padded = torch.cat([x, x.new_zeros(1, x.shape[1])])[index]              # (G, L, in)
-    out = torch.bmm(torch.bmm(padded, lora_a.transpose(1, 2)), lora_b.transpose(1, 2)) * scale
-    keep = torch.cat([torch.arange(n, device=x.device) + g * longest for g, n in enumerate(lengths)])
-    return out.flatten(0, 1).index_select(0, keep)
+        return [(sorted({p[0] for p in pairs}), pairs) for pairs in out.values()]
 
 
 def _contiguous(bounds) -> bool:
