@@ -72,6 +72,11 @@ class SamplerBackend(abc.ABC):
     def describe(self) -> ModelDescription: ...
 
     @abc.abstractmethod
+    def check_adapter(self, folder: Path) -> None:
+        """InvalidArgument if ``load_adapter`` would refuse this adapter folder; touches nothing (the
+        servicer asks before it evicts anything to make room)."""
+
+    @abc.abstractmethod
     def load_adapter(self, checkpoint_key: str, folder: Path) -> None:
         """Load (or replace) the peft adapter folder of a checkpoint under ``checkpoint_key``."""
 

@@ -102,7 +102,9 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         return sampler_pb2.PushAdapterResponse(bytes_received=received)
 
     def _install(self, key: str, folder: Path, size: int) -> None:
-        """On the compute thread (so loads never interleave): make room, then load."""
+        """On the compute thread (so loads never interleave): check, make room, then load. An adapter the
+        backend refuses evicts nothing."""
+        self.backend.check_adapter(folder)
         for victim in self.residency.reserve(key, size):
             with contextlib.suppress(AdapterNotLoaded):
                 self.backend.drop_adapter(victim)

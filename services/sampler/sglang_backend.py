@@ -148,6 +148,10 @@ class SGLangSamplerBackend(SamplerBackend):
 
     # ---- adapters -----------------------------------------------------------------------------
 
+    def check_adapter(self, folder: Path) -> None:
+        config, tensors = _read_adapter(folder)
+        check_servable(config, tensors, shared_experts_fused=self._shared_experts_fused)
+
     def load_adapter(self, checkpoint_key: str, folder: Path) -> None:
         config, tensors = _read_adapter(folder)
         check_servable(config, tensors, shared_experts_fused=self._shared_experts_fused)

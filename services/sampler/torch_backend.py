@@ -64,11 +64,26 @@ class TorchSamplerBackend(SamplerBackend):
 
     # ---- adapters -----------------------------------------------------------------------------
 
-    def load_adapter(self, checkpoint_key: str, folder: Path) -> None:
+    def check_adapter(self, folder: Path) -> None:
+        spec, weights = self._read(folder)
         try:
-            spec, weights = LoraModel.read(folder)
+            expected = self.lora.param_shapes(self.lora.resolve(spec))
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        got = {name: tuple(t.shape) for name, t in weights.items()}
+        if got != expected:
+            wrong = sorted(set(got) ^ set(expected)) or sorted(n for n in got if got[n] != expected[n])
+            raise InvalidArgument(f"adapter tensors do not match its config on this model: {wrong[:3]}")
+
+    @staticmethod
+    def _read(folder: Path):
+        try:
+            return LoraModel.read(folder)
         except (ValueError, KeyError, OSError) as exc:
             raise InvalidArgument(f"not a peft LoRA adapter: {exc}") from None
+
+    def load_adapter(self, checkpoint_key: str, folder: Path) -> None:
+        spec, weights = self._read(folder)
         if checkpoint_key in self.lora.adapters:
             self.lora.remove(checkpoint_key)
         try:

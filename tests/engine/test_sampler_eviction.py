@@ -213,3 +213,28 @@ def test_the_byte_bound(backend, folders, tmp_path):
         assert backend.describe().loaded_checkpoints == ["b", "c"]   # refused before anything was dropped
 
     asyncio.run(scenario())
+
+
+def test_a_refused_push_evicts_nothing(backend, folders, tmp_path):
+    """An adapter the backend cannot load (here: tensors of another shape than its config says) is
+    refused before anything is evicted to make room for it."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+
+    servicer = SamplerServicer(backend, tmp_path, max_num_samples=4, max_adapters=2)
+    bad = tmp_path / "bad"
+    shutil.copytree(folders["c"], bad)
+    weights = {name: t[:-1] if "lora_A" in name else t for name, t in load_file(str(bad / "adapter_model.safetensors")).items()}
+    save_file(weights, str(bad / "adapter_model.safetensors"))
+
+    async def scenario():
+        await push(servicer, "a", folders["a"])
+        await push(servicer, "b", folders["b"])
+        before = await servicer.Sample(sample("a"), None)
+        with pytest.raises(InvalidArgument):
+            await push(servicer, "c", bad)
+        assert sorted(servicer.residency.keys()) == ["a", "b"]
+        assert sorted(backend.lora.adapters) == ["a", "b"]
+        assert await servicer.Sample(sample("a"), None) == before
+
+    asyncio.run(scenario())
