@@ -62,7 +62,7 @@ def adam_to_proto(params: t.AdamParams) -> types_pb2.AdamParams:
 def lora_to_proto(cfg: t.LoraConfig) -> types_pb2.LoraConfig:
     message = types_pb2.LoraConfig(
         rank=cfg.rank, alpha=cfg.alpha or 0.0, train_attn=cfg.train_attn, train_mlp=cfg.train_mlp,
-        train_unembed=cfg.train_unembed, dropout=cfg.dropout,
+        train_unembed=cfg.train_unembed, dropout=cfg.dropout, expert_rank=cfg.expert_rank,
     )
     if cfg.seed is not None:
         message.seed = cfg.seed
@@ -73,6 +73,7 @@ def lora_from_proto(message: types_pb2.LoraConfig) -> t.LoraConfig:
     return t.LoraConfig(
         rank=message.rank, alpha=message.alpha, seed=message.seed if message.HasField("seed") else None,
         train_attn=message.train_attn, train_mlp=message.train_mlp, train_unembed=message.train_unembed, dropout=message.dropout,
+        expert_rank=message.expert_rank,
     )
 
 

@@ -64,7 +64,8 @@ class RestClient:
         async def run():
             r = await self._call("GetServerCapabilities", service_pb2.GetServerCapabilitiesRequest())
             return t.GetServerCapabilitiesResponse([
-                t.SupportedModel(m.model_name, m.max_context_length, m.trainable, m.sampleable) for m in r.supported_models])
+                t.SupportedModel(m.model_name, m.max_context_length, m.trainable, m.sampleable, m.family, m.num_experts,
+                                 m.num_experts_per_tok) for m in r.supported_models])
 
         return self._submit(run())
 
@@ -89,7 +90,8 @@ class RestClient:
             checkpoint = await self._call("GetCheckpoint", service_pb2.GetCheckpointRequest(path=tinker_path))
             lora = checkpoint.lora_config
             return t.WeightsInfoResponse(base_model=checkpoint.base_model, is_lora=True, lora_rank=lora.rank,
-                                         train_unembed=lora.train_unembed, train_mlp=lora.train_mlp, train_attn=lora.train_attn)
+                                         train_unembed=lora.train_unembed, train_mlp=lora.train_mlp, train_attn=lora.train_attn,
+                                         expert_rank=lora.expert_rank)
 
         return self._submit(run())
 
@@ -220,4 +222,5 @@ def _training_run(info: service_pb2.TrainingRunInfo, checkpoints: list[types_pb2
     return t.TrainingRun(
         training_run_id=info.training_run_id, base_model=info.base_model, model_owner=info.owner, is_lora=True,
         last_request_time=max(times, default=datetime.now(timezone.utc)), lora_rank=info.lora_config.rank,
-        last_checkpoint=newest["training"], last_sampler_checkpoint=newest["sampler"], user_metadata=dict(info.user_metadata) or None)
+        last_checkpoint=newest["training"], last_sampler_checkpoint=newest["sampler"], user_metadata=dict(info.user_metadata) or None,
+        expert_rank=info.lora_config.expert_rank)

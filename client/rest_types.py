@@ -113,6 +113,7 @@ class TrainingRun:
     last_checkpoint: Checkpoint | None = None
     last_sampler_checkpoint: Checkpoint | None = None
     user_metadata: dict[str, str] | None = None
+    expert_rank: int = 0            # the routed experts' LoRA rank in effect (MoE models); 0: no expert LoRA
 
 
 @dataclass
@@ -129,6 +130,7 @@ class WeightsInfoResponse:
     train_unembed: bool | None = None
     train_mlp: bool | None = None
     train_attn: bool | None = None
+    expert_rank: int = 0            # the routed experts' LoRA rank (MoE models); 0: no expert LoRA
 
 
 @dataclass

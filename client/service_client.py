@@ -69,12 +69,14 @@ class ServiceClient:
     def create_lora_training_client(
         self, base_model: str, rank: int = 32, seed: int | None = None, train_mlp: bool = True, train_attn: bool = True,
         train_unembed: bool = True, user_metadata: dict[str, str] | None = None, optimizer: Any = None, *,
-        alpha: float | None = None, dropout: float = 0.0,
+        alpha: float | None = None, dropout: float = 0.0, expert_rank: int = 0,
     ) -> ClientFuture[TrainingClient]:
-        """``optimizer``: None or AdamW (Tinker's AdamOptimizerConfig); Temper has no other."""
+        """``optimizer``: None or AdamW (Tinker's AdamOptimizerConfig); Temper has no other. ``expert_rank``
+        (mixture-of-experts models, with train_mlp): each routed expert's LoRA rank, in [0, rank]; 0: the
+        server's default, rank // num_experts_per_tok. The run's info (get_info) shows the rank in effect."""
         _check_optimizer(optimizer)
         lora = t.LoraConfig(rank=rank, alpha=alpha, seed=seed, train_attn=train_attn, train_mlp=train_mlp,
-                            train_unembed=train_unembed, dropout=dropout)
+                            train_unembed=train_unembed, dropout=dropout, expert_rank=expert_rank)
         request = service_pb2.CreateTrainingRunRequest(
             session_id=self.session_id, base_model=base_model, lora_config=convert.lora_to_proto(lora), user_metadata=user_metadata or {}
         )

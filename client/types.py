@@ -172,6 +172,10 @@ class LoraConfig:
     train_mlp: bool = True
     train_unembed: bool = True
     dropout: float = 0.0
+    # Mixture-of-experts models: each routed expert's LoRA rank (train_mlp adapts every routed expert).
+    # Asked for: 0 is the server's default, rank // num_experts_per_tok. In a run's info: the rank in
+    # effect, 0 when no routed expert is adapted (a dense model, or no train_mlp).
+    expert_rank: int = 0
 
 
 @dataclass
@@ -268,6 +272,11 @@ class GetInfoResponse:
     def model_name(self) -> str:
         return self.model_data.model_name
 
+    @property
+    def expert_rank(self) -> int:
+        """The routed experts' LoRA rank in effect (mixture-of-experts models); 0: no expert LoRA."""
+        return self.lora_config.expert_rank
+
 
 @dataclass
 class SupportedModel:
@@ -275,6 +284,9 @@ class SupportedModel:
     max_context_length: int
     trainable: bool
     sampleable: bool
+    family: str = ""               # e.g. "llama", "qwen3_moe" (as its trainers report it; "" if unknown)
+    num_experts: int = 0           # routed experts per MoE layer; 0: a dense model
+    num_experts_per_tok: int = 0   # experts a token is routed to; 0: a dense model
 
 
 @dataclass

@@ -26,7 +26,7 @@ from temper.scheduler.db import models as m
 from temper.scheduler.lookup_verbs import check_user_metadata
 from temper.scheduler.quotas import check_hard_limit
 from temper.scheduler.recovery import snapshot_key
-from temper.scheduler.runs import new_run_row
+from temper.scheduler.runs import created_expert_rank, new_run_row
 from temper.scheduler.views import KIND_NAMES, checkpoint_message
 from temper.v1 import service_pb2, trainer_pb2, types_pb2
 
@@ -112,7 +112,8 @@ class ImportVerbs:
             imported = await trainer.import_adapter(paths[0].key, files)
             cfg = imported.lora_config
             adapter_made = True  # from here on, whatever the call's outcome
-            await trainer.call("CreateAdapter", trainer_pb2.CreateAdapterRequest(training_run_id=run_id, lora_config=cfg))
+            # cfg.expert_rank: the file's experts' rank (its rank_pattern), asked for exactly; the answer is the rank in effect
+            created = await trainer.call("CreateAdapter", trainer_pb2.CreateAdapterRequest(training_run_id=run_id, lora_config=cfg))
             await trainer.call("LoadAdapter", trainer_pb2.LoadAdapterRequest(training_run_id=run_id, checkpoint_key=paths[0].key))
             sizes = [imported.size_bytes]
             if header.save_state:
@@ -123,7 +124,8 @@ class ImportVerbs:
                 sizes.append(saved.size_bytes)
             if snapshot is not None:
                 await trainer.snapshot(run_id, snapshot)
-            row = new_run_row(run_id, header.session_id, base_model, cfg, metadata, trainer.address, snapshot)
+            row = new_run_row(run_id, header.session_id, base_model, cfg, metadata, trainer.address, snapshot,
+                              created_expert_rank(created))
             checkpoints = [m.Checkpoint(training_run_id=run_id, kind=KIND_NAMES[path.kind], name=path.name, path=str(path),
                                         size_bytes=size, user_metadata=metadata) for path, size in zip(paths, sizes)]
             await asyncio.to_thread(self.store.add_imported_run, row, checkpoints)

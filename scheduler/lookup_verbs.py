@@ -35,6 +35,9 @@ def check_lora(cfg: types_pb2.LoraConfig) -> None:
         raise InvalidArgument("the LoRA config trains nothing: set train_attn, train_mlp or train_unembed")
     if not math.isfinite(cfg.alpha) or cfg.alpha < 0 or not 0 <= cfg.dropout < 1:
         raise InvalidArgument("lora alpha must be a finite number >= 0 and dropout in [0, 1)")
+    if not 0 <= cfg.expert_rank <= cfg.rank:
+        raise InvalidArgument(f"lora_config.expert_rank must be in [0, rank={cfg.rank}] (0: rank // num_experts_per_tok), "
+                              f"got {cfg.expert_rank}")
 
 
 def check_user_metadata(metadata: Mapping[str, str]) -> None:

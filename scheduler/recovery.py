@@ -292,8 +292,10 @@ class Recovery:
 
     async def _fresh_adapter(self, trainer: TrainerHandle, row) -> None:
         await self._drop(trainer, row.id)
+        # the experts' rank the run was made with, asked for explicitly: a trainer whose default differs builds the same shape
         config = types_pb2.LoraConfig(rank=row.lora_rank, alpha=row.lora_alpha, dropout=row.lora_dropout, seed=row.seed,
-                                      train_attn=row.train_attn, train_mlp=row.train_mlp, train_unembed=row.train_unembed)
+                                      train_attn=row.train_attn, train_mlp=row.train_mlp, train_unembed=row.train_unembed,
+                                      expert_rank=row.lora_expert_rank or 0)
         await trainer.call("CreateAdapter", trainer_pb2.CreateAdapterRequest(training_run_id=row.id, lora_config=config))
 
     @staticmethod

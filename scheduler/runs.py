@@ -9,18 +9,26 @@ from typing import Callable
 
 from temper.common.errors import NotFound
 from temper.scheduler.db import models as m
-from temper.v1 import types_pb2
+from temper.v1 import trainer_pb2, types_pb2
 
 
 def new_run_row(run_id: str, session_id: str, base_model: str, cfg: types_pb2.LoraConfig, user_metadata: dict[str, str],
-                trainer: str, snapshot: str | None) -> m.TrainingRun:
-    """The row of a run being created on ``trainer`` (its adapter made, ``snapshot``: its first one if any)."""
+                trainer: str, snapshot: str | None, expert_rank: int = 0) -> m.TrainingRun:
+    """The row of a run being created on ``trainer`` (its adapter made, ``snapshot``: its first one if any).
+    ``expert_rank``: the routed experts' LoRA rank in effect, as the trainer answered CreateAdapter
+    (``created_expert_rank``), not ``cfg.expert_rank`` (0 there asks for the default)."""
     return m.TrainingRun(
         id=run_id, session_id=session_id, base_model=base_model, lora_rank=cfg.rank, lora_alpha=cfg.alpha or 32.0,
         lora_dropout=cfg.dropout, seed=cfg.seed if cfg.HasField("seed") else None, train_attn=cfg.train_attn,
         train_mlp=cfg.train_mlp, train_unembed=cfg.train_unembed, user_metadata=dict(user_metadata), next_seq_id=1,
-        trainer=trainer, snapshot_key=snapshot, snapshot_seq=0 if snapshot else None,
+        trainer=trainer, snapshot_key=snapshot, snapshot_seq=0 if snapshot else None, lora_expert_rank=expert_rank,
     )
+
+
+def created_expert_rank(response: trainer_pb2.CreateAdapterResponse | None) -> int:
+    """The routed experts' LoRA rank in effect that a trainer's CreateAdapter answered (0: no expert LoRA;
+    also for an answer without one)."""
+    return response.expert_rank if response is not None else 0
 
 
 @dataclass

@@ -24,7 +24,7 @@ from temper.scheduler.lookup_verbs import CheckpointSource, LookupVerbs, check_l
 from temper.scheduler.db import models as m
 from temper.scheduler.quotas import check_hard_limit
 from temper.scheduler.recovery import snapshot_key
-from temper.scheduler.runs import RunInfo, RunRegistry, new_run_row
+from temper.scheduler.runs import RunInfo, RunRegistry, created_expert_rank, new_run_row
 from temper.scheduler.sampling_verbs import SamplingVerbs
 from temper.scheduler.tokenizer_verbs import TokenizerVerbs
 from temper.scheduler.views import KIND_NAMES, lora_of, run_message
@@ -66,7 +66,13 @@ class TemperServicer(SamplingVerbs, CheckpointVerbs, ImportVerbs, LookupVerbs, T
             trainers = [t for t in self.backends.trainers if t.info.base_model == name]
             samplers = [s for s in self.backends.samplers if s.info.base_model == name]
             lengths = [t.info.max_context_length for t in trainers] + [s.info.max_context_length for s in samplers]
-            response.supported_models.add(model_name=name, max_context_length=min(lengths), trainable=bool(trainers), sampleable=bool(samplers))
+            model = response.supported_models.add(model_name=name, max_context_length=min(lengths), trainable=bool(trainers),
+                                                  sampleable=bool(samplers))
+            # the model's family and routed experts, as its trainers report them (samplers do not): unset without a trainer
+            described = next((t.info for t in trainers if t.info.family), None)
+            if described is not None:
+                model.family, model.num_experts = described.family, described.num_experts
+                model.num_experts_per_tok = described.num_experts_per_tok
         return response
 
     async def CreateSession(self, request, context):
@@ -128,25 +134,27 @@ class TemperServicer(SamplingVerbs, CheckpointVerbs, ImportVerbs, LookupVerbs, T
         create = trainer_pb2.CreateAdapterRequest(training_run_id=run_id, lora_config=cfg)
         if source is not None:
             trainer = source.trainer
-            await trainer.call("CreateAdapter", create)
+            created = await trainer.call("CreateAdapter", create)
             await source.load_into(run_id)
         else:
             trainer = self.backends.place(base_model)
             try:
-                await trainer.call("CreateAdapter", create)
+                created = await trainer.call("CreateAdapter", create)
             except Unavailable:  # that trainer is down: another of the model that answers takes the run
                 others = [t for t in self.backends.trainers if t.info.base_model == base_model and t is not trainer]
                 answering = [t for t in others if await t.ping()]
                 if not answering:
                     raise
                 trainer = self.backends.place(base_model, among=answering)
-                await trainer.call("CreateAdapter", create)
+                created = await trainer.call("CreateAdapter", create)
         snapshot = None
         if (source is not None or not cfg.HasField("seed")) and self.admission.settings.recovery != "off":
             # loaded weights or a random initialisation cannot be created again: trainer recovery restores them from this snapshot
             snapshot = snapshot_key(run_id, 0)
             await trainer.snapshot(run_id, snapshot)
-        row = new_run_row(run_id, request.session_id, base_model, cfg, dict(request.user_metadata), trainer.address, snapshot)
+        # the experts' rank in effect (cfg's 0 asks for the trainer's default): shown by GetInfo, asked for again on a rebuild
+        row = new_run_row(run_id, request.session_id, base_model, cfg, dict(request.user_metadata), trainer.address, snapshot,
+                          created_expert_rank(created))
         await asyncio.to_thread(self.store.add_training_run, row)
         self.backends.remember_placement(run_id, trainer.address)
         return self._run_info(self.runs.add(row, tenant))
@@ -223,10 +231,9 @@ class TemperServicer(SamplingVerbs, CheckpointVerbs, ImportVerbs, LookupVerbs, T
             if source.base_model != run.base_model:
                 raise FailedPrecondition(f"checkpoint is for {source.base_model}, run {run.run_id} uses {run.base_model}")
             # a checkpoint has the LoRA layout of the run that saved it; the trainer loads only the same one
-            mine, theirs = _lora_layout(run.row), _lora_layout(source.row)
+            mine, theirs = lora_layout(run.row), lora_layout(source.row)
             if mine != theirs:
-                raise FailedPrecondition(f"checkpoint has LoRA rank {theirs[0]} on {_targets(theirs)}; run {run.run_id} has "
-                                         f"rank {mine[0]} on {_targets(mine)}")
+                raise FailedPrecondition(f"checkpoint has {_shape(theirs)}; run {run.run_id} has {_shape(mine)}")
             if self.backends.trainer_for(run.base_model, run.run_id) is not self.backends.trainer_for(source.base_model, source.run_id):
                 raise FailedPrecondition("loading across trainers needs durable checkpoint storage (not yet supported)")
 
@@ -262,9 +269,13 @@ class TemperServicer(SamplingVerbs, CheckpointVerbs, ImportVerbs, LookupVerbs, T
         return response
 
 
-def _lora_layout(row: m.TrainingRun) -> tuple[int, bool, bool, bool]:
-    return row.lora_rank, bool(row.train_attn), bool(row.train_mlp), bool(row.train_unembed)
+def lora_layout(row: m.TrainingRun) -> tuple[int, bool, bool, bool, int]:
+    """What fixes a run's adapter tensors: rank, the groups trained, the routed experts' rank (0: none)."""
+    return row.lora_rank, bool(row.train_attn), bool(row.train_mlp), bool(row.train_unembed), row.lora_expert_rank or 0
 
 
-def _targets(layout: tuple[int, bool, bool, bool]) -> str:
-    return "+".join(name for name, on in zip(("attention", "MLP", "unembedding"), layout[1:]) if on) or "nothing"
+def _shape(layout: tuple[int, bool, bool, bool, int]) -> str:
+    """e.g. "LoRA rank 8 (routed experts rank 4) on attention+MLP"."""
+    experts = f" (routed experts rank {layout[4]})" if layout[4] else ""
+    targets = "+".join(name for name, on in zip(("attention", "MLP", "unembedding"), layout[1:4]) if on) or "nothing"
+    return f"LoRA rank {layout[0]}{experts} on {targets}"

@@ -21,8 +21,10 @@ def unix_ms(value: datetime | None) -> int:
 
 
 def lora_of(run: m.TrainingRun) -> types_pb2.LoraConfig:
+    """The run's LoRA config; expert_rank is the routed experts' rank in effect (0: no expert LoRA), so a
+    run created from it (from_path) has the same adapter shape."""
     lora = types_pb2.LoraConfig(rank=run.lora_rank, alpha=run.lora_alpha, train_attn=run.train_attn, train_mlp=run.train_mlp,
-                                train_unembed=run.train_unembed, dropout=run.lora_dropout)
+                                train_unembed=run.train_unembed, dropout=run.lora_dropout, expert_rank=run.lora_expert_rank or 0)
     if run.seed is not None:
         lora.seed = run.seed
     return lora

@@ -77,6 +77,9 @@ class TrainingRun(Base):
     lora_rank: Mapped[int] = mapped_column(Integer)
     lora_alpha: Mapped[float] = mapped_column(Float)
     lora_dropout: Mapped[float] = mapped_column(Float, default=0.0)
+    # Mixture-of-experts models: each routed expert's LoRA rank in effect, as the trainer answered its
+    # CreateAdapter (the default rank // num_experts_per_tok or the one asked for); 0: no expert LoRA.
+    lora_expert_rank: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     seed: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     train_attn: Mapped[bool] = mapped_column(Boolean)
     train_mlp: Mapped[bool] = mapped_column(Boolean)

@@ -333,5 +333,9 @@ def training_run_to_json(info: service_pb2.TrainingRunInfo, checkpoints: list[ty
 
 
 def capabilities_to_json(resp: service_pb2.GetServerCapabilitiesResponse) -> dict:
+    """family, num_experts, num_experts_per_tok: Temper's; the SDK's SupportedModel ignores fields it does not
+    know (its response models are extra="ignore"), so they are there for other HTTP clients."""
     return {"supported_models": [{"model_name": m.model_name, "max_context_length": m.max_context_length,
-                                  "trainable": m.trainable, "sampleable": m.sampleable} for m in resp.supported_models]}
+                                  "trainable": m.trainable, "sampleable": m.sampleable, "family": m.family,
+                                  "num_experts": m.num_experts, "num_experts_per_tok": m.num_experts_per_tok}
+                                 for m in resp.supported_models]}
