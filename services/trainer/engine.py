@@ -92,7 +92,7 @@ class TrainerEngine:
         offload_to = settings.offload_to if settings.offload_to != "auto" else ("disk" if self.device.type == "cpu" else "host")
         self.host = AdapterHost(self.lora, settings.max_resident_adapters, settings.offload_dir, offload_to)
         self.store = CheckpointStore(settings.checkpoint_dir)
-        if settings.activation_checkpointing:
+        if settings.activation_checkpointing and self.lora.family is not None:  # other models take no adapter
             self.lora.checkpoint_decoder_layers()
         self.logprob_chunk_tokens = settings.logprob_chunk_tokens or default_logprob_chunk_tokens(self.device, loaded.vocab_size)
         dtype = next(loaded.model.parameters()).dtype

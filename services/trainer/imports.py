@@ -30,9 +30,10 @@ MAX_CONFIG_BYTES = 64 << 10
 MAX_RANK = 512
 HEADER_SLACK_BYTES = 1 << 20  # the safetensors header (names, shapes) on top of the tensor bytes
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# peft options that change what the weights mean: refused unless at their plain-LoRA value
+# peft options that change what the weights mean: refused unless at their plain-LoRA value (rank_pattern is
+# read by AdapterSpec.from_peft_config: it may only give the routed experts their own rank)
 _PLAIN = {"use_dora": False, "use_rslora": False, "fan_in_fan_out": False, "bias": "none", "modules_to_save": None,
-          "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None, "layer_replication": None}
+          "alpha_pattern": {}, "layers_to_transform": None, "layer_replication": None}
 
 
 def max_weights_bytes(lora: LoraModel, spec: AdapterSpec) -> int:
