@@ -153,11 +153,11 @@ class _Bucket:
         self.ragged = device.type == "cuda" and _contiguous(self.bounds)
         longest = max(lengths)
         # very uneven routing: padding would cost more than a matmul pair per (adapter, expert)
-        self.padded = not self.ragged and longest * len(lengths) <= PAD_GROWTH_LIMIT * sum(lengths)
+        self.padded = longest * len(lengths) <= PAD_GROWTH_LIMIT * sum(lengths)  # also where grouped_mm can't run
         if self.ragged:
             first = self.bounds[0][0]
             self.offsets = torch.tensor([stop - first for _, stop in self.bounds], dtype=torch.int32, device=device)
-        elif self.padded:
+        if self.padded:
             index = torch.full((len(lengths), longest), total, dtype=torch.long, device=device)  # total: a zero row
             mask = torch.arange(longest, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
             index[mask] = self.rows

@@ -71,20 +71,23 @@ class AdapterSpec:
         targets = config.get("target_modules") or []
         parameters = config.get("target_parameters") or []
         if isinstance(targets, str) or isinstance(parameters, str):
-            raise ValueError("regex target_modules are not supported; list module names")
+            raise ValueError("regex target_modules / target_parameters are not supported; list module names")
+        if not all(isinstance(t, str) for t in [*targets, *parameters]):
+            raise ValueError("target_modules and target_parameters must be lists of names")
         dense = [p.removesuffix(".weight") for p in parameters if p.removesuffix(".weight") in MLP_MODULES]
         parameters = [p for p in parameters if p.removesuffix(".weight") not in MLP_MODULES]
         targets = [*targets, *dense]
         unknown = sorted(set(parameters) - set(EXPERT_TARGETS))
         if unknown:
-            raise ValueError(f"target_parameters {unknown[:3]} are not routed-expert projections {sorted(EXPERT_TARGETS)}")
+            raise ValueError(f"target_parameters: {len(unknown)} name(s) are neither routed-expert projections "
+                             f"{sorted(EXPERT_TARGETS)} nor MLP weights ({', '.join(f'{m}.weight' for m in MLP_MODULES)})")
         rank = int(config["r"])
         pattern = config.get("rank_pattern") or {}
         if not isinstance(pattern, dict) or set(pattern) - set(parameters):
-            raise ValueError("rank_pattern may only name target_parameters")
+            raise ValueError("rank_pattern may only name the routed-expert target_parameters")
         expert_ranks = {int(pattern.get(t, rank)) for t in parameters}
         if len(expert_ranks) > 1:
-            raise ValueError("every routed-expert projection must have the same rank")
+            raise ValueError("rank_pattern: every routed-expert projection must have the same rank")
         return cls(rank=rank, alpha=float(config.get("lora_alpha", config["r"])),
                    targets=tuple(sorted([*targets, *parameters])), dropout=float(config.get("lora_dropout", 0.0) or 0.0),
                    expert_rank=expert_ranks.pop() if expert_ranks else 0)

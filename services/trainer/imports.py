@@ -85,9 +85,11 @@ def read_config(data: bytes, base_model: str, available: set[str], group_targets
             raise InvalidArgument(f"adapter_config {key} is not supported (plain LoRA only: {key}={plain!r})")
     try:
         spec = AdapterSpec.from_peft_config(config)
-    except (KeyError, TypeError, ValueError) as exc:
+    except ValueError as exc:  # AdapterSpec's own messages name the field and echo no value of the caller's
+        raise InvalidArgument(f"bad {CONFIG_FILE}: {bounded(str(exc), 300)}") from None
+    except (KeyError, TypeError) as exc:
         raise InvalidArgument(f"bad {CONFIG_FILE}: {type(exc).__name__} reading its LoRA fields (r, lora_alpha, "
-                              f"lora_dropout, target_modules)") from None
+                              f"lora_dropout, target_modules, target_parameters, rank_pattern)") from None
     if not 1 <= spec.rank <= MAX_RANK:
         raise InvalidArgument(f"LoRA rank must be in [1, {MAX_RANK}], got {spec.rank}")
     if not math.isfinite(spec.alpha) or spec.alpha <= 0 or not 0 <= spec.dropout < 1:
