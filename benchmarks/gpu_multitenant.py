@@ -36,8 +36,23 @@ activations' dtype (``--lora-math float32`` for the float32 path). Also reported
   grouped          ragged tenants (1..3 rows each): grouped_mm (CUDA) against padded batched
                    matmuls, time and max relative gradient error.
 
+  expert_rank_check (--family qwen3_moe, --compare-expert-rank R): one co-batched pass with a second
+                   set of adapters whose routed experts have rank R (0: rank // top_k, the trainer's
+                   default) against the main co-batched pass: grouped_mm needs the expert rank to be a
+                   multiple of 8 in bf16, otherwise services/lora/experts.py pads the (expert, adapter)
+                   slices for batched matmuls (or loops over them where padding would be too uneven).
+
+--family qwen3_moe: a random mixture-of-experts model (Qwen3-MoE; --experts, --top-k,
+--moe-intermediate, --head-dim) whose adapters also train the routed experts
+(``LoraModel.group_targets(attn=True, mlp=True)``, expert rank --expert-rank, 0: rank // top_k). Its
+MFU counts the active parameters: attention, router and lm_head, plus top_k experts per token in
+every MoE layer, and the LoRA terms of the experts a token is routed to.
+
     python benchmarks/gpu_multitenant.py --device cuda --dtype bfloat16     # ~1.1B params, 16 tenants
     python benchmarks/gpu_multitenant.py --smoke                            # tiny config on CPU, seconds
+    python benchmarks/gpu_multitenant.py --smoke --family qwen3_moe         # tiny MoE on CPU, seconds
+    python benchmarks/gpu_multitenant.py --family qwen3_moe ... --dry-run   # the config, parameters and a
+                                                                            # memory estimate; builds nothing
 
 The last stdout line is the result JSON (also written to --json-out when given).
 """
@@ -70,28 +85,70 @@ def install_temper_shim() -> None:
     sys.modules["temper"].services = sys.modules["temper.services"]
 
 
-def build_model(args):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def model_config(args):
+    """The transformers config of --family at the requested shape."""
+    if args.family == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
 
-    config = LlamaConfig(
+        return Qwen3MoeConfig(
+            vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+            moe_intermediate_size=args.moe_intermediate, num_experts=args.experts, num_experts_per_tok=args.top_k,
+            norm_topk_prob=True, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+            num_key_value_heads=args.kv_heads, head_dim=args.head_dim or args.hidden // args.heads,
+            max_position_embeddings=max(2048, args.tokens), tie_word_embeddings=False,
+        )
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=max(2048, args.tokens),
         tie_word_embeddings=False,
     )
+
+
+def build_model(args):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(args)
     dtype = getattr(torch, args.dtype)
     previous = torch.get_default_dtype()
     torch.manual_seed(0)
     torch.set_default_dtype(dtype)  # build directly in the target dtype and on the device (fast, no fp32 copy)
     try:
         with torch.device(args.device):
-            model = LlamaForCausalLM(config)
+            model = AutoModelForCausalLM.from_config(config)
     finally:
         torch.set_default_dtype(previous)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
     return model
+
+
+def dry_run(args) -> dict:
+    """The config, its parameter counts and a rough bf16 memory estimate, without building anything
+    (the model is instantiated on the meta device)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(args)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    params = sum(p.numel() for p in model.parameters())
+    element = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    tokens = args.tenants * args.rows * args.tokens
+    moe = args.family == "qwen3_moe"
+    # stored activations per token and layer, no checkpointing: ~ (8 hidden + 3 q/kv-widths) for attention and
+    # norms, plus per routed assignment the gathered input, gate_up, GLU and down outputs (MoE), or the MLP's
+    width = args.heads * (args.head_dim or args.hidden // args.heads)
+    attention = 8 * args.hidden + 3 * width
+    mlp = args.top_k * (2 * args.hidden + 4 * args.moe_intermediate) if moe else 2 * args.hidden + 4 * args.intermediate
+    activations = tokens * args.layers * (attention + mlp) * element
+    return {"dry_run": True, "family": args.family, "config": config.to_dict(), "params": params,
+            "weights_gib": params * element / 2**30, "tokens_per_cobatched_pass": tokens,
+            "activations_gib_estimate": activations / 2**30,
+            "total_gib_estimate": (params * element + activations) / 2**30}
 
 
 def forward_backward(lora, ids, targets, routing, chunk: int):
@@ -122,15 +179,32 @@ def peak_flops(args, name: str | None) -> float | None:
 
 
 def flops_per_token(model, lora, spec) -> dict:
-    """6 N per token for the frozen base's matmul parameters (decoder linears and lm_head), plus
-    6 r (in + out) per adapted linear; the convention of the module docstring."""
+    """6 N per token for the frozen base's matmul parameters a token goes through (decoder linears,
+    lm_head; for an MoE model the routers and top_k of every layer's routed experts), plus 6 r (in +
+    out) per adapted linear and, per routed expert a token reaches, 6 r_e (in + out) per adapted
+    projection; the convention of the module docstring."""
     from torch import nn
 
     matmul_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     lora_terms = sum(6 * spec.rank * (layer.in_features + layer.out_features)
                      for path, layer in lora.layers.items() if path.rsplit(".", 1)[-1] in spec.targets)
-    return {"base_matmul_params": matmul_params, "base": 6.0 * matmul_params, "lora": float(lora_terms),
-            "total": 6.0 * matmul_params + lora_terms}
+    experts = getattr(lora, "experts", {})
+    expert_params = expert_lora = router = 0
+    if experts:
+        top_k = lora.top_k
+        for path, wrapper in experts.items():
+            per_expert = sum(fan_in * fan_out for fan_in, fan_out in wrapper.shapes.values())
+            expert_params += top_k * per_expert
+            if spec.expert_targets:
+                expert_lora += top_k * sum(6 * spec.expert_rank * (fan_in + fan_out)
+                                           for fan_in, fan_out in wrapper.shapes.values())
+        for name, p in model.named_parameters():  # the routers' weights (not nn.Linear in transformers 5)
+            if name.endswith("mlp.gate.weight") and p.dim() == 2:
+                router += p.numel()
+    base = 6.0 * (matmul_params + expert_params + router)
+    return {"base_matmul_params": matmul_params + expert_params + router, "active_expert_params": expert_params,
+            "router_params": router, "base": base, "lora": float(lora_terms + expert_lora),
+            "lora_experts": float(expert_lora), "total": base + lora_terms + expert_lora}
 
 
 def grad_vectors(lora, keys):
@@ -157,6 +231,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--family", choices=("llama", "qwen3_moe"), default="llama")
+    parser.add_argument("--experts", type=int, default=128, help="qwen3_moe: routed experts")
+    parser.add_argument("--top-k", type=int, default=8, help="qwen3_moe: experts per token")
+    parser.add_argument("--moe-intermediate", type=int, default=768, help="qwen3_moe: each expert's intermediate size")
+    parser.add_argument("--head-dim", type=int, default=0, help="attention head dim (0: hidden / heads)")
+    parser.add_argument("--expert-rank", type=int, default=0, help="qwen3_moe: routed experts' LoRA rank (0: rank // top_k)")
+    parser.add_argument("--compare-expert-rank", type=int, default=-1,
+                        help="qwen3_moe: also time one co-batched pass with adapters of this expert rank (0: rank // top_k; "
+                             "-1: skip)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the config, parameters and a memory estimate; build nothing")
     parser.add_argument("--chunk", type=int, default=4096, help="tokens per lm_head/log-softmax chunk")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
@@ -174,8 +259,14 @@ def main(argv: list[str] | None = None) -> int:
         args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads, args.vocab = 64, 128, 2, 4, 2, 512
         args.chunk, args.warmup, args.reps = 64, 1, 3
         args.scaling, args.scaling_reps = [1, 2, 4], 2
+        args.experts, args.top_k, args.moe_intermediate, args.head_dim = 8, 2, 32, 16
+        if args.family == "qwen3_moe" and args.compare_expert_rank >= 0:
+            args.compare_expert_rank = 1
 
     install_temper_shim()
+    if args.dry_run:
+        print(json.dumps(dry_run(args), default=str), flush=True)
+        return 0
     import torch
     import transformers
 
@@ -189,14 +280,17 @@ def main(argv: list[str] | None = None) -> int:
 
     model = build_model(args)
     params = sum(p.numel() for p in model.parameters())
-    lora = LoraModel(model, "random-llama", args.lora_math)
-    spec = AdapterSpec(rank=args.rank, alpha=32.0, targets=ATTN_MODULES + MLP_MODULES)
+    moe = args.family == "qwen3_moe"
+    lora = LoraModel(model, f"random-{args.family}", args.lora_math)
+    adapter_targets = lora.group_targets(attn=True, mlp=True) if moe else ATTN_MODULES + MLP_MODULES
     keys = [f"tenant-{i}" for i in range(max(args.tenants, *args.scaling))]
     for i, key in enumerate(keys):
-        lora.add(key, spec, seed=i)
-    print(f"model: {params / 1e9:.3f}B params ({args.layers} layers, hidden {args.hidden}, vocab {args.vocab}) on "
-          f"{args.device} {args.dtype}; {args.tenants} adapters rank {args.rank}; built in {time.perf_counter() - started:.1f}s",
-          file=sys.stderr, flush=True)
+        lora.add(key, AdapterSpec(rank=args.rank, alpha=32.0, targets=adapter_targets, expert_rank=args.expert_rank), seed=i)
+    spec = lora.adapters[keys[0]].spec  # resolved: the routed experts' rank filled in
+    print(f"model: {params / 1e9:.3f}B params ({args.family}, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}"
+          + (f", {args.experts} experts top-{args.top_k}, expert rank {spec.expert_rank}" if moe else "")
+          + f") on {args.device} {args.dtype}; {args.tenants} adapters rank {args.rank}; built in "
+          f"{time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
 
     g = torch.Generator().manual_seed(0)
     n_rows = args.tenants * args.rows
@@ -335,6 +429,28 @@ def main(argv: list[str] | None = None) -> int:
               f"gradient error {grouped['max_relative_grad_error']:.2e}", file=sys.stderr, flush=True)
         return grouped
 
+    expert_rank_check = None
+    if moe and args.compare_expert_rank >= 0:
+        # a second set of adapters whose routed experts have another rank: one co-batched pass, timed like the main one
+        other = [f"other-{i}" for i in range(args.tenants)]
+        for i, key in enumerate(other):
+            other_spec = AdapterSpec(rank=args.rank, alpha=32.0, targets=adapter_targets, expert_rank=args.compare_expert_rank)
+            lora.add(key, other_spec, seed=i)
+        other_rank = lora.adapters[other[0]].spec.expert_rank
+        run_other = lambda: forward_backward(lora, ids[:n_rows], targets[:n_rows], list(zip(other, tenant_rows)),  # noqa: E731
+                                             args.chunk)
+        # a warm-up pass (the new adapters' one-off costs) and one timed pass: where the expert rank misses
+        # grouped_mm's alignment the pass may be many times slower than the main one
+        timed_fn(run_other)
+        seconds = timed_fn(run_other)
+        expert_rank_check = {"expert_rank": other_rank, "seconds": seconds, "main_expert_rank": spec.expert_rank,
+                             "main_cobatched_seconds": med["cobatched"], "slowdown": seconds / med["cobatched"],
+                             "grouped_mm_shapes_ok": {str(r): (r * 2) % 16 == 0 for r in (other_rank, spec.expert_rank)}}
+        for key in other:
+            lora.remove(key)
+        print(f"expert rank {other_rank}: co-batched pass {seconds * 1e3:.1f} ms vs {med['cobatched'] * 1e3:.1f} ms at expert "
+              f"rank {spec.expert_rank} ({expert_rank_check['slowdown']:.2f}x)", file=sys.stderr, flush=True)
+
     grouped = None
     try:
         grouped = ragged_check(ragged_ids, ragged_rows, ragged_routing) if ragged_ids is not None else None
@@ -360,12 +476,17 @@ def main(argv: list[str] | None = None) -> int:
         "scaling": scaling,
         "lora_math": lora_math,
         "grouped_ragged": grouped,
+        "expert_rank_check": expert_rank_check,
         "peak_cuda_mib": {n: b / 2**20 for n, b in peak_bytes.items()} if cuda else None,
         "config": {
             "device": args.device, "gpu": gpu_name, "dtype": args.dtype,
             "params": params, "layers": args.layers, "hidden": args.hidden, "intermediate": args.intermediate,
             "heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab, "tenants": args.tenants,
             "rows_per_tenant": args.rows, "tokens_per_row": args.tokens, "rank": args.rank, "targets": "attn+mlp",
+            "family": args.family, "target_modules": list(spec.targets),
+            "moe": {"experts": args.experts, "top_k": args.top_k, "moe_intermediate": args.moe_intermediate,
+                    "head_dim": args.head_dim or args.hidden // args.heads, "expert_rank": spec.expert_rank,
+                    "active_params": flops["base_matmul_params"]} if moe else None,
             "lm_head_chunk_tokens": args.chunk, "warmup": args.warmup, "reps": args.reps, "torch": torch.__version__,
             "lora_math": args.lora_math, "stacking_scope": "per pass (LoraModel.stacking)",
             "grouped_mm_available": hasattr(torch.nn.functional, "grouped_mm"),

@@ -32,7 +32,7 @@ from temper.services.lora.layer import Router, Routing
 from temper.services.models.families import ExpertLayout
 
 PROJECTIONS = ("gate_up", "down")
-PAD_GROWTH_LIMIT = 4  # padded LoRA slices may hold this many times the real rows, else one pair at a time
+PAD_SLACK = 1.25  # a chunk of padded LoRA slices: its longest slice at most this many times its shortest
 
 
 class ExpertLoraWeights(nn.Module):
@@ -120,10 +120,10 @@ class MultiLoraExperts(nn.Module):
         bias_name = layout.gate_up_bias if projection == "gate_up" else layout.down_bias
         bias = getattr(self.base, bias_name) if bias_name else None
         pieces = []
-        for expert, (start, stop) in enumerate(plan.experts):
-            if stop == start:
+        # split, not slices: the backward pass of a slice allocates a gradient as large as all of x
+        for expert, rows in enumerate(x.split([stop - start for start, stop in plan.experts])):
+            if rows.shape[0] == 0:
                 continue
-            rows = x[start:stop]
             y = rows @ weight[expert] if layout.transposed else F.linear(rows, weight[expert])
             pieces.append(y + bias[expert] if bias is not None else y)
         out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
@@ -134,47 +134,70 @@ class MultiLoraExperts(nn.Module):
             factors = [adapters[slot].factors(projection) for slot in bucket.slots]
             lora_a = torch.cat([a for a, _ in factors]).index_select(0, bucket.pair_ids).to(dtype)
             lora_b = torch.cat([b for _, b in factors]).index_select(0, bucket.pair_ids).to(dtype)
-            delta = bucket.deltas(xs, lora_a, lora_b, adapters[bucket.slots[0]].scale)
-            out = out.index_add(0, bucket.rows, delta.to(out.dtype))
+            rows, delta = bucket.deltas(xs, lora_a, lora_b, adapters[bucket.slots[0]].scale)
+            out = out.index_add(0, rows, delta.to(out.dtype))
         return out
 
 
 class _Bucket:
     """The (adapter, expert) pairs with rows of adapters of one (rank, scale), and the index tensors
-    their LoRA matmuls need, built once per layer call for both projections."""
+    their LoRA matmuls need, built once per layer call for both projections.
+
+    Off CUDA's grouped matmul, pairs run as batched matmuls over slices padded to a common length; the
+    pairs are taken in chunks of similar length (the longest at most ``PAD_SLACK`` times the shortest)
+    so that padding stays a small part of the work however unevenly the router spreads the tokens."""
 
     def __init__(self, slots: list[int], pairs: list[tuple[int, int, int, int]], experts: int, total: int, device):
         self.slots = slots
         position = {slot: k for k, slot in enumerate(slots)}
         self.bounds = [(start, stop) for _, _, start, stop in pairs]
         self.pair_ids = torch.tensor([position[slot] * experts + e for slot, e, _, _ in pairs], device=device)
-        lengths = [stop - start for start, stop in self.bounds]
-        self.rows = torch.cat([torch.arange(start, stop, device=device) for start, stop in self.bounds])
         self.ragged = device.type == "cuda" and _contiguous(self.bounds)
-        longest = max(lengths)
-        # very uneven routing: padding would cost more than a matmul pair per (adapter, expert)
-        self.padded = longest * len(lengths) <= PAD_GROWTH_LIMIT * sum(lengths)  # also where grouped_mm can't run
         if self.ragged:
-            first = self.bounds[0][0]
+            first, last = self.bounds[0][0], self.bounds[-1][1]
             self.offsets = torch.tensor([stop - first for _, stop in self.bounds], dtype=torch.int32, device=device)
-        if self.padded:
-            index = torch.full((len(lengths), longest), total, dtype=torch.long, device=device)  # total: a zero row
-            mask = torch.arange(longest, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
-            index[mask] = self.rows
-            self.index, self.keep = index, mask.flatten().nonzero().squeeze(-1)
+            self.ragged_rows = torch.arange(first, last, device=device)
+        lengths = [stop - start for start, stop in self.bounds]
+        self.chunks: list[tuple] = []  # (its pairs or None for all, (G, L) row index, kept positions)
+        rows, chunk = [], []
+        for g in sorted(range(len(lengths)), key=lambda g: -lengths[g]):
+            if chunk and lengths[g] * PAD_SLACK < lengths[chunk[0]]:
+                rows.append(self._add_chunk(chunk, lengths, total, device))
+                chunk = []
+            chunk.append(g)
+        rows.append(self._add_chunk(chunk, lengths, total, device))
+        self.rows = torch.cat(rows) if len(rows) > 1 else rows[0]        # the padded path's output rows, in order
 
-    def deltas(self, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
-        """``scale * B_g A_g x`` over each pair's rows, concatenated in pair order (as ``rows``)."""
+    def _add_chunk(self, members: list[int], lengths: list[int], total: int, device) -> torch.Tensor:
+        longest = lengths[members[0]]
+        index, kept, rows = [], [], []
+        for k, g in enumerate(members):
+            start, stop = self.bounds[g]
+            index.extend(range(start, stop))
+            index.extend([total] * (longest - (stop - start)))   # ``total``: the zero row appended to x
+            kept.extend(range(k * longest, k * longest + stop - start))
+            rows.extend(range(start, stop))
+        every = members == list(range(len(self.bounds)))  # all pairs in their own order: no factor gather
+        self.chunks.append((None if every else torch.tensor(members, device=device),
+                            torch.tensor(index, device=device).view(len(members), longest),
+                            torch.tensor(kept, device=device)))
+        return torch.tensor(rows, device=device)
+
+    def deltas(self, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of ``x`` the bucket's pairs cover and ``scale * B_g A_g x`` on each of them."""
         if self.ragged and _grouped_ok(x, lora_a, lora_b):
             rows = x[self.bounds[0][0]:self.bounds[-1][1]]
             low = F.grouped_mm(rows, lora_a.transpose(1, 2), offs=self.offsets)
-            return F.grouped_mm(low, lora_b.transpose(1, 2), offs=self.offsets) * scale
-        if self.padded:
-            padded = torch.cat([x, x.new_zeros(1, x.shape[1])])[self.index]           # (G, L, in)
-            out = torch.bmm(torch.bmm(padded, lora_a.transpose(1, 2)), lora_b.transpose(1, 2)) * scale
-            return out.flatten(0, 1).index_select(0, self.keep)
-        return torch.cat([(x[start:stop] @ lora_a[g].t()) @ lora_b[g].t() * scale
-                          for g, (start, stop) in enumerate(self.bounds)])
+            return self.ragged_rows, F.grouped_mm(low, lora_b.transpose(1, 2), offs=self.offsets) * scale
+        padded_x = torch.cat([x, x.new_zeros(1, x.shape[1])])
+        outs = []
+        for members, index, kept in self.chunks:
+            a, b = (lora_a, lora_b) if members is None else (lora_a[members], lora_b[members])
+            out = torch.bmm(torch.bmm(padded_x[index], a.transpose(1, 2)), b.transpose(1, 2))   # (G, L, out)
+            outs.append(out.flatten(0, 1).index_select(0, kept))
+        delta = torch.cat(outs) if len(outs) > 1 else outs[0]
+        return self.rows, delta * scale
 
 
 class _Plan:

@@ -116,3 +116,26 @@ def test_publish_benchmark_runs_and_reports_the_fraction(tiny_model_dir, tmp_pat
     assert result["step_s_median"] > 0 and result["fraction"] >= 0 and result["save_s_median"] > 0
     assert all(r["first_sample_s"] >= r["save_s"] for r in result["rounds"])
     assert json.loads((tmp_path / "publish.json").read_text())["fraction"] == result["fraction"]
+
+
+def test_moe_benchmark_runs_and_reports_every_field(tmp_path):
+    # a tiny qwen3_moe (8 experts, top-2) built by the script; fields only, not timings
+    result = run_script("moe.py", "--hidden", "64", "--layers", "2", "--tokens", "8", "--reps", "1", "--quick",
+                        "--out-dir", str(tmp_path))
+    assert result["benchmark"] == "moe" and set(result["goals"]) == {"cobatch_overhead", "cobatch_gain"}
+    for figures in (result, result["proposed"]):
+        for field in ("ratios", "ratios_cpu_time", "ratios_with_optim_step", "goal_met", "goal_met_with_optim_step", "spread"):
+            assert set(figures[field]) == {"cobatch_overhead", "cobatch_gain"}, field
+        assert all(v > 0 for v in figures["ratios"].values())
+    variants = {"cobatched", "single_adapter", "time_sliced"}
+    assert set(result["samples_s"]) == variants | {f"{v}@proposed" for v in variants}
+    assert all(len(s["forward_backward"]) == len(s["optim_step"]) == 1 for s in result["samples_s"].values())
+    check = result["proposed"]["gradient_check"]
+    assert check["same_parameters_with_gradients"] and check["max_relative_grad_error"] < 1e-3
+    assert set(result["profile"]) == {"cobatched", "single_adapter", "cobatched@proposed", "single_adapter@proposed"}
+    assert all(p["pieces"] and p["total_ms"] > 0 for p in result["profile"].values())
+    config = result["config"]
+    assert config["experts"] == 8 and config["top_k"] == 2 and config["expert_rank"] == 4 and config["threads"] == 1
+    assert "mlp.experts.gate_up_proj" in config["targets"]
+    assert json.loads((tmp_path / "moe.json").read_text())["ratios"] == result["ratios"]
+    assert (tmp_path / "moe.png").read_bytes()[:4] == b"\x89PNG"
