@@ -9,8 +9,8 @@ delta comes from its own adapter's LoRA on the experts the router chose for it:
 
 The (token, expert) assignments are sorted by expert and, within an expert, by adapter; the frozen
 expert weights run once per expert over all its tokens, whatever adapter they belong to, and the
-LoRA factors of every (expert, adapter) pair present run together: two grouped matmuls over ragged
-slices on CUDA (bf16), or two batched matmuls over slices padded to a common length elsewhere. No
+LoRA factors of every (expert, adapter) pair present run together as two grouped matmuls over the
+pairs' ragged slices (``grouped_mm``; batched matmuls over padded slices where it has no kernel). No
 per-token Python loop; gradients reach only the adapter a token belongs to, and only its experts that
 the token was routed to.
 
@@ -143,61 +143,115 @@ class _Bucket:
     """The (adapter, expert) pairs with rows of adapters of one (rank, scale), and the index tensors
     their LoRA matmuls need, built once per layer call for both projections.
 
-    Off CUDA's grouped matmul, pairs run as batched matmuls over slices padded to a common length; the
-    pairs are taken in chunks of similar length (the longest at most ``PAD_SLACK`` times the shortest)
+    The pairs' rows, back to back, go through two grouped matmuls (``grouped_mm``: one kernel for all
+    pairs, ragged, no padding). Where grouped_mm has no kernel for the dtype (CUDA runs bf16 only; CPU
+    float32, bfloat16 and float16), pairs run as batched matmuls over slices padded to a common
+    length, taken in chunks of similar length (the longest at most ``PAD_SLACK`` times the shortest)
     so that padding stays a small part of the work however unevenly the router spreads the tokens."""
 
     def __init__(self, slots: list[int], pairs: list[tuple[int, int, int, int]], experts: int, total: int, device):
-        self.slots = slots
+        self.slots, self.total, self.device = slots, total, device
         position = {slot: k for k, slot in enumerate(slots)}
         self.bounds = [(start, stop) for _, _, start, stop in pairs]
         self.pair_ids = torch.tensor([position[slot] * experts + e for slot, e, _, _ in pairs], device=device)
-        self.ragged = device.type == "cuda" and _contiguous(self.bounds)
-        if self.ragged:
-            first, last = self.bounds[0][0], self.bounds[-1][1]
-            self.offsets = torch.tensor([stop - first for _, stop in self.bounds], dtype=torch.int32, device=device)
-            self.ragged_rows = torch.arange(first, last, device=device)
+        self.contiguous = _contiguous(self.bounds)
         lengths = [stop - start for start, stop in self.bounds]
-        self.chunks: list[tuple] = []  # (its pairs or None for all, (G, L) row index, kept positions)
-        rows, chunk = [], []
-        for g in sorted(range(len(lengths)), key=lambda g: -lengths[g]):
-            if chunk and lengths[g] * PAD_SLACK < lengths[chunk[0]]:
-                rows.append(self._add_chunk(chunk, lengths, total, device))
-                chunk = []
-            chunk.append(g)
-        rows.append(self._add_chunk(chunk, lengths, total, device))
-        self.rows = torch.cat(rows) if len(rows) > 1 else rows[0]        # the padded path's output rows, in order
-
-    def _add_chunk(self, members: list[int], lengths: list[int], total: int, device) -> torch.Tensor:
-        longest = lengths[members[0]]
-        index, kept, rows = [], [], []
-        for k, g in enumerate(members):
-            start, stop = self.bounds[g]
-            index.extend(range(start, stop))
-            index.extend([total] * (longest - (stop - start)))   # ``total``: the zero row appended to x
-            kept.extend(range(k * longest, k * longest + stop - start))
-            rows.extend(range(start, stop))
-        every = members == list(range(len(self.bounds)))  # all pairs in their own order: no factor gather
-        self.chunks.append((None if every else torch.tensor(members, device=device),
-                            torch.tensor(index, device=device).view(len(members), longest),
-                            torch.tensor(kept, device=device)))
-        return torch.tensor(rows, device=device)
+        self.rows = (torch.arange(self.bounds[0][0], self.bounds[-1][1], device=device) if self.contiguous else
+                     torch.cat([torch.arange(start, stop) for start, stop in self.bounds]).to(device))
+        self.offsets = torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+        self.chunks: list[tuple] | None = None  # the padded fallback's, built on first use
 
     def deltas(self, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows of ``x`` the bucket's pairs cover and ``scale * B_g A_g x`` on each of them."""
-        if self.ragged and _grouped_ok(x, lora_a, lora_b):
-            rows = x[self.bounds[0][0]:self.bounds[-1][1]]
-            low = F.grouped_mm(rows, lora_a.transpose(1, 2), offs=self.offsets)
-            return self.ragged_rows, F.grouped_mm(low, lora_b.transpose(1, 2), offs=self.offsets) * scale
+        xs = x[self.bounds[0][0]:self.bounds[-1][1]] if self.contiguous else x.index_select(0, self.rows)
+        delta = _grouped_delta(xs, lora_a, lora_b, self.offsets)
+        if delta is not None:
+            return self.rows, delta * scale
+        if self.chunks is None:
+            self._build_chunks()
         padded_x = torch.cat([x, x.new_zeros(1, x.shape[1])])
         outs = []
         for members, index, kept in self.chunks:
             a, b = (lora_a, lora_b) if members is None else (lora_a[members], lora_b[members])
             out = torch.bmm(torch.bmm(padded_x[index], a.transpose(1, 2)), b.transpose(1, 2))   # (G, L, out)
             outs.append(out.flatten(0, 1).index_select(0, kept))
-        delta = torch.cat(outs) if len(outs) > 1 else outs[0]
-        return self.rows, delta * scale
+        return self.padded_rows, (torch.cat(outs) if len(outs) > 1 else outs[0]) * scale
+
+    def _build_chunks(self) -> None:
+        lengths = [stop - start for start, stop in self.bounds]
+        self.chunks, rows, chunk = [], [], []
+        for g in sorted(range(len(lengths)), key=lambda g: -lengths[g]):
+            if chunk and lengths[g] * PAD_SLACK < lengths[chunk[0]]:
+                rows.append(self._add_chunk(chunk, lengths))
+                chunk = []
+            chunk.append(g)
+        rows.append(self._add_chunk(chunk, lengths))
+        self.padded_rows = torch.cat(rows) if len(rows) > 1 else rows[0]
+
+    def _add_chunk(self, members: list[int], lengths: list[int]) -> torch.Tensor:
+        longest = lengths[members[0]]
+        index, kept, rows = [], [], []
+        for k, g in enumerate(members):
+            start, stop = self.bounds[g]
+            index.extend(range(start, stop))
+            index.extend([self.total] * (longest - (stop - start)))   # ``total``: the zero row appended to x
+            kept.extend(range(k * longest, k * longest + stop - start))
+            rows.extend(range(start, stop))
+        every = members == list(range(len(self.bounds)))  # all pairs in their own order: no factor gather
+        self.chunks.append((None if every else torch.tensor(members, device=self.device),
+                            torch.tensor(index, device=self.device).view(len(members), longest),
+                            torch.tensor(kept, device=self.device)))
+        return torch.tensor(rows, device=self.device)
+
+
+class _GroupedMatmul(torch.autograd.Function):
+    """``y[rows of g] = x[rows of g] @ w[g]`` with grouped_mm in the backward pass too (CPU: torch's own
+    backward of grouped_mm asks for strides its CPU kernel refuses)."""
+
+    @staticmethod
+    def forward(ctx, x, w, offsets):
+        ctx.save_for_backward(x, w, offsets)
+        return F.grouped_mm(x, w, offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, offsets = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = F.grouped_mm(grad, w.transpose(1, 2), offs=offsets) if ctx.needs_input_grad[0] else None
+        grad_w = F.grouped_mm(x.t(), grad, offs=offsets) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None
+
+
+def _grouped_delta(xs: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, offsets: torch.Tensor
+                   ) -> torch.Tensor | None:
+    """``B_g A_g x`` over each pair's rows of ``xs`` (back to back, ends at ``offsets``) as two grouped
+    matmuls; None where grouped_mm has no kernel. Its kernels want every stride a multiple of 16 bytes:
+    the rank and the row count are padded with zeros to that (the results are the same)."""
+    if not hasattr(F, "grouped_mm") or (xs.dtype, xs.device.type) in _GROUPED_MM_FAILED:
+        return None
+    if xs.device.type == "cuda" and xs.dtype != torch.bfloat16 or xs.dtype not in _GROUPED_DTYPES:
+        return None
+    align = 16 // xs.element_size()
+    rows, (fan_out, rank) = xs.shape[0], lora_b.shape[1:]
+    if xs.shape[1] % align or fan_out % align:
+        return None
+    if rank % align:
+        lora_a = F.pad(lora_a, (0, 0, 0, -rank % align))
+        lora_b = F.pad(lora_b, (0, -rank % align))
+    if rows % align:
+        xs = F.pad(xs, (0, 0, 0, -rows % align))
+    matmul = _GroupedMatmul.apply if xs.device.type == "cpu" else (lambda a, w, o: F.grouped_mm(a, w, offs=o))
+    try:
+        low = matmul(xs, lora_a.transpose(1, 2), offsets)
+        return matmul(low, lora_b.transpose(1, 2), offsets)[:rows]
+    except RuntimeError:  # a kernel this build lacks: padded batched matmuls from now on
+        _GROUPED_MM_FAILED.add((xs.dtype, xs.device.type))
+        return None
+
+
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_GROUPED_MM_FAILED: set = set()
 
 
 class _Plan:
@@ -226,10 +280,3 @@ class _Plan:
 
 def _contiguous(bounds) -> bool:
     return all(bounds[g][1] == bounds[g + 1][0] for g in range(len(bounds) - 1))
-
-
-def _grouped_ok(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> bool:
-    """grouped_mm on CUDA bf16 with 16-byte-aligned widths (its kernels' requirement)."""
-    if not hasattr(F, "grouped_mm") or x.dtype != torch.bfloat16:
-        return False
-    return all(n * 2 % 16 == 0 for n in (lora_a.shape[1], lora_a.shape[2], lora_b.shape[1]))

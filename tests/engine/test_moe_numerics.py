@@ -9,7 +9,7 @@ co-batched with LoraModel.route, rows interleaved and a row without adapter; the
 each MultiLoraExperts' forward (same router outputs: the MoE block computes them for both). Logits,
 loss and the gradient of every LoRA parameter agree within 1e-5 in float32. Layer level: router
 outputs chosen by the test (every adapter sees only some experts), both LoRA paths of
-``_Bucket.deltas`` (one padded chunk, and a chunk per slice length). Also: every router logit tied, gradients
+``_Bucket.deltas`` (grouped_mm; its fallback with one padded chunk, and with a chunk per slice length). Also: every router logit tied, gradients
 only in the owning adapter, exactly zero gradients on experts an adapter's tokens never reach, rows
 without adapter equal the base model. CPU float32 only (the grouped_mm path is CUDA bf16)."""
 
@@ -285,12 +285,14 @@ def _pick(generator, allowed: list[int], tokens: int, top_k: int) -> torch.Tenso
                         for _ in range(tokens)])
 
 
-@pytest.mark.parametrize("path", ["one-chunk", "chunked"])
+@pytest.mark.parametrize("path", ["grouped", "one-chunk", "chunked"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_experts_layer_with_chosen_routing_matches_the_reference(folders, family, path, monkeypatch):
     """a's tokens reach only experts 0-3, b's only 2-7, a2's (a's bucket) only 5 and 6; a row without adapter."""
-    # every pair padded to the longest, or a chunk for each slice length (PAD_SLACK 1)
-    monkeypatch.setattr(experts_module, "PAD_SLACK", 10**9 if path == "one-chunk" else 1.0)
+    # grouped_mm, or its fallback: every pair padded to the longest, or a chunk for each slice length (PAD_SLACK 1)
+    if path != "grouped":
+        monkeypatch.setattr(experts_module, "_GROUPED_DTYPES", ())
+        monkeypatch.setattr(experts_module, "PAD_SLACK", 10**9 if path == "one-chunk" else 1.0)
     lora = _lora_model(folders[family])
     _add_adapters(lora)
     lora.add("a2", AdapterSpec(rank=4, alpha=8, targets=lora.group_targets(mlp=True)), seed=4)

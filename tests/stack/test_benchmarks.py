@@ -123,17 +123,15 @@ def test_moe_benchmark_runs_and_reports_every_field(tmp_path):
     result = run_script("moe.py", "--hidden", "64", "--layers", "2", "--tokens", "8", "--reps", "1", "--quick",
                         "--out-dir", str(tmp_path))
     assert result["benchmark"] == "moe" and set(result["goals"]) == {"cobatch_overhead", "cobatch_gain"}
-    for figures in (result, result["proposed"]):
-        for field in ("ratios", "ratios_cpu_time", "ratios_with_optim_step", "goal_met", "goal_met_with_optim_step", "spread"):
-            assert set(figures[field]) == {"cobatch_overhead", "cobatch_gain"}, field
-        assert all(v > 0 for v in figures["ratios"].values())
-    variants = {"cobatched", "single_adapter", "time_sliced"}
-    assert set(result["samples_s"]) == variants | {f"{v}@proposed" for v in variants}
+    for field in ("ratios", "ratios_cpu_time", "ratios_with_optim_step", "goal_met", "goal_met_with_optim_step", "spread"):
+        assert set(result[field]) == {"cobatch_overhead", "cobatch_gain"}, field
+    assert all(v > 0 for v in result["ratios"].values())
+    assert set(result["samples_s"]) == {"cobatched", "single_adapter", "time_sliced"}
     assert all(len(s["forward_backward"]) == len(s["optim_step"]) == 1 for s in result["samples_s"].values())
-    check = result["proposed"]["gradient_check"]
-    assert check["same_parameters_with_gradients"] and check["max_relative_grad_error"] < 1e-3
-    assert set(result["profile"]) == {"cobatched", "single_adapter", "cobatched@proposed", "single_adapter@proposed"}
+    assert set(result["profile"]) == {"cobatched", "single_adapter"}
     assert all(p["pieces"] and p["total_ms"] > 0 for p in result["profile"].values())
+    pieces = result["profile"]["cobatched"]["pieces"]  # the experts.py methods were found and wrapped
+    assert any("_Bucket.deltas" in label for label in pieces) and "frozen expert matmuls" in pieces
     config = result["config"]
     assert config["experts"] == 8 and config["top_k"] == 2 and config["expert_rank"] == 4 and config["threads"] == 1
     assert "mlp.experts.gate_up_proj" in config["targets"]
