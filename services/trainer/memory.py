@@ -11,8 +11,12 @@ of an 8B model on a GPU ~30 GB.
 
 The estimate counts the tensors autograd saves in a Llama-style decoder layer (frozen base weights,
 LoRA on every linear; see ``layer_elements``) plus the backward pass's working set and the
-logprob head's chunk; ``benchmarks/memory_estimate.py`` checks it against measured peak memory.
-Imports torch only (the GPU benchmark loads the trainer's numerics without temper installed).
+logprob head's chunk; for the mixture-of-experts families (``families.moe_shape``) their routed
+experts as ``MultiLoraExperts`` runs them (top_k sorted copies of every token, LoRA on the experts),
+the router, shared experts and dense first layers; for DeepSeek's multi-head latent attention its
+low-rank q and compressed kv. ``benchmarks/memory_estimate.py`` checks it against measured peak
+memory (``--families``: every family). Imports torch only (the GPU benchmark loads the trainer's
+numerics without temper installed; ``families`` imports nothing).
 """
 
 from __future__ import annotations
@@ -23,6 +27,15 @@ from dataclasses import dataclass
 import torch
 
 DTYPE_BYTES = {torch.float32: 4, torch.float64: 8, torch.bfloat16: 2, torch.float16: 2}
+
+# MultiLoraExperts (services/lora/experts.py) runs the LoRA of each (adapter, expert) pair over its
+# rows padded to a common length, in chunks whose longest slice is at most PAD_SLACK = 1.25 times
+# the shortest: the padded inputs hold up to this many rows per routed row (measured on the tiny
+# random models: 1.04-1.09). On CUDA, one bucket of contiguous slices runs ragged, unpadded.
+EXPERT_PADDING = 1.25
+
+# families whose transformers model has no sdpa attention: eager unless flash/flex is asked for
+NO_SDPA_FAMILIES = ("gpt_oss",)
 
 
 @dataclass(frozen=True)
@@ -38,46 +51,190 @@ class ActivationModel:
     vocab: int
     dtype_bytes: int            # activations (the base model's dtype)
     lora_rank: int = 64         # per adapted linear: a rank-r intermediate (small next to the rest)
-    eager_attention: bool = False   # attention probabilities (heads x width per token) are saved
+    # Llama-style eager attention: its probabilities (heads x width per token) counted twice per layer
+    eager_attention: bool = False
     # allocator slack and tensors not counted. Measured on SmolLM2 fp32 CPU (memory_estimate.py):
     # the count alone came to 0.9 of the peak stored and 1.1 checkpointed; with 1.15 the estimate is
     # above the measured peak for stored passes (their budget is what matters) and ~5% below it for
     # checkpointed ones (a tenth of the memory).
     overhead: float = 1.15
+    # Mixture of experts (families.moe_shape; 0 experts: a dense model). Of ``layers``, ``dense_layers``
+    # have a dense MLP ``intermediate`` wide; the others route every token to ``top_k`` of ``experts``
+    # experts ``expert_intermediate`` wide, plus shared experts (one MLP ``shared_intermediate`` wide).
+    experts: int = 0
+    top_k: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0
+    dense_layers: int = 0
+    expert_glu: int = 3         # the GLU's saved tensors per routed row, in expert_intermediate widths
+    expert_padding: float = EXPERT_PADDING   # rows the expert LoRA's padded inputs hold per routed row
+    # Multi-head latent attention (DeepSeek; kv_lora_rank > 0): q through a q_lora_rank bottleneck
+    # (0: a plain q_proj), k and v from one compressed kv_lora_rank latent plus a shared rope key.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # The attention kernel saves its probabilities once per layer and the backward pass holds two
+    # more (their gradient and softmax's) for the layer it is in: eager attention of the MoE and MLA
+    # families (GPT-OSS has no sdpa), and MLA on sdpa off CUDA (its v head is narrower than q/k,
+    # which the fused CPU kernel refuses: sdpa falls back to its math kernel).
+    attention_probabilities: bool = False
 
     @classmethod
-    def from_config(cls, config, dtype: torch.dtype, lora_rank: int = 64) -> "ActivationModel":
+    def from_config(cls, config, dtype: torch.dtype, lora_rank: int = 64, device=None) -> "ActivationModel":
+        """``device`` (a torch.device or its type; None: unknown, counted as off CUDA) decides whether
+        MLA's attention runs in a fused kernel (CUDA) or sdpa's math kernel, which saves the attention
+        probabilities. A config of no known family is counted as a Llama-style dense model."""
+        from temper.services.models import families  # imports neither torch nor transformers
+
         text = getattr(config, "text_config", None) or config
         heads = int(text.num_attention_heads)
         hidden = int(text.hidden_size)
         head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
+        attention = getattr(config, "_attn_implementation", None) or "sdpa"
+        try:
+            family = families.family_of(config)
+            moe = families.moe_shape(config) if family.moe else None
+        except families.UnknownFamily:
+            family, moe = None, None
+        extra: dict = {}
+        if moe is not None:
+            extra.update(experts=moe.num_experts, top_k=moe.top_k, expert_intermediate=moe.expert_intermediate,
+                         shared_intermediate=moe.expert_intermediate * moe.shared_experts, dense_layers=moe.dense_layers,
+                         expert_glu=6 if family.name == "gpt_oss" else 3)   # GPT-OSS: clamped gate and up, sigmoid
+        mla = family is not None and "kv_b_proj" in family.attention and bool(getattr(text, "kv_lora_rank", 0))
+        if family is not None and family.name in NO_SDPA_FAMILIES and attention == "sdpa":
+            attention = "eager"
+        eager = attention == "eager"
+        if mla:
+            qk = int(text.qk_nope_head_dim) + int(text.qk_rope_head_dim)
+            extra.update(q_lora_rank=int(getattr(text, "q_lora_rank", 0) or 0), kv_lora_rank=int(text.kv_lora_rank),
+                         qk_nope_head_dim=int(text.qk_nope_head_dim), qk_rope_head_dim=int(text.qk_rope_head_dim),
+                         v_head_dim=int(text.v_head_dim))
+            math_kernel = attention == "sdpa" and int(text.v_head_dim) != qk and getattr(device, "type", device) != "cuda"
+            extra["attention_probabilities"] = eager or math_kernel
+            eager = False
+        elif moe is not None:
+            extra["attention_probabilities"], eager = eager, False
+        intermediate = getattr(text, "intermediate_size", None) or 4 * hidden
         return cls(
-            layers=int(text.num_hidden_layers), hidden=hidden,
-            intermediate=int(getattr(text, "intermediate_size", None) or 4 * hidden), heads=heads,
+            layers=int(text.num_hidden_layers), hidden=hidden, intermediate=int(intermediate), heads=heads,
             kv_heads=int(getattr(text, "num_key_value_heads", None) or heads), head_dim=head_dim,
             vocab=int(text.vocab_size), dtype_bytes=DTYPE_BYTES.get(dtype, 4), lora_rank=lora_rank,
-            eager_attention=getattr(config, "_attn_implementation", "sdpa") == "eager",
+            eager_attention=eager, **extra,
         )
+
+    @property
+    def moe_layers(self) -> int:
+        """Decoder layers with routed experts."""
+        return self.layers - self.dense_layers if self.experts else 0
+
+    @property
+    def expert_rank(self) -> int:
+        """Each routed expert's LoRA rank (families.default_expert_rank of ``lora_rank``)."""
+        return max(1, self.lora_rank // max(1, self.top_k))
+
+    def attention_elements(self, width: int) -> float:
+        """Per token, what one layer's attention saves besides the layer's input and norms.
+
+        Llama-style: q after rotary, attention's output and the o_proj input (3 q: q, out, and out
+        transposed to contiguous); k and v after rotary, repeated to every head where the attention
+        kernel wants that (2 q worst case); a rank-r LoRA intermediate per linear (4 r).
+
+        MLA: q_a and its norm (2 q_lora_rank); the compressed kv (kv_lora_rank + rope), its norm
+        (kv_lora_rank) and the rotated rope key (rope); kv_b's output, heads x (qk_nope + v: v is a
+        view of it); q and k after rope, heads x (qk_nope + qk_rope) each; attention's output and the
+        o_proj input (2 heads x v); a LoRA intermediate per linear (q_a, q_b, kv_a, kv_b, o: 5 r; 4
+        with a plain q_proj).
+
+        Llama-style eager attention adds its probabilities (heads x width) twice: softmax's output
+        and the mask add; ``attention_probabilities`` once (the backward's two: ``backward_elements``)."""
+        r = self.lora_rank
+        if self.kv_lora_rank:
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            elements = (2 * self.q_lora_rank + 2 * self.kv_lora_rank + 2 * self.qk_rope_head_dim
+                        + self.heads * (self.qk_nope_head_dim + self.v_head_dim) + 2 * self.heads * qk
+                        + 2 * self.heads * self.v_head_dim + (5 if self.q_lora_rank else 4) * r)
+        else:
+            elements = 5 * self.heads * self.head_dim + 4 * r
+        if self.eager_attention:
+            elements += 2 * self.heads * width
+        elif self.attention_probabilities:
+            elements += self.heads * width
+        return float(elements)
+
+    def dense_mlp_elements(self, intermediate: int) -> float:
+        """Per token, a dense GLU MLP (or the shared experts): gate, up, silu(gate) and their product
+        (4 i), a LoRA intermediate per linear (3 r)."""
+        return float(4 * intermediate + 3 * self.lora_rank)
+
+    def routed_elements(self) -> float:
+        """Per token, one layer's routed experts with LoRA on them, as MultiLoraExperts runs them.
+
+        Every token is ``top_k`` rows sorted by (expert, adapter). Per row: the expert LoRA's inputs,
+        padded to the (adapter, expert) slices (h and i wide, ``expert_padding`` rows per row), and
+        their rank-r_e intermediates; the two projections' LoRA deltas (2 i and h, kept by index_add);
+        the GLU's tensors (``expert_glu`` x i: the gate_up output and silu(gate); GPT-OSS's clamped
+        gate and up, sigmoid and product besides); the down output before and after its routing weight,
+        and the weight (2 h + 1); the output scattered back (h); int64 indices: the sort order, token,
+        rows covered, kept rows and the padded slices' row index. Per token: the router's float32
+        probabilities and their mask (E each), the top-k indices (two int64 sets) and weights."""
+        h, i, pad = self.hidden, self.expert_intermediate, self.expert_padding
+        per_row = pad * (h + i + 2 * self.expert_rank) + (2 + self.expert_glu) * i + 3 * h + 1
+        per_row += (4 + pad) * 8 / self.dtype_bytes
+        router = (5 * self.experts + 20 * self.top_k) / self.dtype_bytes
+        return self.top_k * per_row + router
+
+    def mlp_elements(self, dense: bool) -> float:
+        """Per token, one layer's MLP: dense, or routed experts plus the shared ones."""
+        if dense or not self.experts:
+            return self.dense_mlp_elements(self.intermediate)
+        shared = self.dense_mlp_elements(self.shared_intermediate) if self.shared_intermediate else 0.0
+        return self.routed_elements() + shared
+
+    def _layer(self, width: int, dense: bool) -> float:
+        # the layer's input and the two RMSNorm outputs (3 h; each norm also saves an fp32 1/rms: 2),
+        # the residual after attention (h)
+        return 4 * self.hidden + 2 + self.attention_elements(width) + self.mlp_elements(dense)
 
     def layer_elements(self, width: int) -> float:
         """Elements one decoder layer saves for its backward pass, per token (width: the padded row
-        length). Per layer: its input and the two RMSNorm outputs (3 h; each norm also saves an
-        fp32 1/rms); q after rotary and attention's output and the o_proj input (3 h: q, out, and
-        out transposed to contiguous); k and v after rotary, repeated to every head where the
-        attention kernel wants that (2 h worst case); the residual after attention (h); gate, up,
-        silu(gate) and their product (4 i); a rank-r LoRA intermediate per linear (7 r). Eager
-        attention adds its probabilities (heads x width, twice: softmax output and the mask add)."""
-        h, i, r = self.hidden, self.intermediate, self.lora_rank
-        q = self.heads * self.head_dim
-        elements = 3 * h + 3 * q + 2 * q + h + 4 * i + 7 * r + 2
-        if self.eager_attention:
-            elements += 2 * self.heads * width
-        return float(elements)
+        length); of a model with dense and MoE layers, the larger. A Llama-style layer: its input and
+        the two RMSNorm outputs (3 h; each norm also saves an fp32 1/rms); attention
+        (``attention_elements``: 5 q + 4 r); the residual after attention (h); gate, up, silu(gate)
+        and their product (4 i) and 3 LoRA intermediates. An MoE layer: ``routed_elements`` and the
+        shared experts instead of the MLP."""
+        if not self.moe_layers:
+            return self._layer(width, True)
+        return max(self._layer(width, False), self._layer(width, True) if self.dense_layers else 0.0)
 
-    def backward_elements(self) -> float:
+    def decoder_elements(self, width: int) -> float:
+        """Per token, every decoder layer's saved activations (its dense and MoE layers)."""
+        moe = self.moe_layers
+        return (self.layers - moe) * self._layer(width, True) + (moe * self._layer(width, False) if moe else 0.0)
+
+    def expert_factor_elements(self, rows: int, tokens: int) -> float:
+        """Per pass, per MoE layer: the expert LoRA factors stacked for the (adapter, expert) pairs
+        with rows (r_e x (2 h + 3 i) each: both projections' A and B); at most ``experts`` pairs per
+        row of the pass (a row has one adapter) and one per routed row."""
+        if not self.moe_layers:
+            return 0.0
+        pairs = min(max(1, rows) * self.experts, tokens * self.top_k)
+        return float(pairs * self.expert_rank * (2 * self.hidden + 3 * self.expert_intermediate))
+
+    def backward_elements(self, width: int = 0) -> float:
         """Per token, the backward pass's working set beyond what is saved: the gradient flowing
-        through the residual stream and one layer's intermediate gradients (h and i wide)."""
-        return float(4 * self.hidden + 3 * self.intermediate)
+        through the residual stream and one layer's intermediate gradients (h and i wide; of a
+        routed layer, top_k rows' h and expert_intermediate wide, and the shared experts'), and
+        with ``attention_probabilities`` two heads x width gradients of the probabilities."""
+        dense = 4 * self.hidden + 3 * self.intermediate
+        probabilities = 2 * self.heads * width if self.attention_probabilities else 0
+        if not self.moe_layers:
+            return float(dense + probabilities)
+        routed = (4 * self.hidden + self.top_k * (2 * self.hidden + 3 * self.expert_intermediate)
+                  + 3 * self.shared_intermediate)
+        return float(max(dense if self.dense_layers else 0, routed) + probabilities)
 
     def head_bytes(self, chunk_tokens: int) -> float:
         """The logprob head: one chunk's float32 logits and their gradient buffer (target_logprobs)."""
@@ -85,13 +242,15 @@ class ActivationModel:
 
     def pass_bytes(self, tokens: int, width: int, checkpointed: bool, chunk_tokens: int) -> float:
         """Peak activation memory of one forward+backward pass over ``tokens`` padded tokens."""
-        per_layer = self.layer_elements(width)
+        rows = tokens // max(1, width)
         if checkpointed:  # every layer's input, one layer's activations at a time
-            per_token = self.layers * self.hidden + per_layer
+            per_token = self.layers * self.hidden + self.layer_elements(width)
+            factors = self.expert_factor_elements(rows, tokens)
         else:
-            per_token = self.layers * per_layer
-        per_token += self.backward_elements() + 2 * self.hidden  # + final hidden states and their gradient
-        return self.overhead * (tokens * per_token * self.dtype_bytes + self.head_bytes(min(tokens, chunk_tokens)))
+            per_token = self.decoder_elements(width)
+            factors = self.moe_layers * self.expert_factor_elements(rows, tokens)
+        per_token += self.backward_elements(width) + 2 * self.hidden  # + final hidden states and their gradient
+        return self.overhead * ((tokens * per_token + factors) * self.dtype_bytes + self.head_bytes(min(tokens, chunk_tokens)))
 
     def stored_tokens(self, budget: float, width: int, chunk_tokens: int) -> int:
         """The most padded tokens (rows of ``width``) whose stored activations fit ``budget``."""
