@@ -11,13 +11,16 @@ splits or checkpoints a little early), above 1 it would let a pass overrun its b
     python benchmarks/memory_estimate.py --tokens 128 --checkpointed-tokens 256
 
 ``--families`` measures every model family Temper trains instead (services/models/families.py): a
-tiny random model of each (services/models/tiny.py, at a size where activations dominate: hidden
-256, 4 layers, 8 routed experts top-2), rank-64 adapters (the estimate's rank) on attention and MLP as a run asks
-for them (``LoraModel.group_targets``: routed experts, shared experts, MLA's projections included), 4 tenants
-x 1 row x 256 tokens (one CPU micro-batch), stored and checkpointed; the estimate is the largest
-planned pass's, from ``ActivationModel.from_config`` of the loaded model on this device.
+tiny random model of each (services/models/tiny.py at a size where activations dominate: hidden 256,
+4 layers, vocab 512; the MoE ones 8 routed experts, top-2), adapters as a run asks for attention and
+MLP (``LoraModel.group_targets``: routed and shared experts, MLA's projections included) at rank 64,
+the rank the estimate counts, 4 rows x 256 tokens (one CPU micro-batch) of 2 tenants, stored and
+checkpointed. The estimate is the largest planned pass's, from ``ActivationModel.from_config`` of the
+loaded model on this device. (The estimate does not count the adapters' weights stacked per pass
+and their gradients, a constant per adapter: with one tenant per row they come to a third of a
+checkpointed pass of this size.)
 
-    python benchmarks/memory_estimate.py --families all      # 5 families x stored, checkpointed: ~3 min
+    python benchmarks/memory_estimate.py --families all      # 5 families x stored, checkpointed: ~2 min
     python benchmarks/memory_estimate.py --families qwen3_moe deepseek_v3 --family-tokens 128
 
 Writes results/memory_estimate.json (the SmolLM2 ``cases``, the families' under ``families``; a run
@@ -74,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     from temper.services.trainer.numerics import default_logprob_chunk_tokens
 
     config = AutoConfig.from_pretrained(resolve_model_path(args.model))
-    model = ActivationModel.from_config(config, getattr(torch, args.dtype))
+    model = ActivationModel.from_config(config, getattr(torch, args.dtype), device=args.device)
     chunk = default_logprob_chunk_tokens(torch.device(args.device), model.vocab)
     started = time.perf_counter()
     cases = []
@@ -128,9 +131,10 @@ def write_result(out_dir: Path, update: dict) -> None:
 
 
 def family_child(args) -> None:
-    """One forward_backward of ``--family-rows`` rows of ``--memory-tokens`` tokens, row i of tenant-i
-    (adapters on attention and MLP as a run asks for them), in this fresh process: peak RSS growth and
-    the estimate of the planned passes. Prints a harness.MEM_PREFIX line."""
+    """One forward_backward of ``--family-rows`` rows of ``--memory-tokens`` tokens, row i of tenant
+    i mod ``--family-tenants`` (adapters on attention and MLP as a run asks for them), in this fresh
+    process after a warm-up: peak RSS growth and the estimate of the planned passes. Prints a
+    harness.MEM_PREFIX line."""
     import gc
     import resource
     import tempfile
@@ -192,7 +196,8 @@ def run_family_child(args, folder: Path, mode: str, tokens: int) -> dict:
 
     cmd = [sys.executable, os.path.abspath(__file__), "--family-child", mode, "--model", str(folder), "--device", args.device,
            "--dtype", args.dtype, "--threads", str(args.threads), "--memory-tokens", str(tokens),
-           "--family-rows", str(args.family_rows), "--family-tenants", str(args.family_tenants), "--family-rank", str(args.family_rank)]
+           "--family-rows", str(args.family_rows), "--family-tenants", str(args.family_tenants),
+           "--family-rank", str(args.family_rank)]
     # as harness.run_memory_child: a fixed mmap threshold returns freed blocks, so RSS shows live tensors
     env = {k: v for k, v in os.environ.items() if k not in TUNED_MALLOC_ENV and k != "TEMPER_HOST_ALLOCATOR_TUNED"}
     env["MALLOC_MMAP_THRESHOLD_"] = "65536"
@@ -240,8 +245,8 @@ def measure_families(args) -> int:
         "measures": "peak RSS growth of one engine forward_backward (fresh process) / the largest planned pass's "
                     "ActivationModel.pass_bytes",
         "config": {"hidden": args.family_hidden, "layers": args.family_layers, "vocab": args.family_vocab,
-                   "rows": args.family_rows, "tenants": args.family_tenants, "tokens_per_row": args.family_tokens, "device": args.device, "dtype": args.dtype,
-                   "threads": args.threads, "rank": args.family_rank,
+                   "rows": args.family_rows, "tenants": args.family_tenants, "tokens_per_row": args.family_tokens,
+                   "rank": args.family_rank, "device": args.device, "dtype": args.dtype, "threads": args.threads,
                    "load_average_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None},
         "total_seconds": time.perf_counter() - started,
     }

@@ -96,7 +96,7 @@ class TrainerEngine:
             self.lora.checkpoint_decoder_layers()
         self.logprob_chunk_tokens = settings.logprob_chunk_tokens or default_logprob_chunk_tokens(self.device, loaded.vocab_size)
         dtype = next(loaded.model.parameters()).dtype
-        self.activations = ActivationModel.from_config(loaded.model.config, dtype)
+        self.activations = ActivationModel.from_config(loaded.model.config, dtype, device=self.device)
         # the budget is taken once, at start: the process keeps freed activation memory for reuse
         # (host_allocator, CUDA's caching allocator), so what is "available" later shrinks by it
         self.auto_activation_budget = activation_budget_bytes(self.device, 0, settings.activation_memory_fraction)

@@ -28,10 +28,10 @@ import torch
 
 DTYPE_BYTES = {torch.float32: 4, torch.float64: 8, torch.bfloat16: 2, torch.float16: 2}
 
-# MultiLoraExperts (services/lora/experts.py) runs the LoRA of each (adapter, expert) pair over its
-# rows padded to a common length, in chunks whose longest slice is at most PAD_SLACK = 1.25 times
-# the shortest: the padded inputs hold up to this many rows per routed row (measured on the tiny
-# random models: 1.04-1.09). On CUDA, one bucket of contiguous slices runs ragged, unpadded.
+# MultiLoraExperts (services/lora/experts.py) runs the LoRA of all (adapter, expert) pairs as grouped
+# matmuls over their rows back to back (its inputs: the routed rows, once), or where grouped_mm has
+# no kernel as batched matmuls over slices padded to a common length, in chunks whose longest slice
+# is at most PAD_SLACK = 1.25 times the shortest: the inputs hold up to this many rows per routed row.
 EXPERT_PADDING = 1.25
 
 # families whose transformers model has no sdpa attention: eager unless flash/flex is asked for
@@ -226,15 +226,18 @@ class ActivationModel:
     def backward_elements(self, width: int = 0) -> float:
         """Per token, the backward pass's working set beyond what is saved: the gradient flowing
         through the residual stream and one layer's intermediate gradients (h and i wide; of a
-        routed layer, top_k rows' h and expert_intermediate wide, and the shared experts'), and
-        with ``attention_probabilities`` two heads x width gradients of the probabilities."""
-        dense = 4 * self.hidden + 3 * self.intermediate
-        probabilities = 2 * self.heads * width if self.attention_probabilities else 0
+        routed layer, top_k rows h and expert_intermediate wide, and the shared experts'). With
+        ``attention_probabilities``, the attention's backward holds two heads x width gradients of
+        them instead: by then its layer's MLP tensors are freed, so the larger of the two counts."""
+        h = self.hidden
         if not self.moe_layers:
-            return float(dense + probabilities)
-        routed = (4 * self.hidden + self.top_k * (2 * self.hidden + 3 * self.expert_intermediate)
-                  + 3 * self.shared_intermediate)
-        return float(max(dense if self.dense_layers else 0, routed) + probabilities)
+            working = 4 * h + 3 * self.intermediate
+        else:
+            routed = 4 * h + self.top_k * (2 * h + 3 * self.expert_intermediate) + 3 * self.shared_intermediate
+            working = max(4 * h + 3 * self.intermediate if self.dense_layers else 0, routed)
+        if self.attention_probabilities:
+            working = max(working, 4 * h + 2 * self.heads * width)
+        return float(working)
 
     def head_bytes(self, chunk_tokens: int) -> float:
         """The logprob head: one chunk's float32 logits and their gradient buffer (target_logprobs)."""
