@@ -30,7 +30,7 @@ from temper.common.validation import LOSS_SPECS, DecodedDatum
 from temper.services.lora.model import EXPERT_TARGETS, AdapterSpec
 from temper.services.models.families import family_of
 from temper.services.models.loading import load_model
-from temper.services.models.tiny import TINY_FAMILIES, build_tiny_model
+from temper.services.models.tiny import TINY_FAMILIES
 from temper.services.sampler.backend import SampleRequest, SamplingOptions
 from temper.services.sampler.torch_backend import TorchSamplerBackend
 from temper.services.trainer import convert, imports
@@ -38,6 +38,8 @@ from temper.services.trainer.engine import AdamParams, ForwardBackwardItem, Opti
 from temper.services.trainer.losses import LOSS_FNS
 from temper.services.trainer.settings import TrainerSettings
 from temper.v1 import trainer_pb2, types_pb2
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "deepseek_v3")
 MOE = {"qwen3_moe", "gpt_oss", "deepseek_v3"}
@@ -129,19 +131,12 @@ def quiet_load(folder):
 
 # ---- fixtures: one model, trainer engine and sampler per family ---------------------------------
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: intra-op threads only spin (and crawl on a loaded machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def fam(request, tmp_path_factory):
+def fam(request, tmp_path_factory, family_dirs):
     family = request.param
-    folder = build_tiny_model(tmp_path_factory.mktemp(f"model-{family}") / "model", family=family)
+    folder = family_dirs[family]
     root = tmp_path_factory.mktemp(f"run-{family}")
     engine = TrainerEngine(quiet_load(folder), TrainerSettings(checkpoint_dir=root / "ckpt", offload_dir=root / "offload"))
     sampler = TorchSamplerBackend(quiet_load(folder))
@@ -444,8 +439,8 @@ def _unknown_config(kind):
 
 
 @pytest.fixture(scope="module")
-def any_tiny_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("model-qwen3") / "model", family="qwen3")
+def any_tiny_dir(family_dirs):
+    return family_dirs["qwen3"]
 
 
 def unknown_model(kind, tmp_path, tokenizer_dir):

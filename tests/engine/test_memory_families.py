@@ -26,6 +26,8 @@ from temper.services.trainer.engine import ForwardBackwardItem, TrainerEngine
 from temper.services.trainer.memory import ActivationModel
 from temper.services.trainer.settings import TrainerSettings
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 FAMILIES = tuple(TINY_FAMILIES)
 MOE = ("qwen3_moe", "gpt_oss", "deepseek_v3")
 IDS = dict(eos_token_id=0, bos_token_id=1, pad_token_id=2)
@@ -202,12 +204,6 @@ def test_the_model_is_a_plain_frozen_record():
 ROWS, TENANTS, TOKENS, RANK = 4, 2, 64, 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def saved_in_decoder_layers(engine, items) -> int:

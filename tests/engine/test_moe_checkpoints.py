@@ -29,18 +29,19 @@ from temper.common.errors import InvalidArgument
 from temper.services.lora.model import AdapterSpec, LoraModel
 from temper.services.models import families
 from temper.services.models.loading import load_model
-from temper.services.models.tiny import build_tiny_model
 from temper.services.trainer.convert import adapter_from_pb
 from temper.services.trainer.engine import TrainerEngine
 from temper.services.trainer.imports import CONFIG_FILE, WEIGHTS_FILE
 from temper.services.trainer.settings import TrainerSettings
 from temper.v1 import types_pb2
 
+
 FAMILIES = ("qwen3_moe", "gpt_oss", "deepseek_v3")
 TOL = dict(atol=1e-5, rtol=1e-5)
 # peft 0.21 checks rank_pattern keys against target_modules only and warns that target_parameters keys were
 # "ignored"; it does apply them to the wrapped parameters (the shapes below would not load otherwise)
-pytestmark = pytest.mark.filterwarnings("ignore:The following rank_pattern keys did not match")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.filterwarnings("ignore:The following rank_pattern keys did not match")]
 
 # hand-written, not from Temper's own peft_config: what a peft user writes for the same layout
 PEFT_ATTENTION = {"qwen3_moe": ["q_proj", "k_proj", "v_proj", "o_proj"], "gpt_oss": ["q_proj", "k_proj", "v_proj", "o_proj"],
@@ -49,19 +50,11 @@ PEFT_EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 PEFT_DENSE_MLP = {"qwen3_moe": [], "gpt_oss": [], "deepseek_v3": ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: intra-op threads only spin (and crawl on a loaded machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("moe_models").resolve()
-    return {family: str(build_tiny_model(root / family, family=family)) for family in FAMILIES}
+def folders(family_dirs) -> dict[str, str]:
+    return {family: str(family_dirs[family]) for family in FAMILIES}
 
 
 def _ids(vocab: int, rows: int = 3, seq: int = 9) -> torch.Tensor:

@@ -25,7 +25,8 @@ from temper.services.lora import experts as experts_module
 from temper.services.lora.layer import Routing
 from temper.services.lora.model import AdapterSpec, LoraModel
 from temper.services.models.loading import load_model
-from temper.services.models.tiny import build_tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 FAMILIES = ("qwen3_moe", "gpt_oss", "deepseek_v3")
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -34,19 +35,11 @@ ROWS, SEQ = 6, 10   # SEQ > GPT-OSS's tiny sliding window (8)
 OWNERS = ["a", "b", None, "a", "b", "c"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: intra-op threads only spin (and crawl on a loaded machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("moe_models")
-    return {family: build_tiny_model(root / family, family=family) for family in FAMILIES}
+def folders(family_dirs) -> dict[str, Path]:
+    return {family: family_dirs[family] for family in FAMILIES}
 
 
 def _lora_model(folder: Path) -> LoraModel:
