@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from temper.common.checkpoints import CheckpointPath
-from temper.common.errors import InvalidArgument, NotFound, TemperError
+from temper.common.errors import InvalidArgument, NotFound, TemperError, shown
 from temper.scheduler.admission import stored_answer
 from temper.scheduler.auth import caller
 from temper.scheduler.backends import TrainerHandle
@@ -38,6 +38,24 @@ def check_lora(cfg: types_pb2.LoraConfig) -> None:
     if not 0 <= cfg.expert_rank <= cfg.rank:
         raise InvalidArgument(f"lora_config.expert_rank must be in [0, rank={cfg.rank}] (0: rank // num_experts_per_tok), "
                               f"got {cfg.expert_rank}")
+
+
+def check_lora_for_model(cfg: types_pb2.LoraConfig, info: trainer_pb2.ModelInfo) -> None:
+    """What the model's trainer would refuse about ``cfg``'s routed-expert LoRA, refused here first so that
+    nothing (not even a run number) is spent on it. The trainer checks again (LoraModel.resolve)."""
+    if not info.num_experts:
+        if cfg.expert_rank:
+            raise InvalidArgument(f"lora_config.expert_rank is for mixture-of-experts models; {shown(info.base_model, 80)} "
+                                  f"({info.family or 'dense'}) has no routed experts")
+        return
+    if not cfg.train_mlp:
+        return
+    if cfg.dropout:
+        raise InvalidArgument(f"lora_config.dropout must be 0 when train_mlp adapts routed experts ({info.family}), "
+                              f"got {cfg.dropout}")
+    if not cfg.expert_rank and cfg.rank < info.num_experts_per_tok:
+        raise InvalidArgument(f"lora_config.rank {cfg.rank} spread over num_experts_per_tok={info.num_experts_per_tok} "
+                              f"active experts leaves no rank per expert: use rank >= {info.num_experts_per_tok} or set expert_rank")
 
 
 def check_user_metadata(metadata: Mapping[str, str]) -> None:

@@ -20,7 +20,7 @@ from temper.scheduler.auth import caller
 from temper.scheduler.backends import Backends
 from temper.scheduler.checkpoint_verbs import CheckpointVerbs, check_ttl
 from temper.scheduler.import_verbs import ImportVerbs
-from temper.scheduler.lookup_verbs import CheckpointSource, LookupVerbs, check_lora, check_user_metadata
+from temper.scheduler.lookup_verbs import CheckpointSource, LookupVerbs, check_lora, check_lora_for_model, check_user_metadata
 from temper.scheduler.db import models as m
 from temper.scheduler.quotas import check_hard_limit
 from temper.scheduler.recovery import snapshot_key
@@ -108,7 +108,9 @@ class TemperServicer(SamplingVerbs, CheckpointVerbs, ImportVerbs, LookupVerbs, T
             check_lora(request.lora_config)
         base_model, cfg = (source.run.base_model, lora_of(source.run)) if source else (request.base_model, request.lora_config)
         await asyncio.to_thread(self.store.open_session, request.session_id, tenant)
-        self.backends.trainer_for(base_model, "")  # an unknown model leaves the session untouched
+        trainer = self.backends.trainer_for(base_model, "")  # an unknown model leaves the session untouched
+        if source is None:
+            check_lora_for_model(cfg, trainer.info)
         async with self._creating_runs[tenant]:
             limit = (await self.admission.quotas.limits(tenant)).max_training_runs
             if limit:

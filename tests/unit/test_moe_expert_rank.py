@@ -18,7 +18,7 @@ from temper.client import types as t
 from temper.common.errors import FailedPrecondition, InvalidArgument
 from temper.scheduler.auth import reset_caller, set_caller
 from temper.scheduler.db import models as m
-from temper.scheduler.lookup_verbs import check_lora
+from temper.scheduler.lookup_verbs import check_lora, check_lora_for_model
 from temper.scheduler.recovery import Recovery
 from temper.scheduler.runs import created_expert_rank, new_run_row
 from temper.scheduler.servicer import TemperServicer, lora_layout
@@ -39,6 +39,30 @@ def test_an_expert_rank_outside_0_to_rank_is_refused_naming_the_field(expert_ran
     with pytest.raises(InvalidArgument, match=r"lora_config\.expert_rank must be in \[0, rank=8\]") as err:
         check_lora(types_pb2.LoraConfig(rank=8, train_mlp=True, expert_rank=expert_rank))
     assert str(expert_rank) in err.value.message
+
+
+DENSE = trainer_pb2.ModelInfo(base_model="dense", family="qwen3")
+MOE = trainer_pb2.ModelInfo(base_model="moe", family="qwen3_moe", num_experts=8, num_experts_per_tok=2)
+
+
+@pytest.mark.parametrize("info, cfg, field", [
+    (DENSE, types_pb2.LoraConfig(rank=8, train_mlp=True, expert_rank=2), "expert_rank is for mixture-of-experts"),
+    (MOE, types_pb2.LoraConfig(rank=1, train_mlp=True), "rank 1 spread over num_experts_per_tok=2"),
+    (MOE, types_pb2.LoraConfig(rank=8, train_mlp=True, dropout=0.1), "dropout must be 0"),
+])
+def test_what_the_models_trainer_would_refuse_is_refused_before_a_run_number_is_spent(info, cfg, field):
+    with pytest.raises(InvalidArgument, match=field):
+        check_lora_for_model(cfg, info)
+
+
+@pytest.mark.parametrize("info, cfg", [
+    (DENSE, types_pb2.LoraConfig(rank=8, train_mlp=True)),
+    (MOE, types_pb2.LoraConfig(rank=1, train_mlp=True, expert_rank=1)),
+    (MOE, types_pb2.LoraConfig(rank=1, train_attn=True, dropout=0.1)),   # no expert LoRA: any rank, dropout
+    (MOE, types_pb2.LoraConfig(rank=2, train_mlp=True)),
+])
+def test_what_the_models_trainer_accepts_passes(info, cfg):
+    check_lora_for_model(cfg, info)
 
 
 def test_the_row_stores_the_rank_the_trainer_answered_and_the_run_info_shows_it():
@@ -115,6 +139,12 @@ class _Store(FakeStore):
 class _MoeTrainer(FakeTrainer):
     """Answers CreateAdapter as the trainer does on an MoE model of top-2 routing: the expert rank in effect."""
 
+    @classmethod
+    def serving_moe(cls, **kwargs) -> "_MoeTrainer":
+        trainer = cls(**kwargs)
+        trainer.info.family, trainer.info.num_experts, trainer.info.num_experts_per_tok = "qwen3_moe", 8, 2
+        return trainer
+
     async def call(self, method, request):
         answer = await super().call(method, request)
         if method != "CreateAdapter":
@@ -143,7 +173,7 @@ def create(api, **lora):
 
 def test_create_training_run_stores_the_trainers_expert_rank_and_refuses_a_bad_one_before_anything():
     async def main():
-        async with servicer(_MoeTrainer(adapters={})) as (s, api):
+        async with servicer(_MoeTrainer.serving_moe(adapters={})) as (s, api):
             default = await create(api, rank=8, train_mlp=True)
             asked = await create(api, rank=8, train_mlp=True, expert_rank=2)
             dense = await create(api, rank=8, train_attn=True)
