@@ -1,0 +1,118 @@
+"""``python -m temper.plan`` (temper/plan.py) against measured memory, world size 1 (sharding is not built yet).
+
+A tiny random model (services/models/tiny.py, hidden 256, 4 layers: activations dominate): the plan's
+base weights are the loaded model's parameter bytes exactly; its activations for one rank's rows are
+the peak RSS growth of one TrainerEngine forward_backward (2 tenants, rank 64 on attention and MLP,
+4 rows x 256 tokens) within 0.75-1.25, stored and checkpointed. Each measurement runs in a fresh
+child process as benchmarks/memory_estimate.py measures: glibc returning freed blocks (a fixed mmap
+threshold), a warm-up pass outside the measurement, the kernel's peak-RSS mark reset before the pass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from temper.plan import GIB, Devices, load_config, plan_layouts
+from temper.services.models.tiny import build_tiny_model
+
+ROWS, WIDTH, TENANTS, RANK = 4, 256, 2, 64
+PREFIX = "PLAN_MEASURED "
+
+
+def _child(folder: str, mode: str) -> None:
+    """One forward_backward of ROWS x WIDTH tokens after a warm-up; prints the parameter bytes and the
+    pass's peak RSS growth."""
+    import gc
+    import resource
+    import tempfile
+
+    import numpy as np
+    import torch
+
+    from temper.common.validation import DecodedDatum
+    from temper.services.lora.model import AdapterSpec
+    from temper.services.models.loading import load_model
+    from temper.services.trainer.engine import ForwardBackwardItem, TrainerEngine
+    from temper.services.trainer.settings import TrainerSettings
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        loaded = load_model(folder, "cpu", "float32", 1)
+        param_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+        settings = TrainerSettings(base_model=folder, checkpoint_dir=Path(tmp) / "ckpt", offload_dir=Path(tmp) / "offload",
+                                   device="cpu", dtype="float32", num_threads=1, activation_checkpointing=True)
+        if mode == "checkpointed":
+            settings.activation_checkpointing_min_tokens = 0     # every pass checkpointed
+        else:
+            settings.activation_memory_mib = 1 << 20             # a budget far above the pass: stored
+        engine = TrainerEngine(loaded, settings)
+        spec = AdapterSpec(rank=RANK, alpha=32.0, targets=engine.lora.group_targets(attn=True, mlp=True))
+        for t in range(TENANTS):
+            engine.create_adapter(f"tenant-{t}", spec, seed=t)
+        vocab = engine.loaded.vocab_size
+
+        def run(length: int, seed: int) -> None:
+            rng = np.random.default_rng(seed)
+            rows = [rng.integers(0, vocab, length + 1) for _ in range(ROWS)]
+            data = [DecodedDatum(tokens=np.asarray(r[:-1], np.int32),
+                                 inputs={"target_tokens": np.asarray(r[1:], np.int64), "weights": np.ones(length, np.float32)})
+                    for r in rows]
+            items = [ForwardBackwardItem(f"tenant-{t}", data[t::TENANTS], "cross_entropy", {}, False) for t in range(TENANTS)]
+            results, _ = engine.run_cycle(items, [])
+            assert not any(isinstance(r, Exception) for r in results), results
+
+        run(8, seed=2)   # one-off costs (gradients, optimizer-free buffers) outside the measurement
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        run(WIDTH, seed=1)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(PREFIX + json.dumps({"param_bytes": param_bytes, "delta_rss_bytes": (peak - baseline) * 1024}), flush=True)
+
+
+def measure(folder: Path, mode: str) -> dict:
+    from temper.common.host_allocator import TUNED_MALLOC_ENV
+
+    env = {k: v for k, v in os.environ.items() if k not in TUNED_MALLOC_ENV and k != "TEMPER_HOST_ALLOCATOR_TUNED"}
+    env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(folder), mode], capture_output=True, text=True,
+                          env=env, timeout=120)
+    for line in proc.stdout.splitlines():
+        if line.startswith(PREFIX):
+            return json.loads(line[len(PREFIX):])
+    raise AssertionError(f"memory child {mode} failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("plan") / "qwen3", family="qwen3", hidden_size=256, layers=4)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak-RSS reset")
+@pytest.mark.parametrize("mode", ["stored", "checkpointed"])
+def test_world_size_one_plan_matches_measured_memory(tiny, mode):
+    config = load_config(tiny)
+    # a device where the stored pass fits, or one just big enough for the checkpointed pass (the plan's
+    # choice follows: it stores only where the stored pass fits too)
+    probe = plan_layouts(config, Devices(1, 64 * GIB, "cpu"), tokens=ROWS * WIDTH, adapters=TENANTS, rank=RANK,
+                         dtype="float32", width=WIDTH, overhead_gib=0.0, ranks=[1]).layouts[0]
+    capacity = 64 * GIB if mode == "stored" else probe.total_bytes + 1
+    (plan,) = plan_layouts(config, Devices(1, capacity, "cpu"), tokens=ROWS * WIDTH, adapters=TENANTS, rank=RANK,
+                           dtype="float32", width=WIDTH, overhead_gib=0.0, ranks=[1]).layouts
+    assert (plan.tokens_per_rank, plan.width, plan.gathered_bytes, plan.activations) == (ROWS * WIDTH, WIDTH, 0, mode)
+    measured = measure(tiny, mode)
+    assert plan.base_bytes == measured["param_bytes"]
+    estimate = plan.stored_bytes if mode == "stored" else plan.checkpointed_bytes
+    ratio = measured["delta_rss_bytes"] / estimate
+    assert 0.75 <= ratio <= 1.25, (mode, measured, estimate, ratio)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], sys.argv[2])
