@@ -16,7 +16,7 @@ from temper.common.tls import settings_server_credentials
 from temper.services.models.loading import load_model
 from temper.services.sampler.backend import SamplerBackend
 from temper.services.sampler.servicer import SamplerServicer
-from temper.services.sampler.settings import SamplerSettings
+from temper.services.sampler.settings import SamplerConfigError, SamplerSettings
 from temper.v1 import sampler_pb2, sampler_pb2_grpc
 
 log = logging.getLogger("temper.sampler")
@@ -25,10 +25,15 @@ PREFIX = SamplerSettings.model_config["env_prefix"].upper()
 
 
 def build_backend(settings: SamplerSettings) -> SamplerBackend:
+    """The chosen backend; SamplerConfigError (naming the settings) for a layout it cannot run."""
     if settings.backend == "sglang":  # imported only when chosen: the CPU install has no sglang
         from temper.services.sampler.sglang_backend import SGLangSamplerBackend
 
         return SGLangSamplerBackend(settings)
+    if settings.tp_size > 1 or settings.dp_size > 1:
+        raise SamplerConfigError(f"the torch sampler backend runs on one device: TEMPER_SAMPLER_TP_SIZE="
+                                 f"{settings.tp_size}, TEMPER_SAMPLER_DP_SIZE={settings.dp_size} need "
+                                 f"TEMPER_SAMPLER_BACKEND=sglang (or run more torch samplers)")
     from temper.services.sampler.torch_backend import TorchSamplerBackend
 
     return TorchSamplerBackend(load_model(settings.base_model, settings.device, settings.dtype, settings.num_threads),
@@ -66,7 +71,10 @@ def main() -> None:
         sys.exit(f"temper sampler: {exc}")
     configure_logging(settings.log_level, settings.log_format)
     log.info("settings: %s", settings.model_dump_json())
-    asyncio.run(serve(settings, authenticate))
+    try:
+        asyncio.run(serve(settings, authenticate))
+    except SamplerConfigError as exc:  # refused before serving: say which settings, no traceback
+        sys.exit(f"temper sampler: {exc}")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,10 @@ from pydantic_settings import SettingsConfigDict
 from temper.common.settings import ModelServiceSettings
 
 
+class SamplerConfigError(ValueError):
+    """Settings the chosen backend cannot run with: the sampler refuses to start (naming them)."""
+
+
 class SamplerSettings(ModelServiceSettings):
     """base_model, device, dtype, num_threads, metrics_bind, log_level and log_format come from
     ModelServiceSettings."""
@@ -27,6 +31,12 @@ class SamplerSettings(ModelServiceSettings):
                                                      "recently used one that no request is using.")
     max_adapter_bytes: int = Field(0, ge=0, description="Bytes of pushed adapter files kept loaded at once (0: no "
                                                          "bound); evicts like max_adapters.")
+
+    tp_size: int = Field(1, ge=1, description="Tensor-parallel size: GPUs one model replica is split over (sglang "
+                                              "only; the torch backend runs on one device and refuses more).")
+    dp_size: int = Field(1, ge=1, description="Data-parallel size: model replicas in this sampler (sglang only, and "
+                                              "SGLang 0.5.23 loads adapters at runtime only with 1: see "
+                                              "sglang_backend.check_parallel; run more samplers instead).")
 
     # ---- the sglang backend only (ignored by torch) ------------------------------------------
     sglang_max_loras_per_batch: int = Field(8, ge=1, description="Distinct adapters (the base model counts as one) "

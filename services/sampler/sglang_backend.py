@@ -46,7 +46,7 @@ import numpy as np
 from temper.common.errors import AdapterNotLoaded, Internal, InvalidArgument
 from temper.services.models.loading import resolve_model_path
 from temper.services.sampler.backend import ModelDescription, SampleRequest, SampleResult, SamplerBackend
-from temper.services.sampler.settings import SamplerSettings
+from temper.services.sampler.settings import SamplerConfigError, SamplerSettings
 from temper.services.sampler.sglang_requests import (
     ENGINE_ENV,
     Batch,
@@ -78,9 +78,66 @@ def engine_kwargs(settings: SamplerSettings, model_path: str) -> dict[str, Any]:
         # (check_servable); other families have no shared expert to fuse
         disable_shared_experts_fusion=True,
         random_seed=0, log_level="error",
+        tp_size=settings.tp_size, dp_size=settings.dp_size,
     )
     kwargs.update(settings.sglang_engine_args)
     return kwargs
+
+
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def check_parallel(settings: SamplerSettings, config, gpus: int) -> None:
+    """Refuse (SamplerConfigError, naming the settings and numbers) a tensor- / data-parallel layout
+    SGLang 0.5.23 would refuse late (an assert in a scheduler subprocess) or serve without Temper's
+    runtime adapters. ``config``: the model's transformers config; ``gpus``: CUDA devices visible.
+
+    As read in the 0.5.23 wheel (``python/sglang/srt/``):
+    - ``managers/tokenizer_control_mixin.py``: ``load_lora_adapter_from_tensors`` and
+      ``unload_lora_adapter`` assert ``dp_size == 1`` ("data-parallel replicas are not supported for
+      dynamic lora loading"); every adapter this sampler serves is loaded at runtime, so dp_size > 1
+      would serve the base model only. Scale out with more samplers (the scheduler spreads over them).
+    - ``lora/lora_manager.py::validate_new_adapter`` asserts that adapters are pinned under attention
+      DP (``attn_dp_size`` > 1, or the deprecated ``enable_dp_attention``); Temper's are not (it evicts).
+    - LoRA with ``tp_size`` > 1 is supported: ``Engine._serialize_tensors_per_rank`` sends every TP
+      rank its copy and ``lora/layers.py`` slices each rank's shard.
+    - ``models/llama.py`` / ``qwen2.py``: ``num_attention_heads % tp_size == 0`` and the KV heads split
+      over, or replicate across, the ranks (``num_key_value_heads % tp_size == 0`` or
+      ``tp_size % num_key_value_heads == 0``): bare asserts in the scheduler otherwise.
+    """
+    extra = settings.sglang_engine_args
+    moved = [k for k in ("tp_size", "dp_size") if k in extra]
+    if moved:
+        raise SamplerConfigError(f"set {', '.join(f'TEMPER_SAMPLER_{k.upper()}' for k in moved)} instead of "
+                                 f"{', '.join(moved)} in TEMPER_SAMPLER_SGLANG_ENGINE_ARGS")
+    tp, dp = settings.tp_size, settings.dp_size
+    if dp > 1:
+        raise SamplerConfigError(
+            f"TEMPER_SAMPLER_DP_SIZE={dp}: SGLang {SGLANG_VERSION} loads LoRA adapters at runtime only with one "
+            f"data-parallel replica (dp_size 1), and the sampler loads every adapter at runtime; run {dp} samplers "
+            f"instead (the scheduler spreads requests over them), or split the model with TEMPER_SAMPLER_TP_SIZE")
+    if extra.get("enable_dp_attention") or int(extra.get("attn_dp_size") or 1) > 1:
+        raise SamplerConfigError(
+            f"attention data parallelism (attn_dp_size / enable_dp_attention in TEMPER_SAMPLER_SGLANG_ENGINE_ARGS): "
+            f"SGLang {SGLANG_VERSION} serves LoRA under it only from pinned adapters, and the sampler loads and "
+            f"evicts its adapters at runtime")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if heads and heads % tp:
+        raise SamplerConfigError(f"TEMPER_SAMPLER_TP_SIZE={tp} does not divide the model's {heads} attention heads "
+                                 f"(num_attention_heads); choose a divisor of {heads}")
+    if kv_heads and kv_heads % tp and tp % kv_heads:
+        raise SamplerConfigError(f"TEMPER_SAMPLER_TP_SIZE={tp} neither divides nor is a multiple of the model's "
+                                 f"{kv_heads} key/value heads (num_key_value_heads)")
+    base, step = int(extra.get("base_gpu_id") or 0), int(extra.get("gpu_id_step") or 1)
+    needed = base + (tp * dp - 1) * step + 1
+    if tp * dp > 1 and needed > gpus:
+        raise SamplerConfigError(f"TEMPER_SAMPLER_TP_SIZE={tp} x TEMPER_SAMPLER_DP_SIZE={dp} needs {needed} visible "
+                                 f"GPUs (from base_gpu_id {base}, step {step}); {gpus} are visible")
 
 
 def start_engine(settings: SamplerSettings, model_path: str):
@@ -123,12 +180,17 @@ class SGLangSamplerBackend(SamplerBackend):
     def __init__(self, settings: SamplerSettings):
         self.base_model = settings.base_model
         self.model_path = resolve_model_path(settings.base_model)
+        from transformers import AutoConfig
+
+        check_parallel(settings, AutoConfig.from_pretrained(self.model_path), visible_gpus())
+        self.tp_size, self.dp_size = settings.tp_size, settings.dp_size
         self.facts, self.max_context_length = model_facts(self.model_path, settings)
         args = engine_kwargs(settings, self.model_path)
         self._shared_experts_fused = bool(args.get("enforce_shared_experts_fusion")) or not (
             args.get("disable_shared_experts_fusion") or str(args.get("moe_runner_backend") or "").startswith("lora"))
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-engine")
         self._engine = self._call(start_engine, settings, self.model_path)
+        log.info("sglang engine up: tp_size=%d dp_size=%d", self.tp_size, self.dp_size)
         self._names: dict[str, str] = {}   # checkpoint key -> SGLang adapter name of its loaded version
         self._version = 0
 

@@ -7,6 +7,9 @@ What it mirrors, and from where (paths under ``python/sglang/`` of the 0.5.23 wh
   unknown one is a TypeError, as building ``ServerArgs`` is). ``Engine.loop`` and
   ``Engine.tokenizer_manager.generate_request(obj, request)``, an async generator whose first item
   is the whole answer (``srt/entrypoints/engine.py::Engine.generate``). ``shutdown()``.
+- ``tp_size`` / ``dp_size`` (``srt/arg_groups/fields/parallel.py``): a TP size the model's attention
+  heads cannot split over fails the bare asserts of ``srt/models/llama.py``; runtime adapter loading
+  and unloading assert ``dp_size == 1`` (``srt/managers/tokenizer_control_mixin.py``).
 - ``Engine.load_lora_adapter_from_tensors(lora_name, tensors, config_dict)`` and
   ``Engine.unload_lora_adapter(lora_name)`` answer ``LoRAUpdateOutput(success, error_message)``
   (``srt/managers/io_struct.py``); refusals come back as success=False, as
@@ -55,6 +58,7 @@ SERVER_ARGS = {  # the ServerArgs fields the fake accepts (all exist at 0.5.23)
     "max_loras_per_batch", "max_loaded_loras", "enable_deterministic_inference", "sampling_mask_max_tokens",
     "mem_fraction_static", "sampling_defaults", "random_seed", "log_level",
     "disable_shared_experts_fusion",  # srt/arg_groups/fields/exec_.py
+    "tp_size", "dp_size",  # srt/arg_groups/fields/parallel.py
 }
 FAIL_NEXT: list = []   # exceptions to raise, or {"abort": (message, status)} dicts, one per generate call
 ENGINES: list = []     # every Engine built (tests look inside)
@@ -100,6 +104,7 @@ class Engine:
         from temper.services.sampler.torch_backend import TorchSamplerBackend
 
         self.args = kwargs
+        self._check_tp(kwargs["model_path"], kwargs.get("tp_size", 1))
         self.original_logprob = _env_flag("SGLANG_RETURN_ORIGINAL_LOGPROB")  # read at import in sampler.py
         self.torch = TorchSamplerBackend(load_model(kwargs["model_path"]))
         self.loaded = self.torch.loaded
@@ -111,6 +116,25 @@ class Engine:
         self.alive = True
         ENGINES.append(self)
 
+    @staticmethod
+    def _check_tp(model_path: str, tp: int) -> None:
+        """The bare asserts of srt/models/llama.py (qwen2.py alike) in each TP rank's model init."""
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_path)
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        assert heads % tp == 0
+        if kv_heads >= tp:
+            assert kv_heads % tp == 0
+        else:
+            assert tp % kv_heads == 0
+
+    def _check_dynamic_lora(self) -> None:
+        """srt/managers/tokenizer_control_mixin.py: an AssertionError (not a ValueError turned into a
+        result), so it leaves Engine.load_lora_adapter_from_tensors / unload_lora_adapter as an exception."""
+        assert self.args.get("dp_size", 1) == 1, "data-parallel replicas are not supported for dynamic lora loading"
+
     def shutdown(self):
         self.alive = False
         self.loop.close()
@@ -120,6 +144,7 @@ class Engine:
     def load_lora_adapter_from_tensors(self, lora_name: str, tensors: dict, config_dict: dict, load_format=None):
         if not self.args.get("enable_lora"):
             return LoRAUpdateOutput(False, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        self._check_dynamic_lora()
         if lora_name in self.adapters:
             return LoRAUpdateOutput(False, f"LoRA adapter {lora_name} is already loaded")
         assert all(isinstance(t, torch.Tensor) for t in tensors.values()), "tensors are serialized as torch tensors"
@@ -144,6 +169,7 @@ class Engine:
         return LoRAUpdateOutput(True, loaded_adapters=dict.fromkeys(self.adapters, "__tensor__"))
 
     def unload_lora_adapter(self, lora_name: str):
+        self._check_dynamic_lora()
         if lora_name not in self.adapters:
             return LoRAUpdateOutput(False, f"LoRA adapter {lora_name} is not registered")
         del self.adapters[lora_name]

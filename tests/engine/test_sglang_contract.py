@@ -6,8 +6,10 @@ and turns SGLang's errors into Temper's statuses. sglang itself is never importe
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import grpc
 import numpy as np
@@ -23,8 +25,9 @@ from temper.services.lora.model import AdapterSpec, LoraModel
 from temper.services.models.loading import load_model
 from temper.services.sampler.backend import SampleRequest, SamplingOptions
 from temper.services.sampler.servicer import SamplerServicer
-from temper.services.sampler.settings import SamplerSettings
-from temper.services.sampler.sglang_backend import SGLangSamplerBackend, check_servable, engine_kwargs
+from temper.services.sampler.settings import SamplerConfigError, SamplerSettings
+from temper.services.sampler.sglang_backend import (SGLangSamplerBackend, check_parallel, check_servable,
+                                                     engine_kwargs)
 from temper.services.sampler.sglang_requests import ModelFacts, check_options, derive_seed
 from temper.services.sampler.torch_backend import TorchSamplerBackend
 from temper.v1 import sampler_pb2, types_pb2
@@ -91,6 +94,7 @@ def test_engine_is_started_for_multi_lora_and_raw_logprobs(backend):
     args = engine.args
     assert args["enable_lora"] and args["max_loaded_loras"] is None and args["max_loras_per_batch"] == 8
     assert args["sampling_defaults"] == "openai" and args["enable_deterministic_inference"]
+    assert args["tp_size"] == 1 and args["dp_size"] == 1  # the defaults: one GPU, one replica
     assert args["disable_shared_experts_fusion"] and not backend._shared_experts_fused  # shared-expert LoRA has a module
     assert engine.original_logprob, "SGLANG_RETURN_ORIGINAL_LOGPROB must be set before the engine starts"
     assert set(engine.adapters) == {f"{key}@{i + 1}" for i, key in enumerate(SPECS)}  # one name per version
@@ -394,3 +398,86 @@ def test_the_extra_pins_the_version_the_fake_mirrors():
     assert extras["sglang"] == [f"sglang=={SGLANG_VERSION}"] and sglang_fake.__version__ == SGLANG_VERSION
     assert not any("sglang" in req for name, reqs in extras.items() if name != "sglang" for req in reqs)
     assert "sglang" not in (repo / "Makefile").read_text()  # never in the default CPU venv
+
+
+# ---- tensor- and data-parallel sizes ------------------------------------------------------------
+
+def test_tp_size_reaches_the_engine_and_samples_the_same(tiny_model_dir, folders, reference):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("temper.services.sampler.sglang_backend.visible_gpus", lambda: 4)
+        patch.setenv("TEMPER_SAMPLER_TP_SIZE", "2")  # read from the environment, as the sampler does
+        backend = make_backend(tiny_model_dir, patch)
+        args = engine_of(backend).args
+        assert (args["tp_size"], args["dp_size"]) == (2, 1) and (backend.tp_size, backend.dp_size) == (2, 1)
+        backend.load_adapter(A, folders[A])  # runtime adapters work with TP (SGLang shards them per rank)
+        prompt = np.array([5, 17, 42, 99], dtype=np.int32)
+        got = backend.sample(A, prompt, 1, GREEDY, False).sequences[0].tokens
+        assert got == reference.sample(A, prompt, 1, GREEDY, False).sequences[0].tokens
+        backend.close()
+        # 4 ranks over the tiny model's 2 KV heads: SGLang replicates them, so it is accepted
+        backend = make_backend(tiny_model_dir, patch, tp_size=4)
+        assert engine_of(backend).args["tp_size"] == 4
+        backend.close()
+
+
+def test_invalid_parallel_sizes_are_refused_at_startup_naming_the_numbers(tiny_model_dir):
+    cases = [  # (settings, visible GPUs, what the refusal says); the tiny model has 4 heads, 2 KV heads
+        (dict(tp_size=3), 8, r"^TEMPER_SAMPLER_TP_SIZE=3 does not divide the model's 4 attention heads"),
+        (dict(tp_size=8), 8, r"^TEMPER_SAMPLER_TP_SIZE=8 does not divide the model's 4 attention heads"),
+        (dict(dp_size=2), 8, r"^TEMPER_SAMPLER_DP_SIZE=2: SGLang 0\.5\.23 loads LoRA adapters at runtime only "
+                             r"with one data-parallel replica .*run 2 samplers instead"),
+        (dict(tp_size=2, dp_size=2), 8, r"^TEMPER_SAMPLER_DP_SIZE=2"),
+        (dict(tp_size=2), 1, r"^TEMPER_SAMPLER_TP_SIZE=2 x TEMPER_SAMPLER_DP_SIZE=1 needs 2 visible GPUs .*1 are "
+                             r"visible"),
+        (dict(tp_size=4, sglang_engine_args={"base_gpu_id": 2}), 4, r"needs 6 visible GPUs \(from base_gpu_id 2"),
+        (dict(sglang_engine_args={"tp_size": 2}), 8, r"^set TEMPER_SAMPLER_TP_SIZE instead of tp_size in "
+                                                     r"TEMPER_SAMPLER_SGLANG_ENGINE_ARGS"),
+        (dict(sglang_engine_args={"enable_dp_attention": True}), 8, r"^attention data parallelism"),
+        (dict(tp_size=2, sglang_engine_args={"attn_dp_size": 2}), 8, r"pinned adapters"),
+    ]
+    for overrides, gpus, message in cases:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("temper.services.sampler.sglang_backend.visible_gpus", lambda gpus=gpus: gpus)
+            built = len(sglang_fake.ENGINES)
+            with pytest.raises(SamplerConfigError, match=message):
+                make_backend(tiny_model_dir, patch, **overrides)
+            assert len(sglang_fake.ENGINES) == built, f"{overrides}: refused only after the engine started"
+    text = SimpleNamespace(num_attention_heads=12, num_key_value_heads=3)  # heads split over 2, KV heads not
+    with pytest.raises(SamplerConfigError, match=r"^TEMPER_SAMPLER_TP_SIZE=2 neither divides nor is a multiple "
+                                                 r"of the model's 3 key/value heads"):
+        check_parallel(SamplerSettings(base_model=tiny_model_dir, backend="sglang", tp_size=2), text, gpus=2)
+    nested = SimpleNamespace(get_text_config=lambda: SimpleNamespace(num_attention_heads=6, num_key_value_heads=None))
+    with pytest.raises(SamplerConfigError, match="model's 6 attention heads"):  # a multimodal config's text part
+        check_parallel(SamplerSettings(base_model=tiny_model_dir, backend="sglang", tp_size=4), nested, gpus=4)
+    for field in ("tp_size", "dp_size"):
+        with pytest.raises(ValueError, match=field):
+            SamplerSettings(base_model=tiny_model_dir, **{field: 0})
+
+
+def test_the_fake_refuses_what_sglang_0_5_23_refuses(tiny_model_dir, folders):
+    """Why Temper checks first: SGLang's own refusals are bare asserts, at engine start or at the first load."""
+    with pytest.raises(AssertionError):
+        sglang_fake.Engine(model_path=tiny_model_dir, tp_size=3)
+    engine = sglang_fake.Engine(model_path=tiny_model_dir, enable_lora=True, max_lora_rank=64,
+                                lora_target_modules=["all"], dp_size=2)
+    config = json.loads((folders[A] / "adapter_config.json").read_text())
+    with pytest.raises(AssertionError, match="data-parallel replicas are not supported for dynamic lora loading"):
+        engine.load_lora_adapter_from_tensors("x", load_file(str(folders[A] / "adapter_model.safetensors")), config)
+    engine.shutdown()
+
+
+def test_the_torch_backend_runs_on_one_device(tiny_model_dir):
+    from temper.services.sampler.__main__ import build_backend
+
+    for sizes in (dict(tp_size=2), dict(dp_size=2)):
+        with pytest.raises(SamplerConfigError, match="^the torch sampler backend runs on one device: "
+                                                     "TEMPER_SAMPLER_TP_SIZE=.*TEMPER_SAMPLER_BACKEND=sglang"):
+            build_backend(SamplerSettings(base_model=tiny_model_dir, backend="torch", **sizes))
+    assert build_backend(SamplerSettings(base_model=tiny_model_dir)).name == "torch"
+    env = {**os.environ, "TEMPER_SAMPLER_INTERNAL_AUTH": "disabled", "TEMPER_SAMPLER_TP_SIZE": "2",
+           "TEMPER_SAMPLER_BASE_MODEL": tiny_model_dir, "TEMPER_SAMPLER_METRICS_BIND": "",
+           "TEMPER_SAMPLER_BIND": "127.0.0.1:0"}
+    proc = subprocess.run([sys.executable, "-m", "temper.services.sampler"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1 and "temper sampler: the torch sampler backend runs on one device" in proc.stderr
+    assert "Traceback" not in proc.stderr
