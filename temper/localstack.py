@@ -11,6 +11,7 @@ import os
 import queue
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -63,9 +64,13 @@ def _pump(service: Service, log) -> None:
 
 class LocalStack:
     def __init__(self, base_model: str, data_dir: Path, database_url: str | None = None, extra_env: dict[str, str] | None = None,
-                 num_threads: int = 0, num_trainers: int = 1, num_samplers: int = 1, registration: bool = False, gateway: bool = False):
+                 num_threads: int = 0, num_trainers: int = 1, num_samplers: int = 1, registration: bool = False, gateway: bool = False,
+                 trainer_world_size: int = 1):
         """``registration``: the scheduler serves a worker registry and starts first; the workers
-        register with it (register_with) instead of being listed in its trainer/sampler addresses."""
+        register with it (register_with) instead of being listed in its trainer/sampler addresses.
+        ``trainer_world_size`` > 1: every trainer is a group of that many local processes (issue 20,
+        services/trainer/group.py): rank 0 is the service ("trainer"), the others run as
+        "<name>.rank<r>" (role "trainer-rank"); ``restart_group`` restarts them together."""
         self.base_model = base_model
         self.data_dir = Path(data_dir)
         self.database_url = database_url or f"sqlite:///{self.data_dir / 'temper.db'}"
@@ -74,6 +79,7 @@ class LocalStack:
         self.counts = {"trainer": num_trainers, "sampler": num_samplers}
         self.gateway = gateway  # also start the Tinker gateway (HTTP, services/gateway) in front of the scheduler
         self.registration = registration
+        self.trainer_world_size = trainer_world_size
         self.services: list[Service] = []
         self._keys: dict[str, str] = {}
         self.api_key: str | None = None  # the LOCAL_TENANT's key, once started
@@ -150,7 +156,7 @@ class LocalStack:
 
     def _start_workers(self, timeout: float) -> None:
         """Every trainer and sampler of ``counts``, started together, each waited for."""
-        started = [self._launch(role, self._worker_env(role, name), name=name)
+        started = [self._launch_worker(role, self._worker_env(role, name), name=name)
                    for role, count in self.counts.items() for name in (role if i == 0 else f"{role}-{i}" for i in range(count))]
         for service in started:
             self._wait_ready(service, timeout)
@@ -164,9 +170,44 @@ class LocalStack:
         stacks); returns it once the scheduler knows it."""
         assert self.registration, "a worker added later reaches the scheduler by registering"
         name = f"{role}-{len(self.services_of(role))}"
-        service = self._wait_ready(self._launch(role, self._worker_env(role, name), name=name), timeout)
+        service = self._wait_ready(self._launch_worker(role, self._worker_env(role, name), name=name), timeout)
         self.wait_registered({role: len(self.services_of(role))}, timeout)
         return service
+
+    def _launch_worker(self, role: str, env: dict[str, str], port: int = 0, name: str | None = None) -> Service:
+        """One trainer or sampler; a trainer of ``trainer_world_size`` > 1 is a group of processes on a
+        new rendezvous port: rank 0 (returned, the one with the gRPC port) and its followers."""
+        if role != "trainer" or self.trainer_world_size == 1:
+            return self._launch(role, env, port, name=name)
+        name = name or role
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            rendezvous = f"127.0.0.1:{s.getsockname()[1]}"
+        group = {"TEMPER_TRAINER_WORLD_SIZE": str(self.trainer_world_size), "TEMPER_TRAINER_GROUP_ADDR": rendezvous}
+        leader = self._launch(role, {**env, **group, "TEMPER_TRAINER_RANK": "0"}, port, name=name)
+        leader.env = env  # without the group's rendezvous: restart_group makes a new one
+        for rank in range(1, self.trainer_world_size):
+            self._launch("trainer-rank", {**env, **group, "TEMPER_TRAINER_RANK": str(rank)},
+                         argv=[sys.executable, "-m", MODULES["trainer"]], name=f"{name}.rank{rank}")
+        return leader
+
+    def group_ranks(self, name: str = "trainer") -> list[Service]:
+        """The processes of trainer group ``name``, by rank (rank 0 is the service itself)."""
+        return [self.service(name), *(s for s in self.services if s.name.startswith(f"{name}.rank"))]
+
+    def restart_group(self, name: str = "trainer", crash: bool = False, timeout: float = 300.0) -> Service:
+        """Stop every rank of trainer group ``name`` still running (SIGKILL when ``crash``, else SIGTERM)
+        and start the group again on the same gRPC port (a new rendezvous). Returns the new rank 0."""
+        ranks = self.group_ranks(name)
+        for service in ranks:
+            self.resume(service.name)
+            if service.process.poll() is None:
+                (service.process.kill if crash else service.process.terminate)()
+        for service in ranks:
+            service.process.wait(timeout=30)
+            self.services.remove(service)
+        leader = ranks[0]
+        return self._wait_ready(self._launch_worker(leader.role, leader.env, leader.port, name=leader.name), timeout)
 
     def wait_registered(self, counts: dict[str, int], timeout: float = 300.0) -> None:
         """Until the scheduler knows at least ``counts`` workers of each role (its temper_scheduler_workers)."""

@@ -31,8 +31,19 @@ async def serve(settings: TrainerSettings, authenticate: Authenticator | None) -
     if authenticate is None:
         log.warning("TEMPER_TRAINER_INTERNAL_AUTH=disabled: anyone who reaches port %s can call this trainer", settings.bind)
     credentials = settings_server_credentials(settings)  # before the model: a bad file fails fast
+    if settings.world_size > 1:  # a trainer group (group.py): this rank's device and offload folder
+        from temper.services.trainer import group
+
+        settings = group.group_settings(settings)
     loaded = load_model(settings.base_model, settings.device, settings.dtype, settings.num_threads)
-    engine = TrainerEngine(loaded, settings)
+    if settings.world_size > 1:
+        joined = group.join(settings)
+        engine = group.build_engine(loaded, settings, joined)
+        if settings.rank > 0:
+            group.follow(engine, joined)  # never returns: rank 0 serves, this rank runs what it sends
+        engine = group.GroupEngine(engine, joined)
+    else:
+        engine = TrainerEngine(loaded, settings)
     servicer = TrainerServicer(engine)
     registration = (trainer_pb2_grpc.add_TrainerServicer_to_server, servicer, service)
     server, port, health = build_server([registration], settings.bind, authenticate, credentials)

@@ -133,7 +133,8 @@ def file_chunks_to_pb(pieces: Iterable[FilePiece]) -> Iterable[types_pb2.FileChu
                                   total_size=piece.total_size)
 
 
-def model_info_to_pb(loaded, device: str, dtype: str, incarnation: str = "") -> trainer_pb2.ModelInfo:
+def model_info_to_pb(loaded, device: str, dtype: str, incarnation: str = "", world_size: int = 1,
+                     devices: list[str] | None = None) -> trainer_pb2.ModelInfo:
     try:
         family, moe = families.family_of(loaded.model.config).name, families.moe_shape(loaded.model.config)
     except families.UnknownFamily:  # the trainer runs; it refuses adapters, naming why (LoraModel.family_error)
@@ -141,4 +142,5 @@ def model_info_to_pb(loaded, device: str, dtype: str, incarnation: str = "") -> 
     return trainer_pb2.ModelInfo(base_model=loaded.name, tokenizer_id=loaded.path, vocab_size=loaded.vocab_size,
                                  max_context_length=loaded.max_context_length, device=device, dtype=dtype,
                                  incarnation=incarnation, family=family, num_experts=moe.num_experts if moe else 0,
-                                 num_experts_per_tok=moe.top_k if moe else 0)
+                                 num_experts_per_tok=moe.top_k if moe else 0, world_size=world_size,
+                                 devices=devices or [device])

@@ -92,6 +92,8 @@ class TrainerEngine:
         offload_to = settings.offload_to if settings.offload_to != "auto" else ("disk" if self.device.type == "cpu" else "host")
         self.host = AdapterHost(self.lora, settings.max_resident_adapters, settings.offload_dir, offload_to)
         self.store = CheckpointStore(settings.checkpoint_dir)
+        # (groups, options) -> results: one process's passes; a trainer group's ranks swap in sharded.forward_backward
+        self.passes = lambda groups, options: numerics.forward_backward(self.lora, groups, options, self.device, _observe_pass)
         if settings.activation_checkpointing and self.lora.family is not None:  # other models take no adapter
             self.lora.checkpoint_decoder_layers()
         self.logprob_chunk_tokens = settings.logprob_chunk_tokens or default_logprob_chunk_tokens(self.device, loaded.vocab_size)
@@ -224,7 +226,7 @@ class TrainerEngine:
         groups = [LossGroup(i.run_id, i.data, i.loss_fn, i.loss_config, i.forward_only) for i in items]
         failed: dict[str, TemperError] = {}
         try:
-            results = numerics.forward_backward(self.lora, groups, self.pass_options, self.device, _observe_pass) if items else []
+            results = self.passes(groups, self.pass_options) if items else []
         except BaseException as exc:
             for run_id, adapter in training.items():
                 adapter.restore_grads(snapshots[run_id])  # a failed pass leaves no half gradient
@@ -256,7 +258,7 @@ class TrainerEngine:
         for run_id in dict.fromkeys(g.adapter for g in groups):
             mine = [k for k, g in enumerate(groups) if g.adapter == run_id]
             try:
-                ran = numerics.forward_backward(self.lora, [groups[k] for k in mine], self.pass_options, self.device, _observe_pass)
+                ran = self.passes([groups[k] for k in mine], self.pass_options)
                 for k, result in zip(mine, ran):
                     results[k] = result
             except Exception as exc:  # noqa: BLE001

@@ -32,8 +32,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             raise
 
     async def GetModelInfo(self, request, context):
+        # a trainer group (group.GroupEngine) is one trainer of world_size ranks
         return convert.model_info_to_pb(self.engine.loaded, self.engine.settings.device, self.engine.settings.dtype,
-                                        self.incarnation)
+                                        self.incarnation, getattr(self.engine, "world_size", 1),
+                                        getattr(self.engine, "devices", None))
 
     async def CreateAdapter(self, request, context):
         expert_rank = await self._run("CreateAdapter", self._create, request)

@@ -54,3 +54,15 @@ class TrainerSettings(ModelServiceSettings):
     tune_host_allocator: bool = Field(
         True, description="Start the trainer under glibc malloc settings that keep freed memory for reuse "
                           "(temper.common.host_allocator); MALLOC_* variables already set are kept.")
+    # ---- a trainer group: one trainer to the scheduler, its base model sharded over N ranks (group.py) ----
+    world_size: int = Field(
+        1, ge=1, description="Processes in this trainer's group (issue 20, docs/sharding.md): the base model's weights are "
+                             "sharded over them and every cycle's rows split between them. 1: one process, no "
+                             "torch.distributed at all.")
+    rank: int = Field(0, ge=0, description="This process's rank in the group: rank 0 serves gRPC and registers, the others "
+                                           "follow it (world_size > 1 only).")
+    group_addr: str = Field("127.0.0.1:29500", description="host:port of rank 0's rendezvous (torch.distributed TCP store); "
+                                                          "every rank of the group gets the same one.")
+    group_timeout_seconds: float = Field(
+        60.0, gt=0, description="How long ranks wait for each other to join the group, and for a collective, before the "
+                                "group counts as failed (the ranks exit non-zero and are restarted together).")
