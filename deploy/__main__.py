@@ -2,15 +2,20 @@
 
 Starts the trainers and samplers as Ray actors and the scheduler beside them, prints
 "TEMPER_READY ray port=<scheduler port> address=<host:port> trainers=<...> samplers=<...>", then
-stays in the foreground: Ray restarts dead actors, this process restarts a scheduler that exits.
-Ctrl-C or SIGTERM stops all of it (and a local Ray cluster it started)."""
+stays in the foreground: Ray restarts dead actors, this process restarts a scheduler that exits and
+every rank of a trainer group one rank of which stopped. Ctrl-C or SIGTERM stops all of it (and a
+local Ray cluster it started).
+
+The base model's layout (ranks per trainer group, devices per rank, the sampler's tp/dp sizes) comes
+from TEMPER_MODEL_CATALOGUE (services/models/catalogue.py); a layout that does not divide the model
+is refused before anything starts."""
 
 from __future__ import annotations
 
 import logging
 import signal
 import sys
-import time
+import threading
 
 from temper.common.logs import configure_logging
 from temper.deploy.ray_cluster import RayDeployment
@@ -20,14 +25,16 @@ log = logging.getLogger("temper.deploy")
 CHECK_SECONDS = 2.0
 
 
-def supervise(deployment: RayDeployment) -> None:
-    """Forever: start the scheduler again (same port, database, workers) when it exits."""
-    while True:
-        time.sleep(CHECK_SECONDS)
+def supervise(deployment: RayDeployment, stop: threading.Event | None = None, every: float = CHECK_SECONDS) -> None:
+    """Until ``stop`` is set (default: forever): start the scheduler again (same port, database,
+    workers) when it exits, and a trainer group again, all its ranks, when one of them stopped."""
+    stop = stop or threading.Event()
+    while not stop.wait(every):
         process = deployment.scheduler.service("scheduler").process
         if process.poll() is not None:
             log.warning("the scheduler exited with %s; starting it again", process.returncode)
             deployment.scheduler.restart_scheduler(crash=True, timeout=deployment.settings.ready_timeout_seconds)
+        deployment.restart_dead_groups()
 
 
 def _interrupt(*_) -> None:
@@ -46,7 +53,11 @@ def main() -> None:
     settings = RaySettings()
     configure_logging(settings.log_level, settings.log_format)
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops everything as Ctrl-C does
-    with RayDeployment(settings) as deployment:
+    try:
+        deployment = RayDeployment(settings)  # reads the model catalogue
+    except ValueError as exc:
+        sys.exit(f"temper deploy: {exc}")
+    with deployment:
         try:
             address = deployment.start()
             signal.signal(signal.SIGTERM, _interrupt)  # again: ray.init put its own handler there (a stack dump, then exit)

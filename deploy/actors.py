@@ -19,6 +19,16 @@ import time
 log = logging.getLogger("temper.deploy")
 
 
+def free_address() -> str:
+    """This node's IP and a port free on it now: a trainer group's rendezvous (run on rank 0's bundle)."""
+    from ray.util import get_node_ip_address
+
+    host = get_node_ip_address()
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return f"{host}:{probe.getsockname()[1]}"
+
+
 def _serve_function(role: str):
     # The services' own entry points, minus their main(): no argv, no process re-exec (the trainer's
     # tuned allocator comes through the actor's runtime_env instead, see ray_cluster.py).
@@ -75,6 +85,12 @@ class WorkerActor:
     def pid(self) -> int:
         """This incarnation's process id (a test kills it; Ray starts the next one)."""
         return os.getpid()
+
+    def stopped(self) -> str:
+        """Returns once the service has stopped (why); a rank of a trainer group that fails leaves
+        its process (exit GROUP_FAILED) and the call fails instead. Either way: the group is down."""
+        self._thread.join()
+        return repr(self._failure)
 
     def _serving(self) -> bool:
         if self.settings.tls_cert_file is not None:  # no CA here to check the health port's TLS: the port open will do

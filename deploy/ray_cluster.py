@@ -12,6 +12,14 @@ Membership, two ways (RaySettings.membership):
 - static: the actors start first and the scheduler gets their addresses as fixed lists. A restarted
   actor binds the same port, so on the same node it is the same address; one that Ray moved to another
   node is not found again (use the registry for that).
+
+Layouts come from the model catalogue (TEMPER_MODEL_CATALOGUE, services/models/catalogue.py): when
+the base model's layout has ranks_per_trainer N > 1, each trainer is a group of N rank actors
+(services/trainer/group.py) in one STRICT_PACK placement group of N bundles (one node). Rank 0 has
+the gRPC port and registers; the group meets at a free port of rank 0's node. Ray does not restart
+a rank: a group is restarted as a unit (``restart_dead_groups``, which ``python -m temper.deploy``
+calls every few seconds) once any of its ranks has stopped, in the same placement group, so rank 0
+comes back at the same address. The sampler's tensor- and data-parallel sizes come from the layout too.
 """
 
 from __future__ import annotations
@@ -19,12 +27,13 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from temper.common.host_allocator import TUNED_MALLOC_ENV
-from temper.deploy.actors import WorkerActor
+from temper.deploy.actors import WorkerActor, free_address
 from temper.deploy.settings import RaySettings
 from temper.localstack import LocalStack, Service
+from temper.services.models.catalogue import Catalogue, ModelLayout, check_divides
 
 log = logging.getLogger("temper.deploy")
 NAMESPACE = "temper"
@@ -47,6 +56,32 @@ def runtime_env(settings) -> dict:
     return {}
 
 
+def group_bundles(layout: ModelLayout, cpus: float, gpus: float) -> list[dict]:
+    """The placement group of one trainer group: a bundle per rank, with devices_per_rank GPUs each
+    when the trainers use GPUs (``gpus`` > 0)."""
+    bundle = {"CPU": cpus} | ({"GPU": layout.devices_per_rank} if gpus > 0 else {})
+    return [dict(bundle) for _ in range(layout.ranks_per_trainer)]
+
+
+def rank_settings(settings, rank: int, world: int, group_addr: str):
+    """Trainer settings of one rank of a group meeting at ``group_addr`` (what TEMPER_TRAINER_RANK,
+    _WORLD_SIZE and _GROUP_ADDR say to a trainer process)."""
+    return settings.model_copy(update={"rank": rank, "world_size": world, "group_addr": group_addr})
+
+
+def check_layout(catalogue: Catalogue, base_model: str, load_config=None) -> ModelLayout:
+    """The base model's layout; a listed one is checked against the model's config (check_divides's
+    ValueError when it does not divide)."""
+    layout = catalogue.layout(base_model)
+    if base_model in catalogue:
+        if load_config is None:
+            from transformers import AutoConfig
+
+            load_config = AutoConfig.from_pretrained
+        check_divides(load_config(base_model), layout, base_model)
+    return layout
+
+
 class SchedulerProcess(LocalStack):
     """The scheduler alone, as LocalStack starts and restarts it (same port, same environment)."""
 
@@ -58,17 +93,24 @@ class SchedulerProcess(LocalStack):
 class Worker:
     role: str
     index: int
-    actor: object  # ray.actor.ActorHandle
+    actor: object  # ray.actor.ActorHandle; a trainer group's rank 0
     address: str = ""
+    ranks: list = field(default_factory=list)  # a trainer group: every rank's actor, by rank
+    group: object = None                       # a trainer group: its placement group
+    stops: list = field(default_factory=list)  # a trainer group: each rank's stopped() call, done when it stops
 
 
 class RayDeployment:
-    def __init__(self, settings: RaySettings):
+    def __init__(self, settings: RaySettings, catalogue: Catalogue | None = None):
+        """``catalogue``: the model layouts (default: TEMPER_MODEL_CATALOGUE)."""
         self.settings = settings
+        self.catalogue = catalogue if catalogue is not None else Catalogue.from_env()
+        self.layout = self.catalogue.layout(self.base_model)
         self.token = settings.internal_token.get_secret_value() if settings.internal_token else secrets.token_urlsafe(32)
         self.workers: list[Worker] = []
         self.scheduler: SchedulerProcess | None = None
         self.address: str | None = None  # the scheduler's public host:port, once started
+        self.registry = ""                # the scheduler's registry the workers register with ("": static membership)
         self._ray = None
 
     # ---- start and stop ---------------------------------------------------------------------
@@ -76,6 +118,7 @@ class RayDeployment:
     def start(self) -> str:
         """Connect to (or start) Ray, start the workers and the scheduler; returns the scheduler's address."""
         s = self.settings
+        self.layout = check_layout(self.catalogue, self.base_model)  # before Ray: a layout that does not fit is refused at once
         try:
             ray = self._connect()
             data_dir = s.data_dir.resolve()
@@ -106,10 +149,9 @@ class RayDeployment:
             self.scheduler.stop()
         if self._ray is not None:
             for worker in self.workers:
-                try:
-                    self._ray.kill(worker.actor, no_restart=True)
-                except Exception:  # already gone
-                    pass
+                self._kill(worker.ranks or [worker.actor] if worker.actor else [])
+                if worker.group is not None:
+                    self._ray.util.remove_placement_group(worker.group)
             self._ray.shutdown()  # a local cluster this process started stops with it
             self._ray = None
         self.workers.clear()
@@ -119,6 +161,14 @@ class RayDeployment:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+    @property
+    def base_model(self) -> str:
+        if self.settings.base_model:
+            return self.settings.base_model
+        from temper.services.trainer.settings import TrainerSettings
+
+        return TrainerSettings().base_model
 
     @property
     def membership(self) -> str:
@@ -144,22 +194,91 @@ class RayDeployment:
 
     def _start_workers(self, registry: str) -> None:
         ray, s = self._ray, self.settings
+        self.registry = registry
         remote = ray.remote(WorkerActor)
-        for role, count, port in (("trainer", s.num_trainers, s.trainer_port), ("sampler", s.num_samplers, s.sampler_port)):
-            cpus, gpus = (s.trainer_cpus, s.trainer_gpus) if role == "trainer" else (s.sampler_cpus, s.sampler_gpus)
-            for i in range(count):
-                settings = self.worker_settings(role, i, registry)
-                actor = remote.options(
-                    name=f"temper-{role}-{i}", num_cpus=cpus, num_gpus=gpus, max_restarts=s.max_restarts,
-                    max_task_retries=s.max_task_retries,
-                    max_concurrency=4,  # pid() answers while address() waits for the model to load
-                    runtime_env=runtime_env(settings),
-                ).remote(role, settings, port + i)
-                self.workers.append(Worker(role, i, actor))
+        for i in range(s.num_trainers):
+            if self.layout.ranks_per_trainer > 1:
+                self.workers.append(Worker("trainer", i, None))
+                self._start_group(self.workers[-1])
+            else:
+                self.workers.append(Worker("trainer", i, self._actor(
+                    remote, "trainer", i, s.trainer_cpus, s.trainer_gpus, s.max_restarts, s.max_task_retries,
+                    self.worker_settings("trainer", i, registry), s.trainer_port + i)))
+        sampler_gpus = max(s.sampler_gpus, self.layout.sampler_devices) if s.sampler_gpus > 0 else 0
+        for i in range(s.num_samplers):
+            self.workers.append(Worker("sampler", i, self._actor(
+                remote, "sampler", i, s.sampler_cpus, sampler_gpus, s.max_restarts, s.max_task_retries,
+                self.worker_settings("sampler", i, registry), s.sampler_port + i)))
         # the actors load their models in parallel
         for worker, address in zip(self.workers, ray.get([w.actor.address.remote(s.ready_timeout_seconds) for w in self.workers])):
             worker.address = address
             log.info("%s-%d serving at %s", worker.role, worker.index, address)
+
+    def _actor(self, remote, role: str, index: int, cpus: float, gpus: float, restarts: int, retries: int, settings, port: int,
+               name: str = "", **options):
+        return remote.options(
+            name=name or f"temper-{role}-{index}", num_cpus=cpus, num_gpus=gpus, max_restarts=restarts,
+            max_task_retries=retries,
+            max_concurrency=4,  # pid() and stopped() answer while address() waits for the model to load
+            runtime_env=runtime_env(settings), **options,
+        ).remote(role, settings, port)
+
+    # ---- trainer groups ---------------------------------------------------------------------
+
+    def _start_group(self, worker: Worker) -> None:
+        """Start trainer group ``worker.index``: its placement group (made once, kept across restarts),
+        a new rendezvous on rank 0's node, one actor per rank on its bundle. Does not wait for them."""
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        ray, s, n = self._ray, self.settings, self.layout.ranks_per_trainer
+        if worker.group is None:
+            worker.group = placement_group(group_bundles(self.layout, s.trainer_cpus, s.trainer_gpus), strategy="STRICT_PACK",
+                                           name=f"temper-trainer-{worker.index}")
+            ray.get(worker.group.ready(), timeout=s.ready_timeout_seconds)
+
+        def on_bundle(rank: int) -> dict:
+            return {"scheduling_strategy": PlacementGroupSchedulingStrategy(worker.group, placement_group_bundle_index=rank)}
+
+        group_addr = ray.get(ray.remote(num_cpus=0)(free_address).options(**on_bundle(0)).remote(), timeout=120)
+        settings = self.worker_settings("trainer", worker.index, self.registry)
+        gpus = self.layout.devices_per_rank if s.trainer_gpus > 0 else 0
+        remote = ray.remote(WorkerActor)
+        worker.ranks = [
+            self._actor(remote, "trainer", worker.index, s.trainer_cpus, gpus, 0, 0, rank_settings(settings, rank, n, group_addr),
+                        s.trainer_port + worker.index if rank == 0 else 0, name=f"temper-trainer-{worker.index}-rank{rank}",
+                        **on_bundle(rank))
+            for rank in range(n)]
+        worker.actor = worker.ranks[0]
+        worker.stops = [actor.stopped.remote() for actor in worker.ranks]
+        log.info("trainer-%d: a group of %d ranks meeting at %s", worker.index, n, group_addr)
+
+    def restart_dead_groups(self) -> list[int]:
+        """Restart, as a unit, every trainer group one of whose ranks has stopped; returns their indexes.
+        A group that fails to start again is left down, and is restarted on the next call."""
+        restarted = []
+        for worker in self.of("trainer"):
+            if not worker.stops or not self._ray.wait(worker.stops, num_returns=1, timeout=0)[0]:
+                continue
+            log.warning("trainer-%d: a rank of its group stopped; starting all %d ranks again", worker.index, len(worker.ranks))
+            self._kill(worker.ranks)
+            try:
+                self._start_group(worker)
+                worker.address = self._ray.get(worker.actor.address.remote(self.settings.ready_timeout_seconds))
+            except Exception as exc:  # noqa: BLE001 - a rank died while starting: next time
+                log.error("trainer-%d: the group did not start again: %s", worker.index, exc)
+                self._kill(worker.ranks)
+                continue
+            log.info("trainer-%d serving again at %s", worker.index, worker.address)
+            restarted.append(worker.index)
+        return restarted
+
+    def _kill(self, actors: list) -> None:
+        for actor in actors:
+            try:
+                self._ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
 
     def worker_settings(self, role: str, index: int, registry: str):
         """The role's settings object for worker ``index``: TEMPER_<ROLE>_* of this process, plus the
@@ -175,6 +294,8 @@ class RayDeployment:
 
             cpus, gpus = s.sampler_cpus, s.sampler_gpus
             values = {"adapter_dir": data_dir / f"sampler-{index}-adapters"}
+            if self.layout.sampler_tp_size > 1 or self.layout.sampler_dp_size > 1:  # else: the sampler's own settings
+                values |= {"tp_size": self.layout.sampler_tp_size, "dp_size": self.layout.sampler_dp_size}
         values |= {"internal_token": self.token, "num_threads": max(1, int(cpus))}
         if s.base_model:
             values["base_model"] = s.base_model
@@ -193,6 +314,10 @@ class RayDeployment:
         """The process id of a worker actor's current incarnation (waits for one that Ray restarts)."""
         worker = self.of(role)[index]
         return self._ray.get(worker.actor.pid.remote())
+
+    def group_pids(self, index: int = 0) -> list[int]:
+        """The process ids of trainer group ``index``'s ranks, by rank."""
+        return self._ray.get([actor.pid.remote() for actor in self.of("trainer")[index].ranks])
 
     def wait_serving(self, role: str, index: int = 0) -> str:
         worker = self.of(role)[index]
