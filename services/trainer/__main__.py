@@ -34,10 +34,20 @@ async def serve(settings: TrainerSettings, authenticate: Authenticator | None) -
     if settings.world_size > 1:  # a trainer group (group.py): this rank's device and offload folder
         from temper.services.trainer import group
 
-        settings = group.group_settings(settings)
+        try:  # before the weights load: a rank or layout the model cannot take refuses at once
+            settings = group.group_settings(settings)
+            group.check_layout(settings)
+        except ValueError as exc:
+            sys.exit(f"temper trainer: rank {settings.rank} of {settings.world_size}: {exc}")
     loaded = load_model(settings.base_model, settings.device, settings.dtype, settings.num_threads)
     if settings.world_size > 1:
-        joined = group.join(settings)
+        from temper.services.trainer.sharded import GroupJoinTimeout
+
+        try:
+            joined = group.join(settings)
+        except GroupJoinTimeout as exc:  # a rank never came: the group failed (restarted together)
+            print(f"temper trainer: {exc}", file=sys.stderr, flush=True)
+            group.fail(str(exc))
         engine = group.build_engine(loaded, settings, joined)
         if settings.rank > 0:
             group.follow(engine, joined)  # never returns: rank 0 serves, this rank runs what it sends

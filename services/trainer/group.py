@@ -15,7 +15,15 @@ a collective that fails or times out (``group_timeout_seconds``), outcomes that 
 that is not a domain error fail the whole group: every rank exits with ``GROUP_FAILED`` (rank 0 logs
 why), its supervisor starts the group again, and the scheduler restores the runs from their
 snapshots and replays what came after (a new incarnation). While idle, rank 0 sends a heartbeat
-every quarter of the timeout, so an idle follower does not time out and a dead one is noticed.
+every quarter of the timeout, so an idle follower does not time out and a dead one is noticed. A
+frozen or cut-off peer is noticed too: gloo's send completes only when the receiver has taken the data
+(tests/engine/test_group_edges.py: rank 1 SIGSTOPped, the ping fails "Timed out waiting ...ms for send
+operation to complete"), so rank 0 exits within about 1.25 timeouts, idle or inside a command (every
+collective has the timeout).
+
+Bad input refused before the model loads (``check_layout``): a world size the model's layout cannot
+take (``catalogue.check_divides`` with ``ranks_per_trainer`` = world size, and, when
+TEMPER_MODEL_CATALOGUE lists the model, its ``ranks_per_trainer`` must be the world size).
 """
 
 from __future__ import annotations
@@ -68,6 +76,29 @@ def group_settings(settings: TrainerSettings) -> TrainerSettings:
     if settings.device == "cuda" and torch.cuda.is_available():
         update["device"] = f"cuda:{settings.rank % torch.cuda.device_count()}"
     return settings.model_copy(update=update)
+
+
+def check_layout(settings: TrainerSettings, config=None) -> None:
+    """Refuses (ValueError naming the numbers) a world size this model cannot be laid out over, before
+    any weights load: the layout ``ModelLayout(ranks_per_trainer=world_size)`` (``experts_per_rank`` as
+    TEMPER_MODEL_CATALOGUE says for this model) must pass ``catalogue.check_divides``, and a model the
+    catalogue lists must be given its ``ranks_per_trainer`` ranks. FSDP2 alone accepts any N >= 1 (it
+    shards every parameter on dim 0 and pads the last shard; a rank may even hold an empty shard of a
+    small tensor), so without expert placement a world size is refused only by the catalogue."""
+    from temper.services.models.catalogue import Catalogue, ModelLayout, check_divides
+
+    name = settings.base_model
+    catalogue = Catalogue.from_env()  # ValueError naming the bad field
+    listed = catalogue.layout(name) if name in catalogue else None
+    if listed is not None and listed.ranks_per_trainer != settings.world_size:
+        raise ValueError(f"{name}: TEMPER_TRAINER_WORLD_SIZE={settings.world_size} but the model catalogue lays this "
+                         f"model out over ranks_per_trainer={listed.ranks_per_trainer}")
+    if config is None:
+        from transformers import AutoConfig
+        config = AutoConfig.from_pretrained(name)
+    layout = ModelLayout(ranks_per_trainer=settings.world_size,
+                         experts_per_rank=listed.experts_per_rank if listed is not None else False)
+    check_divides(config, layout, name)
 
 
 def join(settings: TrainerSettings) -> Group:

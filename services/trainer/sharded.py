@@ -57,8 +57,11 @@ def init_group(rank: int, world: int, init_method: str, timeout: datetime.timede
     except Exception as exc:  # DistStoreError, RuntimeError (gloo), TimeoutError: all mean "not joined"
         if dist.is_initialized():
             dist.destroy_process_group()
+        waiting = (f"rank 0 waited for rank{'s' if world > 2 else ''} {', '.join(map(str, range(1, world)))}"
+                   if rank == 0 else f"rank {rank} waited for rank 0's rendezvous and the other ranks")
         raise GroupJoinTimeout(f"rank {rank}/{world}: the process group at {init_method} did not form within "
-                               f"{timeout.total_seconds():.0f}s ({time.monotonic() - start:.1f}s waited): "
+                               f"{timeout.total_seconds():g}s ({time.monotonic() - start:.1f}s waited; {waiting}; "
+                               f"a rank that never joins: is it started, with the same group address?): "
                                f"{type(exc).__name__}: {exc}") from exc
     return dist.group.WORLD
 

@@ -2,7 +2,8 @@
 local processes, its base model sharded over them, is one trainer to the scheduler.
 
 Two tenants train on it co-batched; their losses and adapters equal their twins' trained on the
-session's one-process stack (same seeds) within 1e-5. Then rank 1 is killed (SIGKILL) mid-training:
+session's one-process stack (same seeds) within 1e-5, and so do the logprobs the sampler computes and
+samples with the weights the group published (save_weights_for_sampler: trainer -> sampler). Then rank 1 is killed (SIGKILL) mid-training:
 rank 0 notices, exits with GROUP_FAILED, the group is started again, and the scheduler restores the
 runs from their snapshots and replays the rest: every call succeeds, and the runs still equal twins
 trained without a kill."""
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 from fixtures_stack import adapter_weights, sft_datum
-from temper.client import AdamParams
+from temper.client import AdamParams, ModelInput, SamplingParams
 from temper.services.trainer.group import GROUP_FAILED
 from test_faults import metric
 
@@ -72,6 +73,22 @@ def weights(stack, tenant, tc, tmp_path):
         return adapter_weights(client, path, tmp_path / name)
 
 
+PROMPT = [7, 19, 42, 101, 250, 33, 77, 5]
+
+
+def sampled(stack, tenant, path) -> dict:
+    """What the stack's sampler gives for the published weights at ``path``: prompt logprobs, and a
+    greedy sample's tokens and logprobs."""
+    with stack.client(tenant) as client:
+        sampler = client.create_sampling_client(model_path=path)
+        prompt = sampler.compute_logprobs(ModelInput.from_ints(PROMPT)).result(timeout=300)
+        greedy = SamplingParams(max_tokens=6, temperature=0.0, stop=[])
+        [sequence] = sampler.sample(ModelInput.from_ints(PROMPT[:3]), 1, greedy).result(timeout=300).sequences
+    assert prompt[0] is None and sequence.logprobs is not None
+    return {"prompt": np.array(prompt[1:], dtype=np.float64), "tokens": sequence.tokens,
+            "logprobs": np.array(sequence.logprobs, dtype=np.float64)}
+
+
 def assert_close(got, want):
     assert got.keys() == want.keys()
     for key in got:
@@ -88,6 +105,14 @@ def test_a_two_rank_trainer_trains_like_one_process(group_stack, stack, tiny_mod
     for tenant in TENANTS:
         np.testing.assert_allclose(got[tenant], want[tenant], rtol=1e-5, err_msg=tenant)
         assert_close(weights(group_stack, tenant, sharded[tenant], tmp_path), weights(stack, tenant, twins[tenant], tmp_path))
+    # the publish path from a sharded trainer: its sampler samples as the one-process twin's does
+    for tenant in TENANTS:
+        name = f"s-{uuid.uuid4().hex[:8]}"
+        mine = sampled(group_stack, tenant, sharded[tenant].save_weights_for_sampler(name).result(timeout=300).path)
+        twin = sampled(stack, tenant, twins[tenant].save_weights_for_sampler(name).result(timeout=300).path)
+        np.testing.assert_allclose(mine["prompt"], twin["prompt"], atol=1e-5, rtol=0, err_msg=tenant)
+        assert mine["tokens"] == twin["tokens"], tenant
+        np.testing.assert_allclose(mine["logprobs"], twin["logprobs"], atol=1e-5, rtol=0, err_msg=tenant)
 
 
 def test_a_killed_rank_fails_the_group_and_a_restarted_group_loses_nothing(group_stack, stack, tiny_model_dir, tmp_path):
