@@ -68,11 +68,11 @@ class Group:
 
 
 def group_settings(settings: TrainerSettings) -> TrainerSettings:
-    """A rank's own settings: its own accelerator and offload folder; no activation checkpointing
-    (decoder layers are FSDP units: passes are split into micro-batches instead)."""
+    """A rank's own settings: its own accelerator and offload folder (activation checkpointing as set:
+    the ranks agree on it pass by pass, ``sharded._agreed``)."""
     if not 0 <= settings.rank < settings.world_size:
         raise ValueError(f"TEMPER_TRAINER_RANK={settings.rank} is not below TEMPER_TRAINER_WORLD_SIZE={settings.world_size}")
-    update = {"offload_dir": settings.offload_dir / f"rank{settings.rank}", "activation_checkpointing": False}
+    update = {"offload_dir": settings.offload_dir / f"rank{settings.rank}"}
     if settings.device == "cuda" and torch.cuda.is_available():
         update["device"] = f"cuda:{settings.rank % torch.cuda.device_count()}"
     return settings.model_copy(update=update)

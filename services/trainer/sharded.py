@@ -206,16 +206,13 @@ def forward_backward(sharded: ShardedModel, groups: list[LossGroup], options: Pa
                 rows = [Row(i, j, d) for i, g in enumerate(groups) if g.forward_only != grad for j, d in enumerate(g.data)]
                 local = split_rows(rows, world)[rank]
                 local.sort(key=lambda row: adapter_rank[groups[row.group].adapter])
-                plan = list(numerics.plan_passes(local, options, grad))
-                count = torch.tensor([len(plan)], dtype=torch.long)
-                dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-                for k in range(int(count)):
-                    batch, checkpointed = plan[k] if k < len(plan) else (None, False)
+                plan = _agreed(list(numerics.plan_passes(local, options, grad)), group)
+                for batch, checkpointed in plan:
                     sharded.outer.gather()
                     try:
                         with torch.set_grad_enabled(grad):
                             if batch is None:
-                                _dummy_pass(lora, options, device, grad)
+                                _dummy_pass(lora, options, device, grad, checkpointed)
                                 continue
                             lp, elementwise, stats = numerics.run_pass(lora, groups, batch, options, device, checkpointed)
                             if grad:
@@ -264,13 +261,26 @@ def forward_backward(sharded: ShardedModel, groups: list[LossGroup], options: Pa
     return results
 
 
-def _dummy_pass(lora: LoraModel, options: PassOptions, device: torch.device, grad: bool) -> None:
+def _agreed(plan: list, group) -> list:
+    """This rank's passes, as many as the rank with the most (``(None, checkpointed)`` for a pass it has
+    no rows for), each checkpointed if any rank checkpoints its pass of that number: a checkpointed
+    layer gathers its weights again when it is recomputed, so every rank must do the same, pass by pass."""
+    count = torch.tensor([len(plan)], dtype=torch.long)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    flags = torch.zeros(int(count), dtype=torch.long)
+    flags[:len(plan)] = torch.tensor([int(bool(checkpointed)) for _, checkpointed in plan], dtype=torch.long)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    batches = [batch for batch, _ in plan] + [None] * (int(count) - len(plan))
+    return [(batch, bool(flag)) for batch, flag in zip(batches, flags.tolist())]
+
+
+def _dummy_pass(lora: LoraModel, options: PassOptions, device: torch.device, grad: bool, checkpointed: bool) -> None:
     """One token through the base model (no adapter), backward included: the collectives of a pass
-    on a rank that has no rows left."""
+    on a rank that has no rows left (checkpointed like the other ranks' pass of that number)."""
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
     mask = torch.ones(1, 1, dtype=torch.bool, device=device)
     targets = torch.zeros(1, 1, 1, dtype=torch.long, device=device)
-    lp = numerics.target_logprobs_pass(lora, ids, mask, targets, [], options.logprob_chunk_tokens, False)
+    lp = numerics.target_logprobs_pass(lora, ids, mask, targets, [], options.logprob_chunk_tokens, checkpointed)
     if grad:
         (lp.sum() * 0.0).backward()
 

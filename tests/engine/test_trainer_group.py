@@ -80,7 +80,7 @@ def settings_for(folder, checkpoints, **group):
                            num_threads=1, **group)
 
 
-def rank_main(rank, addr, folder, checkpoints, out):
+def rank_main(rank, addr, folder, checkpoints, out, extra):
     try:
         torch.set_num_threads(1)
         import torch.distributed as dist
@@ -88,9 +88,17 @@ def rank_main(rank, addr, folder, checkpoints, out):
         from temper.services.trainer import group
 
         settings = group.group_settings(settings_for(folder, checkpoints, world_size=2, rank=rank, group_addr=addr,
-                                                     group_timeout_seconds=20))
+                                                     group_timeout_seconds=20, **extra))
         joined = group.join(settings)
         engine = group.build_engine(load_model(settings.base_model), settings, joined)
+        from temper.services.trainer import numerics
+        run_pass, checkpointed = numerics.run_pass, []
+
+        def recording(*args, **kwargs):  # which of this rank's passes ran checkpointed
+            checkpointed.append(bool(args[5] if len(args) > 5 else kwargs.get("checkpointed")))
+            return run_pass(*args, **kwargs)
+
+        numerics.run_pass = recording
         got = {}
         if rank == 0:
             leader = group.GroupEngine(engine, joined)
@@ -103,7 +111,7 @@ def rank_main(rank, addr, folder, checkpoints, out):
             assert stopped.value.code == 0
         everyone = [None, None]
         dist.all_gather_object(everyone, weights(engine))
-        out.put((rank, {**got, "weights": everyone}))
+        out.put((rank, {**got, "weights": everyone, "checkpointed": checkpointed}))
         dist.destroy_process_group()
     except BaseException:
         import traceback
@@ -111,7 +119,11 @@ def rank_main(rank, addr, folder, checkpoints, out):
         raise
 
 
-def test_a_two_rank_group_engine_runs_the_calls_of_one_process(tmp_path):
+# the trainer's defaults; and passes of 48 padded tokens or more checkpointed (the decoder layers, FSDP
+# units, recomputed in the backward pass, gathering their weights again): one process checkpoints every
+# pass of this script, a rank's smaller share only some, and the ranks must agree pass by pass
+@pytest.mark.parametrize("extra", [{}, {"activation_checkpointing_min_tokens": 48}], ids=["default", "checkpointed"])
+def test_a_two_rank_group_engine_runs_the_calls_of_one_process(tmp_path, extra):
     from temper.services.models.loading import load_model
     from temper.services.models.tiny import build_tiny_model
     from temper.services.trainer.engine import TrainerEngine
@@ -122,7 +134,7 @@ def test_a_two_rank_group_engine_runs_the_calls_of_one_process(tmp_path):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     addr = f"127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=rank_main, args=(r, addr, folder, tmp_path / "group" / "ckpt", out)) for r in range(2)]
+    procs = [ctx.Process(target=rank_main, args=(r, addr, folder, tmp_path / "group" / "ckpt", out, extra)) for r in range(2)]
     for p in procs:
         p.start()
     results = {}
@@ -139,10 +151,15 @@ def test_a_two_rank_group_engine_runs_the_calls_of_one_process(tmp_path):
                 p.kill()
     assert [p.exitcode for p in procs] == [0, 0]
 
-    alone = TrainerEngine(load_model(str(folder)), settings_for(folder, tmp_path / "alone" / "ckpt"))
+    alone = TrainerEngine(load_model(str(folder)), settings_for(folder, tmp_path / "alone" / "ckpt", **extra))
     want = script(alone)
     got = results[0]
     assert got["world_size"] == 2 and got["devices"] == ["cpu", "cpu"]
+    passes = results[0]["checkpointed"] + results[1]["checkpointed"]
+    if extra:  # some passes checkpointed, on one rank at least (the other agreed)
+        assert any(passes), passes
+    else:
+        assert not any(passes), passes
     for g, w in zip(got["losses"], want["losses"]):  # the seeded runs as one process trains them
         for run_id in ("a", "c"):
             if run_id in w:
