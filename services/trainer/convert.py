@@ -134,7 +134,7 @@ def file_chunks_to_pb(pieces: Iterable[FilePiece]) -> Iterable[types_pb2.FileChu
 
 
 def model_info_to_pb(loaded, device: str, dtype: str, incarnation: str = "", world_size: int = 1,
-                     devices: list[str] | None = None) -> trainer_pb2.ModelInfo:
+                     devices: list[str] | None = None, device_memory: list[int] | None = None) -> trainer_pb2.ModelInfo:
     try:
         family, moe = families.family_of(loaded.model.config).name, families.moe_shape(loaded.model.config)
     except families.UnknownFamily:  # the trainer runs; it refuses adapters, naming why (LoraModel.family_error)
@@ -143,4 +143,4 @@ def model_info_to_pb(loaded, device: str, dtype: str, incarnation: str = "", wor
                                  max_context_length=loaded.max_context_length, device=device, dtype=dtype,
                                  incarnation=incarnation, family=family, num_experts=moe.num_experts if moe else 0,
                                  num_experts_per_tok=moe.top_k if moe else 0, world_size=world_size,
-                                 devices=devices or [device])
+                                 devices=devices or [device], device_memory_bytes=device_memory or [])

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from temper.common.errors import TemperError
 from temper.services.models.loading import LoadedModel
 from temper.services.trainer import sharded
+from temper.services.trainer.memory import device_memory_bytes
 from temper.services.trainer.settings import TrainerSettings
 
 log = logging.getLogger("temper.trainer.group")
@@ -65,6 +66,7 @@ class Group:
     control: object     # gloo group for commands and outcomes (objects), whatever the compute backend
     mesh: object        # 1-D DeviceMesh the base model is sharded over
     devices: list[str]  # every rank's device, by rank
+    memory: list[int]   # every rank's device memory in bytes, by rank
 
 
 def group_settings(settings: TrainerSettings) -> TrainerSettings:
@@ -112,11 +114,12 @@ def join(settings: TrainerSettings) -> Group:
                        backend)
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=settings.group_timeout_seconds))
     mesh = sharded.make_mesh(settings.world_size, device.type)
-    devices: list = [None] * settings.world_size
-    dist.all_gather_object(devices, str(device), group=control)
+    found: list = [None] * settings.world_size
+    dist.all_gather_object(found, (str(device), device_memory_bytes(device)), group=control)
+    devices, memory = [d for d, _ in found], [m for _, m in found]
     log.info("rank %d of %d joined the trainer group at %s (%s; devices %s)", settings.rank, settings.world_size,
              settings.group_addr, backend, devices)
-    return Group(settings.rank, settings.world_size, settings.group_timeout_seconds, control, mesh, devices)
+    return Group(settings.rank, settings.world_size, settings.group_timeout_seconds, control, mesh, devices, memory)
 
 
 def build_engine(loaded, settings: TrainerSettings, group: Group):
@@ -182,6 +185,7 @@ class GroupEngine:
         self.group = group
         self.world_size = group.world
         self.devices = group.devices
+        self.device_memory = group.memory
         self._lock = threading.Lock()
         self._last = time.monotonic()
         self._stopped = threading.Event()

@@ -278,6 +278,17 @@ def available_memory_bytes(device: torch.device) -> int | None:
         return None
 
 
+def device_memory_bytes(device: torch.device) -> int:
+    """The device's whole memory (a GPU's, or the host's for CPU), 0 if unknown: what a trainer registers."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        with open("/proc/meminfo") as f:
+            return int(next(line.split()[1] for line in f if line.startswith("MemTotal:"))) * 1024
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 0
+
+
 def activation_budget_bytes(device: torch.device, budget_mib: int, fraction: float) -> int | None:
     """``budget_mib`` when set, else ``fraction`` of the memory available now; None: unknown."""
     if budget_mib > 0:

@@ -35,7 +35,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         # a trainer group (group.GroupEngine) is one trainer of world_size ranks
         return convert.model_info_to_pb(self.engine.loaded, self.engine.settings.device, self.engine.settings.dtype,
                                         self.incarnation, getattr(self.engine, "world_size", 1),
-                                        getattr(self.engine, "devices", None))
+                                        getattr(self.engine, "devices", None),
+                                        getattr(self.engine, "device_memory", None) or [self._device_memory()])
+
+    def _device_memory(self) -> int:
+        from temper.services.trainer.memory import device_memory_bytes
+        return device_memory_bytes(self.engine.device)
 
     async def CreateAdapter(self, request, context):
         expert_rank = await self._run("CreateAdapter", self._create, request)

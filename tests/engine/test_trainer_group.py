@@ -103,7 +103,7 @@ def rank_main(rank, addr, folder, checkpoints, out, extra):
         if rank == 0:
             leader = group.GroupEngine(engine, joined)
             got = script(leader)
-            got["world_size"], got["devices"] = leader.world_size, leader.devices
+            got["world_size"], got["devices"], got["memory"] = leader.world_size, leader.devices, leader.device_memory
             leader.stop()
         else:
             with pytest.raises(SystemExit) as stopped:
@@ -155,6 +155,7 @@ def test_a_two_rank_group_engine_runs_the_calls_of_one_process(tmp_path, extra):
     want = script(alone)
     got = results[0]
     assert got["world_size"] == 2 and got["devices"] == ["cpu", "cpu"]
+    assert len(got["memory"]) == 2 and all(m > 2**30 for m in got["memory"])  # the host's, by rank
     passes = results[0]["checkpointed"] + results[1]["checkpointed"]
     if extra:  # some passes checkpointed, on one rank at least (the other agreed)
         assert any(passes), passes
