@@ -30,11 +30,18 @@ ROWS, WIDTH, TENANTS, RANK = 4, 256, 2, 64
 PREFIX = "PLAN_MEASURED "
 
 
+def peak_rss_kib() -> int:
+    """The kernel's peak-RSS mark of this process (VmHWM), which writing 5 to clear_refs resets. Not
+    getrusage's ru_maxrss: that also keeps the peak the process had before its exec, i.e. the parent's
+    (pytest's, hundreds of MB into a full run), so it would read no growth at all."""
+    with open("/proc/self/status") as f:
+        return int(next(line.split()[1] for line in f if line.startswith("VmHWM:")))
+
+
 def _child(folder: str, mode: str) -> None:
     """One forward_backward of ROWS x WIDTH tokens after a warm-up; prints the parameter bytes and the
     pass's peak RSS growth."""
     import gc
-    import resource
     import tempfile
 
     import numpy as np
@@ -76,9 +83,9 @@ def _child(folder: str, mode: str) -> None:
         gc.collect()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        baseline = peak_rss_kib()
         run(WIDTH, seed=1)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = peak_rss_kib()
     print(PREFIX + json.dumps({"param_bytes": param_bytes, "delta_rss_bytes": (peak - baseline) * 1024}), flush=True)
 
 
@@ -128,7 +135,6 @@ def _rank(rank: int, world: int, init_method: str, folder: str, out) -> None:
     activations stored; puts the rank's base-weight bytes and the pass's peak RSS growth."""
     import datetime
     import gc
-    import resource
 
     import numpy as np
     import torch
@@ -166,9 +172,9 @@ def _rank(rank: int, world: int, init_method: str, folder: str, out) -> None:
         torch.distributed.barrier()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        baseline = peak_rss_kib()
         run(WIDTH, seed=1)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = peak_rss_kib()
         out.put((rank, {"base_bytes": base_bytes, "delta_rss_bytes": (peak - baseline) * 1024}))
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
