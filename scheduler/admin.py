@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from temper.common.errors import InvalidArgument
+from temper.common.strings import check_text, shown
 from temper.scheduler.db.store import Store, upgrade_schema
 from temper.scheduler.db.tenancy import LIMIT_COLUMNS
 from temper.scheduler.settings import SchedulerSettings
@@ -57,12 +59,50 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What the database holds: tenants.name and api_keys.label are String(128), limits BIGINT.
+MAX_NAME_CHARS = 128
+MAX_LIMIT = 2**63 - 1
+
+
 def _limit(text: str) -> int | None:
-    return None if text == "default" else int(text)
+    """A limit: 'default', or a whole number in [0, 2**63 - 1] (0: unlimited)."""
+    if text == "default":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{shown(text, 40)} is not a whole number or 'default'") from None
+    if not 0 <= value <= MAX_LIMIT:
+        raise argparse.ArgumentTypeError(f"{value} is outside [0, {MAX_LIMIT}] (0: unlimited)")
+    return value
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """The checks the API makes on names, for operators too (InvalidArgument naming the option): a tenant
+    name is 1 to 128 characters without control characters, a label at most 128 without them."""
+    tenant = getattr(args, "tenant", None)
+    if tenant is not None or args.command in ("create-key", "set-quota", "show-quota"):
+        if not tenant or not tenant.strip():
+            raise InvalidArgument("--tenant must not be empty")
+        if len(tenant) > MAX_NAME_CHARS:
+            raise InvalidArgument(f"--tenant is {len(tenant)} characters long (at most {MAX_NAME_CHARS})")
+        check_text(tenant, "--tenant", identifier=True)
+    label = getattr(args, "label", "")
+    if len(label) > MAX_NAME_CHARS:
+        raise InvalidArgument(f"--label is {len(label)} characters long (at most {MAX_NAME_CHARS})")
+    check_text(label, "--label", identifier=True)
+    key = getattr(args, "key", None)
+    if key is not None:
+        check_text(key, "the key", identifier=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    try:  # before the database is opened: a refused command changes nothing
+        check_arguments(args)
+    except InvalidArgument as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
     store = open_store(args.database_url)
     try:
         if args.command == "create-key":
