@@ -38,10 +38,24 @@ def peak_rss_kib() -> int:
         return int(next(line.split()[1] for line in f if line.startswith("VmHWM:")))
 
 
+def pass_growth_bytes(run, settle=lambda: None) -> int:
+    """The peak RSS growth of ``run(WIDTH, seed=1)`` after a warm-up ``run(8, seed=2)`` (one-off costs:
+    gradients, buffers) and ``settle()``, from the kernel's reset peak-RSS mark."""
+    import gc
+
+    run(8, seed=2)
+    gc.collect()
+    settle()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    baseline = peak_rss_kib()
+    run(WIDTH, seed=1)
+    return (peak_rss_kib() - baseline) * 1024
+
+
 def _child(folder: str, mode: str) -> None:
     """One forward_backward of ROWS x WIDTH tokens after a warm-up; prints the parameter bytes and the
     pass's peak RSS growth."""
-    import gc
     import tempfile
 
     import numpy as np
@@ -79,14 +93,8 @@ def _child(folder: str, mode: str) -> None:
             results, _ = engine.run_cycle(items, [])
             assert not any(isinstance(r, Exception) for r in results), results
 
-        run(8, seed=2)   # one-off costs (gradients, optimizer-free buffers) outside the measurement
-        gc.collect()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        baseline = peak_rss_kib()
-        run(WIDTH, seed=1)
-        peak = peak_rss_kib()
-    print(PREFIX + json.dumps({"param_bytes": param_bytes, "delta_rss_bytes": (peak - baseline) * 1024}), flush=True)
+        growth = pass_growth_bytes(run)
+    print(PREFIX + json.dumps({"param_bytes": param_bytes, "delta_rss_bytes": growth}), flush=True)
 
 
 def measure(folder: Path, mode: str) -> dict:
@@ -107,7 +115,6 @@ def tiny(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("plan") / "qwen3", family="qwen3", hidden_size=256, layers=4)
 
 
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak-RSS reset")
 @pytest.mark.parametrize("mode", ["stored", "checkpointed"])
 def test_world_size_one_plan_matches_measured_memory(tiny, mode):
     config = load_config(tiny)
@@ -134,7 +141,6 @@ def _rank(rank: int, world: int, init_method: str, folder: str, out) -> None:
     then one sharded forward_backward of ROWS x WIDTH tokens (this rank's share: ROWS / world rows),
     activations stored; puts the rank's base-weight bytes and the pass's peak RSS growth."""
     import datetime
-    import gc
 
     import numpy as np
     import torch
@@ -167,15 +173,8 @@ def _rank(rank: int, world: int, init_method: str, folder: str, out) -> None:
             groups = [LossGroup(f"tenant-{t}", data[t::TENANTS], "cross_entropy") for t in range(TENANTS)]
             sharded.forward_backward(model, groups, options, torch.device("cpu"))
 
-        run(8, seed=2)   # one-off costs (gradients, communication buffers) outside the measurement
-        gc.collect()
-        torch.distributed.barrier()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        baseline = peak_rss_kib()
-        run(WIDTH, seed=1)
-        peak = peak_rss_kib()
-        out.put((rank, {"base_bytes": base_bytes, "delta_rss_bytes": (peak - baseline) * 1024}))
+        growth = pass_growth_bytes(run, settle=torch.distributed.barrier)
+        out.put((rank, {"base_bytes": base_bytes, "delta_rss_bytes": growth}))
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     except BaseException:
@@ -212,7 +211,6 @@ def _world(folder: str, world: int) -> None:
     print(PREFIX + json.dumps({str(r): ranks[r] for r in sorted(ranks)}), flush=True)
 
 
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak-RSS reset")
 def test_world_size_two_plan_matches_measured_memory(tiny):
     config = load_config(tiny)
     (plan,) = plan_layouts(config, Devices(2, 64 * GIB, "cpu"), tokens=ROWS * WIDTH, adapters=TENANTS, rank=RANK,
