@@ -98,9 +98,9 @@ class MultiLoraExperts(nn.Module):
         width = len(keys) + 1
         flat_expert = top_k_index.reshape(-1)
         token = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(top_k)
-        order = torch.argsort(flat_expert * width + column.repeat_interleave(top_k), stable=True)
-        counts = torch.bincount(flat_expert[order] * width + column.repeat_interleave(top_k)[order],
-                                minlength=experts * width).tolist()
+        key = flat_expert * width + column.repeat_interleave(top_k)   # (expert, adapter column) of each assignment
+        order = torch.argsort(key, stable=True)
+        counts = torch.bincount(key, minlength=experts * width).tolist()
         token, weight = token[order], top_k_weights.reshape(-1)[order]
         plan = _Plan(counts, experts, width)
         buckets = [_Bucket(slots, pairs, experts, hidden.shape[0] * top_k, hidden.device)
