@@ -10,17 +10,17 @@ from temper.common.errors import Unavailable
 from temper.common.metrics import ready_line, serve_metrics
 from temper.common.server import build_server, mark_serving
 from temper.common.tls import settings_server_credentials
-from temper.scheduler.admission import Admission
-from temper.scheduler.auth import LOCAL_TENANT, ApiKeyAuth
-from temper.scheduler.backends import Backends
-from temper.scheduler.checkpoint_verbs import CheckpointCollector
+from temper.scheduler.planning.admission import Admission
+from temper.scheduler.tenancy.auth import LOCAL_TENANT, ApiKeyAuth
+from temper.scheduler.workers.backends import Backends
+from temper.scheduler.api.checkpoint_verbs import CheckpointCollector
 from temper.scheduler.db.store import Store, upgrade_schema
-from temper.scheduler.loop import SchedulerLoop
-from temper.scheduler.membership import Membership
-from temper.scheduler.policy import FairShare
-from temper.scheduler.registry import start_registry
-from temper.scheduler.runs import RunRegistry
-from temper.scheduler.servicer import TemperServicer
+from temper.scheduler.planning.loop import SchedulerLoop
+from temper.scheduler.workers.membership import Membership
+from temper.scheduler.planning.policy import FairShare
+from temper.scheduler.workers.registry import start_registry
+from temper.scheduler.planning.runs import RunRegistry
+from temper.scheduler.api.servicer import TemperServicer
 from temper.scheduler.settings import SchedulerSettings
 from temper.v1 import service_pb2, service_pb2_grpc
 

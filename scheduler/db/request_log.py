@@ -1,6 +1,6 @@
 """The durable request log: one ``requests`` row per sequenced request (admission writes it; the
 loop marks it running and records its outcome), and the adapter snapshots of trainer recovery
-(``scheduler/recovery.py``).
+(``scheduler/planning/recovery.py``).
 
 A mixin of ``Store`` (same engine, one transaction per method). The hot path (rows admitted
 together, a cycle's outcomes) is SQLAlchemy Core on a connection, a few statements per

@@ -12,7 +12,7 @@ from datetime import datetime, timedelta, timezone
 from sqlalchemy import func, select, update
 
 from temper.common.errors import InvalidArgument, NotFound, Unauthenticated
-from temper.scheduler import keys
+from temper.scheduler.db import keys
 from temper.scheduler.db import models as m
 from temper.scheduler.db.outage import database_errors, now
 

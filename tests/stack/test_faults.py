@@ -490,7 +490,7 @@ def test_a_scheduler_restarted_while_its_trainer_is_frozen_answers_the_resent_wo
 # ---- 3. the scheduler's loop dies ----------------------------------------------------------------
 
 FAULTY_SCHEDULER = """
-import pathlib, temper.scheduler.lanes as lanes
+import pathlib, temper.scheduler.planning.lanes as lanes
 marker, plan_cycle = pathlib.Path({marker!r}), lanes.plan_cycle
 def failing_plan_cycle(*args, **kwargs):
     if marker.exists():

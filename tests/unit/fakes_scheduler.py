@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 from temper.common.errors import AlreadyExists, TemperError, Unauthenticated, NotFound, Unavailable, status_number
 from temper.scheduler.db.request_log import LoggedRequest
-from temper.scheduler.backends import Backends
-from temper.scheduler.admission import Admission
-from temper.scheduler.loop import SchedulerLoop
-from temper.scheduler.runs import RunRegistry
+from temper.scheduler.workers.backends import Backends
+from temper.scheduler.planning.admission import Admission
+from temper.scheduler.planning.loop import SchedulerLoop
+from temper.scheduler.planning.runs import RunRegistry
 from temper.scheduler.settings import SchedulerSettings
 from temper.v1 import service_pb2, trainer_pb2
 

@@ -10,9 +10,9 @@ import pytest
 
 from fakes_scheduler import FakeBackends, FakeStore, FakeTrainer, build, fb
 from temper.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
-from temper.scheduler.auth import reset_caller, set_caller
-from temper.scheduler.servicer import TemperServicer
-from temper.scheduler.work import WorkKind
+from temper.scheduler.tenancy.auth import reset_caller, set_caller
+from temper.scheduler.api.servicer import TemperServicer
+from temper.scheduler.planning.work import WorkKind
 
 
 class AsRunOwner:
@@ -219,7 +219,7 @@ def test_a_dead_loop_fails_waiting_calls_unavailable_turns_health_off_and_exits(
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from temper.scheduler import app as app_module
-    from temper.scheduler import lanes as lanes_module
+    from temper.scheduler.planning import lanes as lanes_module
     from temper.scheduler.app import EXIT_LOOP_FAILED, SchedulerApp
     from temper.v1 import service_pb2_grpc
     from fakes_scheduler import settings

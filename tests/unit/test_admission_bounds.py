@@ -14,11 +14,11 @@ import pytest
 
 from fakes_scheduler import FakeBackends, FakeTrainer, build, fb
 from temper.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from temper.scheduler.admission import MAX_SEQ_AHEAD
-from temper.scheduler.auth import reset_caller, set_caller
-from temper.scheduler.import_verbs import adapter_base_model
-from temper.scheduler.sampling_verbs import SamplingVerbs
-from temper.scheduler.servicer import TemperServicer
+from temper.scheduler.planning.admission import MAX_SEQ_AHEAD
+from temper.scheduler.tenancy.auth import reset_caller, set_caller
+from temper.scheduler.api.import_verbs import adapter_base_model
+from temper.scheduler.api.sampling_verbs import SamplingVerbs
+from temper.scheduler.api.servicer import TemperServicer
 from temper.v1 import sampler_pb2, service_pb2, types_pb2
 
 

@@ -10,10 +10,10 @@ import pytest
 
 from fakes_scheduler import FakeStore, build, fb
 from temper.common.errors import ResourceExhausted, Unauthenticated
-from temper.scheduler import keys
-from temper.scheduler.auth import LOCAL_TENANT, ApiKeyAuth, caller
-from temper.scheduler.quotas import TokenWindow, check_hard_limit
-from temper.scheduler.work import WorkKind
+from temper.scheduler.db import keys
+from temper.scheduler.tenancy.auth import LOCAL_TENANT, ApiKeyAuth, caller
+from temper.scheduler.tenancy.quotas import TokenWindow, check_hard_limit
+from temper.scheduler.planning.work import WorkKind
 
 
 class Context:

@@ -1,4 +1,4 @@
-"""The scheduler's view of adapters on samplers (scheduler/backends.py) against fake sampler stubs
+"""The scheduler's view of adapters on samplers (scheduler/workers/backends.py) against fake sampler stubs
 that answer like the real sampler: a per-tenant limit drops the tenant's own least recently used
 adapter, never another tenant's; a call that answers "not loaded" is pushed again and retried once;
 a deleted checkpoint is dropped from every sampler; the trainer's DeleteCheckpoint reports bytes."""
@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from temper.common.errors import AdapterNotLoaded, FailedPrecondition, Unavailable, from_rpc_error
-from temper.scheduler.backends import Backends, SamplerHandle, TrainerHandle
+from temper.scheduler.workers.backends import Backends, SamplerHandle, TrainerHandle
 from temper.scheduler.settings import SchedulerSettings
 from temper.v1 import sampler_pb2, trainer_pb2, types_pb2
 

@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from google.protobuf import message_factory
 
 from temper.common.codec import encode_tokens
-from temper.scheduler.keys import new_key
+from temper.scheduler.db.keys import new_key
 from temper.services.gateway import tinker_wire_pb2 as wire
 from temper.services.gateway.app import create_app
 from temper.services.gateway.errors import GatewayError, error_body, failed_result

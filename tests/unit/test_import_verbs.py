@@ -1,4 +1,4 @@
-"""ImportCheckpoint's steps (scheduler/import_verbs.py) against a fake trainer and store: a failure at
+"""ImportCheckpoint's steps (scheduler/api/import_verbs.py) against a fake trainer and store: a failure at
 any step removes what the steps before it made (the adapter, every file that may have been
 written) and adds no row; a caller that goes away mid-way leaves the import whole."""
 
@@ -10,9 +10,9 @@ import pytest
 from fakes_scheduler import settings
 from temper.common.errors import InvalidArgument, NotFound, Unavailable
 from temper.common.uploads import file_chunks
-from temper.scheduler.auth import reset_caller, set_caller
-from temper.scheduler.import_verbs import ImportVerbs
-from temper.scheduler.quotas import Limits
+from temper.scheduler.tenancy.auth import reset_caller, set_caller
+from temper.scheduler.api.import_verbs import ImportVerbs
+from temper.scheduler.tenancy.quotas import Limits
 from temper.v1 import service_pb2, trainer_pb2, types_pb2
 
 MODEL = "tiny"

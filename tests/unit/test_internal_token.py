@@ -1,6 +1,6 @@
 """The credential between the scheduler and its workers (common/internal_auth.py): a worker without
 a token refuses to start unless internal_auth is disabled; the token authenticator behind
-build_server refuses calls without the token; the scheduler's channels (scheduler/backends.py) send
+build_server refuses calls without the token; the scheduler's channels (scheduler/workers/backends.py) send
 it on unary and streaming calls alike."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from fakes_workers import MODEL, PAYLOAD, modeless_workers
 from temper.common.auth import bearer_metadata
 from temper.common.internal_auth import InternalAuthConfigError, resolve_token, token_authenticator, worker_authenticator
-from temper.scheduler.backends import Backends
+from temper.scheduler.workers.backends import Backends
 from temper.scheduler.settings import SchedulerSettings
 from temper.services.sampler.settings import SamplerSettings
 from temper.services.trainer.settings import TrainerSettings

@@ -9,7 +9,7 @@ import pytest
 
 from fakes_scheduler import FakeBackends, FakeTrainer, build, fb
 from temper.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from temper.scheduler.loop import cycle_outcomes
+from temper.scheduler.planning.loop import cycle_outcomes
 from temper.v1 import service_pb2, trainer_pb2, types_pb2
 from test_admission import servicer_of
 

@@ -1,4 +1,4 @@
-"""Registered workers as the scheduler keeps them (scheduler/membership.py), against fake worker stubs
+"""Registered workers as the scheduler keeps them (scheduler/workers/membership.py), against fake worker stubs
 and a fake clock: a registration is dialled back before it counts; a new incarnation at a known
 address is a restart (a trainer's runs are marked for restore, a sampler forgets its adapters); a
 silent trainer that does not answer has its runs failed over; heartbeats of unknown workers answer
@@ -15,9 +15,9 @@ from prometheus_client import REGISTRY
 
 from fakes_scheduler import build
 from temper.common.errors import FailedPrecondition, NotFound, Unavailable
-from temper.scheduler import membership as membership_module
-from temper.scheduler.backends import Backends
-from temper.scheduler.membership import Membership
+from temper.scheduler.workers import membership as membership_module
+from temper.scheduler.workers.backends import Backends
+from temper.scheduler.workers.membership import Membership
 from temper.scheduler.settings import SchedulerSettings
 from temper.v1 import registry_pb2, sampler_pb2, trainer_pb2
 

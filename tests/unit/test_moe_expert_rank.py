@@ -16,13 +16,13 @@ from fakes_scheduler import MODEL, FakeBackends, FakeStore, FakeTrainer, build
 from temper.client import convert as client_convert
 from temper.client import types as t
 from temper.common.errors import FailedPrecondition, InvalidArgument
-from temper.scheduler.auth import reset_caller, set_caller
+from temper.scheduler.tenancy.auth import reset_caller, set_caller
 from temper.scheduler.db import models as m
-from temper.scheduler.lookup_verbs import check_lora, check_lora_for_model
-from temper.scheduler.recovery import Recovery
-from temper.scheduler.runs import created_expert_rank, new_run_row
-from temper.scheduler.servicer import TemperServicer, lora_layout
-from temper.scheduler.views import checkpoint_message, lora_of, run_message
+from temper.scheduler.api.lookup_verbs import check_lora, check_lora_for_model
+from temper.scheduler.planning.recovery import Recovery
+from temper.scheduler.planning.runs import created_expert_rank, new_run_row
+from temper.scheduler.api.servicer import TemperServicer, lora_layout
+from temper.scheduler.db.views import checkpoint_message, lora_of, run_message
 from temper.services.gateway.convert import capabilities_to_json
 from temper.v1 import service_pb2, trainer_pb2, types_pb2
 

@@ -1,4 +1,4 @@
-"""Run placement over trainers (scheduler/backends.py): by load at creation, then fixed per run."""
+"""Run placement over trainers (scheduler/workers/backends.py): by load at creation, then fixed per run."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from fakes_scheduler import settings
 from temper.common.errors import NotFound, Unavailable
-from temper.scheduler.backends import Backends
+from temper.scheduler.workers.backends import Backends
 
 
 def trainer(address: str, model: str = "m") -> SimpleNamespace:

@@ -2,8 +2,8 @@
 
 import pytest
 
-from temper.scheduler.policy import plan_cycle
-from temper.scheduler.work import RunQueue, Work, WorkKind, WorkState
+from temper.scheduler.planning.policy import plan_cycle
+from temper.scheduler.planning.work import RunQueue, Work, WorkKind, WorkState
 
 FB, FWD, OPT, SAVE, LOAD = WorkKind.FORWARD_BACKWARD, WorkKind.FORWARD, WorkKind.OPTIM_STEP, WorkKind.SAVE_WEIGHTS, WorkKind.LOAD_WEIGHTS
 
@@ -113,7 +113,7 @@ def test_forward_only_counts_as_a_pass_and_empty_queues_plan_nothing():
 
 from collections import Counter  # noqa: E402
 
-from temper.scheduler.policy import FairShare  # noqa: E402
+from temper.scheduler.planning.policy import FairShare  # noqa: E402
 
 
 def simulate(runs: dict[str, tuple[str, int, int]], cycles: int, budget: int, share: FairShare):

@@ -11,7 +11,7 @@ import pytest
 
 from fakes_scheduler import FakeBackends, FakeStore, FakeTrainer, build, fb
 from temper.common.errors import FailedPrecondition
-from temper.scheduler.recovery import _batches
+from temper.scheduler.planning.recovery import _batches
 from temper.scheduler.db.request_log import LoggedRequest
 from temper.v1 import service_pb2
 from test_admission import servicer_of

@@ -1,5 +1,5 @@
 """The run and checkpoint catalog without a stack: the store's listings and run numbers on SQLite,
-rows as API messages (scheduler/views.py), and the gateway's and client's renderings of them."""
+rows as API messages (scheduler/db/views.py), and the gateway's and client's renderings of them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from temper.client import rest_client
 from temper.common.errors import AlreadyExists, InvalidArgument, NotFound
 from temper.scheduler.db import models as m
 from temper.scheduler.db.store import Store, upgrade_schema
-from temper.scheduler.views import checkpoint_message, run_message
+from temper.scheduler.db.views import checkpoint_message, run_message
 from temper.services.gateway import convert
 from temper.services.gateway.errors import GatewayError
 from temper.v1 import service_pb2, trainer_pb2, types_pb2
@@ -110,7 +110,7 @@ def test_gateway_and_client_renderings():
 
 
 def test_user_metadata_is_bounded():
-    from temper.scheduler.lookup_verbs import check_user_metadata
+    from temper.scheduler.api.lookup_verbs import check_user_metadata
 
     check_user_metadata({"k": "v" * 100})
     with pytest.raises(InvalidArgument):

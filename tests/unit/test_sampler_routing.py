@@ -1,4 +1,4 @@
-"""Which sampler serves a request (scheduler/samplers.py), against fake sampler stubs that answer like
+"""Which sampler serves a request (scheduler/workers/samplers.py), against fake sampler stubs that answer like
 the real sampler: adapter affinity within a bound on imbalance, the least loaded sampler for new
 adapters and the base model (load = this scheduler's calls in flight, counted around each call), a
 call whose sampler is down or dies mid-call made again on another one with the adapter pushed there,
@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from temper.common.errors import FailedPrecondition, Unavailable
-from temper.scheduler import samplers as routing
+from temper.scheduler.workers import samplers as routing
 from temper.scheduler.settings import SchedulerSettings
 from temper.v1 import sampler_pb2
 from test_backends_adapters import SETTINGS, FakeTrainer, backends, sampler

@@ -21,7 +21,7 @@ from temper.client.runtime import Runtime, resolve_target
 from temper.common import healthcheck
 from temper.common.internal_auth import token_authenticator
 from temper.common.tls import channel_credentials, server_credentials
-from temper.scheduler.backends import Backends
+from temper.scheduler.workers.backends import Backends
 from temper.scheduler.settings import SchedulerSettings
 from temper.services.trainer.settings import TrainerSettings
 

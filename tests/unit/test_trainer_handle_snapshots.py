@@ -1,4 +1,4 @@
-"""scheduler/backends.py::TrainerHandle.snapshot / restore: the SnapshotAdapter and RestoreAdapter
+"""scheduler/workers/backends.py::TrainerHandle.snapshot / restore: the SnapshotAdapter and RestoreAdapter
 calls to a trainer (fake stub), with the trainer-call deadline, their answers and their errors."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from temper.common.errors import FailedPrecondition
-from temper.scheduler.backends import TrainerHandle
+from temper.scheduler.workers.backends import TrainerHandle
 from temper.scheduler.settings import SchedulerSettings
 from temper.v1 import trainer_pb2
 

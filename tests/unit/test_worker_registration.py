@@ -1,5 +1,5 @@
 """The worker's side of registration (common/registration.py) and the scheduler's registry port
-(scheduler/registry.py), in-process on loopback: a worker keeps trying until the registry answers,
+(scheduler/workers/registry.py), in-process on loopback: a worker keeps trying until the registry answers,
 registers again when a heartbeat answers NOT_FOUND (the scheduler restarted), advertises the address
 the scheduler can dial; the registry admits the internal token only."""
 
@@ -15,9 +15,9 @@ from temper.common.errors import NotFound, Unavailable
 from temper.common.internal_auth import InternalAuthConfigError, bearer_interceptors, token_authenticator
 from temper.common.registration import Registration, advertised_address
 from temper.common.server import build_server
-from temper.scheduler.backends import Backends
-from temper.scheduler.membership import Membership
-from temper.scheduler.registry import start_registry
+from temper.scheduler.workers.backends import Backends
+from temper.scheduler.workers.membership import Membership
+from temper.scheduler.workers.registry import start_registry
 from temper.scheduler.settings import SchedulerSettings
 from temper.services.trainer.settings import TrainerSettings
 from temper.v1 import registry_pb2, registry_pb2_grpc

@@ -23,17 +23,18 @@ from collections import defaultdict
 from temper.common.checkpoints import CheckpointPath, parse_path
 from temper.common.errors import AlreadyExists, FailedPrecondition, Internal, NotFound, TemperError, Unavailable, from_status_number
 from temper.scheduler import metrics
-from temper.scheduler.admission import Admission
-from temper.scheduler.backends import Backends, TrainerHandle
-from temper.scheduler.checkpoint_verbs import remove_checkpoint
-from temper.scheduler.group_commit import Running
-from temper.scheduler.lanes import Lane
-from temper.scheduler.policy import CyclePlan, FairShare
-from temper.scheduler.recovery import Recovery, adapter_missing
-from temper.scheduler.runs import RunRegistry
+from temper.scheduler.planning.admission import Admission
+from temper.scheduler.workers.backends import Backends, TrainerHandle
+from temper.scheduler.planning.checkpoint_removal import remove_checkpoint
+from temper.scheduler.planning.cycles import build_cycle, cycle_outcomes
+from temper.scheduler.planning.group_commit import Running
+from temper.scheduler.planning.lanes import Lane
+from temper.scheduler.planning.policy import CyclePlan, FairShare
+from temper.scheduler.planning.recovery import Recovery, adapter_missing
+from temper.scheduler.planning.runs import RunRegistry
 from temper.scheduler.settings import SchedulerSettings
-from temper.scheduler.views import KIND_NAMES, checkpoint_message
-from temper.scheduler.work import Work, WorkKind
+from temper.scheduler.db.views import KIND_NAMES, checkpoint_message
+from temper.scheduler.planning.work import Work, WorkKind
 from temper.v1 import service_pb2, trainer_pb2, types_pb2
 
 log = logging.getLogger(__name__)
@@ -136,7 +137,7 @@ class SchedulerLoop:
             log.warning("trainer %s refused %s(%s#%d, tenant %s): %s: %s", trainer.address, work.kind.value, work.run_id,
                         work.seq_id, work.tenant, exc.code.name, exc.message)
         if works:
-            await self._finish(works, outcomes)
+            await self.finish(works, outcomes)
         return "failed" if failed else "held" if len(works) < count else "ok"
 
     async def _barrier(self, trainer: TrainerHandle, work: Work, plan: CyclePlan) -> str:
@@ -148,7 +149,7 @@ class SchedulerLoop:
         outcome = await self._call_trainer(trainer, lambda resent: apply(trainer, work, resent or work.resent), [work], plan)
         if isinstance(outcome, str):
             return outcome
-        await self._finish([work], [outcome])
+        await self.finish([work], [outcome])
         return "ok"
 
     async def _call_trainer(self, trainer: TrainerHandle, call, works: list[Work], plan: CyclePlan):
@@ -180,7 +181,7 @@ class SchedulerLoop:
                     self.recovery.lost(trainer, works, [exc] * len(works))
                     return "held"
                 log.warning("trainer refused %d requests: %s: %s; plan: %s", len(works), exc.code.name, exc.message, describe(plan))
-                await self._finish(works, [exc] * len(works))
+                await self.finish(works, [exc] * len(works))
                 return "failed"
 
     async def _abandonable(self, trainer: TrainerHandle, call):
@@ -220,7 +221,7 @@ class SchedulerLoop:
                 raise
             # The first attempt wrote it (its answer was lost); nothing of the run has run since.
             size = sum([len(chunk.data) async for chunk in trainer.read_checkpoint(path.key)])
-        row = await self._persist(self.store.add_or_get_checkpoint, work.run_id, KIND_NAMES[request.kind], request.name, str(path), size,
+        row = await self.persist(self.store.add_or_get_checkpoint, work.run_id, KIND_NAMES[request.kind], request.name, str(path), size,
                                   request.ephemeral, request.ttl_seconds, dict(request.user_metadata))
         if request.kind == types_pb2.CHECKPOINT_KIND_SAMPLER:
             # Pushed now so a sampling client starts without waiting; if the sampler is down, the first
@@ -247,7 +248,7 @@ class SchedulerLoop:
             training_run_id=work.run_id, checkpoint_key=parse_path(request.path).key, with_optimizer=request.with_optimizer))
         return service_pb2.LoadWeightsResponse(path=request.path)
 
-    async def _finish(self, works: list[Work], outcomes: list) -> None:
+    async def finish(self, works: list[Work], outcomes: list) -> None:
         """Record each work's outcome (its answer, or the TemperError it failed with), the counters and
         the answers, kept for retries after a restart, in one transaction; then answer the callers. A
         database outage delays this; it never turns into a wrong answer."""
@@ -262,7 +263,7 @@ class SchedulerLoop:
                 tokens[w.run_id] += w.num_tokens
             if not failed and w.kind is WorkKind.OPTIM_STEP:
                 steps[w.run_id] += 1
-        await self._persist(self.store.finish_requests, rows, tokens, steps, next_seq, self.settings.durable_results_per_run)
+        await self.persist(self.store.finish_requests, rows, tokens, steps, next_seq, self.settings.durable_results_per_run)
         for w, outcome in zip(works, outcomes):
             if isinstance(outcome, TemperError):
                 w.fail(outcome)
@@ -274,7 +275,7 @@ class SchedulerLoop:
     async def _mark_running(self, works: list[Work]) -> None:
         """Store.mark_running, in the request writer's next group commit (with the rows admitted
         meanwhile: no transaction or thread hop of its own); retried while the database is
-        unavailable, as _persist does."""
+        unavailable, as persist does."""
         running = Running([(w.run_id, w.seq_id) for w in works])
         delay = 0.1
         while True:
@@ -285,7 +286,7 @@ class SchedulerLoop:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
-    async def _persist(self, fn, *args):
+    async def persist(self, fn, *args):
         """A store call, retried for as long as the database is unavailable (the loop can do nothing
         else meanwhile: every cycle starts and ends with a write)."""
         delay = 0.1
@@ -296,29 +297,6 @@ class SchedulerLoop:
                 log.warning("%s; retrying %s in %.1f s", exc.message, getattr(fn, "__name__", "the write"), delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
-
-
-def build_cycle(passes: list[Work], steps: list[Work]) -> trainer_pb2.CycleRequest:
-    """One RunCycle: the passes, then the optim steps, each with its run's seq."""
-    request = trainer_pb2.CycleRequest()
-    for work in passes:
-        r = work.request
-        request.forward_backward.add(training_run_id=work.run_id, data=r.data, loss_fn=r.loss_fn, loss_fn_config=r.loss_fn_config,
-                                     forward_only=r.forward_only, seq_id=work.seq_id)
-    for work in steps:
-        request.optim_step.add(training_run_id=work.run_id, adam_params=work.request.adam_params, seq_id=work.seq_id)
-    return request
-
-
-def cycle_outcomes(response: trainer_pb2.CycleResponse, passes: int, steps: int) -> list:
-    """Each item's answer, or the domain error of its status (CycleResponse: one per item, in order)."""
-    answers = [*response.forward_backward, *(service_pb2.OptimStepResponse(metrics=out.metrics) for out in response.optim_step)]
-    statuses = [*response.forward_backward_status, *response.optim_step_status]
-    if len(response.forward_backward) != passes or len(response.optim_step) != steps or len(statuses) not in (0, len(answers)):
-        raise Internal(f"the trainer answered a cycle of {passes} passes and {steps} steps with {len(response.forward_backward)} "
-                       f"and {len(response.optim_step)} answers and {len(statuses)} statuses")
-    return [from_status_number(status.code, status.message) if status.code else answer
-            for answer, status in zip(answers, statuses or [trainer_pb2.ItemStatus()] * len(answers))]
 
 
 def _adapter_lost(trainer: TrainerHandle, work: Work, outcome):

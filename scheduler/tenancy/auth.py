@@ -16,7 +16,7 @@ import grpc
 
 from temper.common.auth import bearer_token, is_open_method
 from temper.common.errors import Unauthenticated
-from temper.scheduler import keys
+from temper.scheduler.db import keys
 
 AuthMode = Literal["api_key", "disabled"]
 LOCAL_TENANT = "default"  # the one tenant of a scheduler with auth disabled

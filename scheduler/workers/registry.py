@@ -12,7 +12,7 @@ import grpc
 from temper.common.internal_auth import InternalAuthConfigError, resolve_token, token_authenticator
 from temper.common.server import build_server, mark_serving
 from temper.common.tls import server_credentials
-from temper.scheduler.membership import Membership
+from temper.scheduler.workers.membership import Membership
 from temper.scheduler.settings import SchedulerSettings
 from temper.v1 import registry_pb2, registry_pb2_grpc
 

@@ -20,14 +20,14 @@ from temper.common.checkpoints import WEIGHT_FILES, CheckpointPath, check_name
 from temper.common.errors import InvalidArgument, NotFound
 from temper.common.strings import check_request_strings, shown
 from temper.common.uploads import FileAssembly
-from temper.scheduler.auth import caller
-from temper.scheduler.backends import TrainerHandle
+from temper.scheduler.tenancy.auth import caller
+from temper.scheduler.workers.backends import TrainerHandle
 from temper.scheduler.db import models as m
-from temper.scheduler.lookup_verbs import check_user_metadata
-from temper.scheduler.quotas import check_hard_limit
-from temper.scheduler.recovery import snapshot_key
-from temper.scheduler.runs import created_expert_rank, new_run_row
-from temper.scheduler.views import KIND_NAMES, checkpoint_message
+from temper.scheduler.api.lookup_verbs import check_user_metadata
+from temper.scheduler.tenancy.quotas import check_hard_limit
+from temper.scheduler.planning.recovery import snapshot_key
+from temper.scheduler.planning.runs import created_expert_rank, new_run_row
+from temper.scheduler.db.views import KIND_NAMES, checkpoint_message
 from temper.v1 import service_pb2, trainer_pb2, types_pb2
 
 log = logging.getLogger(__name__)

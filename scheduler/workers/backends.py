@@ -16,8 +16,8 @@ from temper.common.server_options import CHANNEL_OPTIONS
 from temper.common.tls import channel_credentials
 from temper.common.uploads import file_chunks
 from temper.scheduler import metrics
-from temper.scheduler.downstream import UNKNOWN_OUTCOME_CODES, downstream
-from temper.scheduler.samplers import SamplerHandle, SamplerRouting
+from temper.scheduler.workers.downstream import UNKNOWN_OUTCOME_CODES, downstream
+from temper.scheduler.workers.samplers import SamplerHandle, SamplerRouting
 from temper.scheduler.settings import SchedulerSettings
 from temper.v1 import sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 

@@ -31,9 +31,9 @@ from typing import Callable, Protocol
 
 from temper.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unauthenticated
 from temper.scheduler import metrics
-from temper.scheduler.backends import Backends, TrainerHandle
-from temper.scheduler.downstream import downstream
-from temper.scheduler.samplers import SamplerHandle
+from temper.scheduler.workers.backends import Backends, TrainerHandle
+from temper.scheduler.workers.downstream import downstream
+from temper.scheduler.workers.samplers import SamplerHandle
 from temper.scheduler.settings import SchedulerSettings
 from temper.v1 import registry_pb2, sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 

@@ -15,11 +15,11 @@ from typing import Mapping
 
 from temper.common.checkpoints import CheckpointPath
 from temper.common.errors import InvalidArgument, NotFound, TemperError, shown
-from temper.scheduler.admission import stored_answer
-from temper.scheduler.auth import caller
-from temper.scheduler.backends import TrainerHandle
+from temper.scheduler.planning.admission import stored_answer
+from temper.scheduler.tenancy.auth import caller
+from temper.scheduler.workers.backends import TrainerHandle
 from temper.scheduler.db import models as m
-from temper.scheduler.views import run_message
+from temper.scheduler.db.views import run_message
 from temper.v1 import service_pb2, trainer_pb2, types_pb2
 
 log = logging.getLogger(__name__)

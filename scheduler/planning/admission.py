@@ -25,11 +25,11 @@ from temper.common.errors import AlreadyExists, FailedPrecondition, InvalidArgum
 from temper.common.strings import check_request_strings
 from temper.scheduler import metrics
 from temper.scheduler.db.request_log import NewRequest
-from temper.scheduler.group_commit import RequestWriter
-from temper.scheduler.quotas import Quotas
-from temper.scheduler.runs import RunInfo, RunRegistry
+from temper.scheduler.planning.group_commit import RequestWriter
+from temper.scheduler.tenancy.quotas import Quotas
+from temper.scheduler.planning.runs import RunInfo, RunRegistry
 from temper.scheduler.settings import SchedulerSettings
-from temper.scheduler.work import RunQueue, Work, WorkKind, WorkState
+from temper.scheduler.planning.work import RunQueue, Work, WorkKind, WorkState
 from temper.v1 import service_pb2, types_pb2
 
 log = logging.getLogger(__name__)

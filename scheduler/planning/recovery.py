@@ -32,19 +32,20 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from temper.common.checkpoints import parse_path
 from temper.common.errors import AlreadyExists, FailedPrecondition, NotFound, TemperError, Unavailable
 from temper.scheduler import metrics
-from temper.scheduler.backends import TrainerHandle
+from temper.scheduler.planning.admission import Admission
+from temper.scheduler.planning.cycles import build_cycle, cycle_outcomes
+from temper.scheduler.planning.runs import RunRegistry
+from temper.scheduler.settings import SchedulerSettings
+from temper.scheduler.workers.backends import Backends, TrainerHandle
 from temper.scheduler.db.request_log import LoggedRequest
-from temper.scheduler.policy import CyclePlan
-from temper.scheduler.work import Work, WorkKind
+from temper.scheduler.planning.policy import CyclePlan
+from temper.scheduler.planning.work import Work, WorkKind
 from temper.v1 import service_pb2, trainer_pb2, types_pb2
-
-if TYPE_CHECKING:
-    from temper.scheduler.loop import SchedulerLoop
 
 log = logging.getLogger(__name__)
 REPLAYED = {WorkKind.FORWARD_BACKWARD.value, WorkKind.OPTIM_STEP.value, WorkKind.LOAD_WEIGHTS.value}
@@ -62,8 +63,22 @@ def snapshot_key(run_id: str, seq: int) -> str:
     return f"{run_id}/snapshots/{seq}"
 
 
+class RecoveryHost(Protocol):
+    """What recovery needs of the loop that owns it (SchedulerLoop): the loop builds on recovery, not
+    the other way round."""
+    admission: Admission
+    backends: Backends
+    store: Any
+    runs: RunRegistry
+    settings: SchedulerSettings
+
+    async def persist(self, fn, *args): ...
+    async def finish(self, works: list[Work], outcomes: list) -> None: ...
+    def abandon(self, trainer: TrainerHandle) -> None: ...
+
+
 class Recovery:
-    def __init__(self, loop: SchedulerLoop):
+    def __init__(self, loop: RecoveryHost):
         self.loop = loop
         self.pending: dict[str, str] = {}                        # run -> why its adapter must be rebuilt first
         self.broken: dict[str, FailedPrecondition] = {}          # runs that cannot be restored exactly
@@ -99,7 +114,7 @@ class Recovery:
         return [w for w, _ in kept], [o for _, o in kept]
 
     def finished(self, work: Work, outcome) -> None:
-        """A work's recorded outcome (SchedulerLoop._finish): counts steps toward the next snapshot."""
+        """A work's recorded outcome (SchedulerLoop.finish): counts steps toward the next snapshot."""
         if not self.enabled or isinstance(outcome, TemperError):
             return
         self.restores.pop(work.run_id, None)
@@ -134,7 +149,7 @@ class Recovery:
                 self._mark(run_id, f"trainer {trainer.address} lost its adapter (it restarted?)")
             log.warning("no snapshot of %s at seq %d on trainer %s: %s", run_id, seq, trainer.address, exc.message)
             return False
-        previous = await self.loop._persist(self.loop.store.record_snapshot, run_id, key, seq)
+        previous = await self.loop.persist(self.loop.store.record_snapshot, run_id, key, seq)
         self.steps_since[run_id], self.snapshot_at[run_id] = 0, time.monotonic()
         metrics.SNAPSHOT_SECONDS.observe(time.monotonic() - started)
         log.info("snapshot of %s at seq %d (%d bytes) on trainer %s in %.0f ms", run_id, seq, taken.size_bytes, trainer.address,
@@ -161,7 +176,7 @@ class Recovery:
                 await self._restore_reachable(trainer, run_id, works[0].seq_id - 1)
             except FailedPrecondition as exc:
                 self.loop.admission.take(works)
-                await self.loop._finish(works, [exc] * len(works))
+                await self.loop.finish(works, [exc] * len(works))
             except Unavailable as exc:
                 self.loop.admission.take(works)
                 self.loop.admission.release(works, Unavailable(f"{exc.message}; nothing was applied: resend it"))
@@ -185,7 +200,7 @@ class Recovery:
                        | {r for r in run_ids if r not in backends.placements})
         for run_id in moved:
             target = backends.place(dead.info.base_model, among=alive)
-            await self.loop._persist(self.loop.store.move_run, run_id, target.address)
+            await self.loop.persist(self.loop.store.move_run, run_id, target.address)
             backends.placements[run_id] = target.address
             self.moved[dead.address].add(run_id)
             self._mark(run_id, f"trainer {dead.address} stopped answering; moved to {target.address}")
@@ -246,7 +261,7 @@ class Recovery:
         snapshot (or a fresh adapter), then the done requests after it, replayed in seq order."""
         if run_id in self.broken:
             raise self.broken[run_id]
-        started, persist, store = time.monotonic(), self.loop._persist, self.loop.store
+        started, persist, store = time.monotonic(), self.loop.persist, self.loop.store
         row = await persist(store.get_training_run, run_id)
         base = row.snapshot_seq if row.snapshot_key else 0
         replay = [r for r in await persist(store.logged_requests, run_id, base, upto) if r.status == "done" and r.kind in REPLAYED]
@@ -308,8 +323,6 @@ class Recovery:
             log.warning("could not drop %s's adapter on trainer %s: %s", run_id, trainer.address, exc.message)
 
     async def _replay(self, trainer: TrainerHandle, run_id: str, batch: list[LoggedRequest]) -> None:
-        from temper.scheduler.loop import build_cycle, cycle_outcomes
-
         if batch[0].kind == WorkKind.LOAD_WEIGHTS.value:
             request = service_pb2.LoadWeightsRequest.FromString(batch[0].payload)
             await trainer.call("LoadAdapter", trainer_pb2.LoadAdapterRequest(

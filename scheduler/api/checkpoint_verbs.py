@@ -1,4 +1,4 @@
-"""The checkpoint verbs of the public API and the one way a checkpoint is removed.
+"""The checkpoint verbs of the public API (removal itself: ``planning/checkpoint_removal.py``).
 
 A checkpoint is its owner's: listing, publishing, TTL and deletion are the owner's alone; loading,
 sampling and downloading also work for other tenants once the owner published it. Removal (by
@@ -14,10 +14,11 @@ from datetime import timedelta
 
 from temper.common.checkpoints import parse_path
 from temper.common.errors import InvalidArgument
-from temper.scheduler.auth import caller
+from temper.scheduler.tenancy.auth import caller
 from temper.scheduler.db import models as m
 from temper.scheduler.db.outage import now
-from temper.scheduler.views import checkpoint_message
+from temper.scheduler.db.views import checkpoint_message
+from temper.scheduler.planning.checkpoint_removal import remove_checkpoint
 from temper.v1 import service_pb2
 
 log = logging.getLogger(__name__)
@@ -28,16 +29,6 @@ def check_ttl(ttl_seconds: int) -> int:
     if not 0 <= ttl_seconds <= MAX_TTL_SECONDS:
         raise InvalidArgument(f"ttl_seconds must be in [0, {MAX_TTL_SECONDS}] (0: no expiry), got {ttl_seconds}")
     return ttl_seconds
-
-
-async def remove_checkpoint(store, backends, runs, row: m.Checkpoint) -> int:
-    """Files, sampler copies, row — in that order, so a failure leaves a row that can be deleted again."""
-    run = await runs.get(row.training_run_id)
-    key = parse_path(row.path).key
-    freed = await backends.trainer_for(run.base_model, run.run_id).delete_checkpoint(key)
-    await backends.forget_checkpoint(key)
-    await asyncio.to_thread(store.delete_checkpoint_row, row.id)
-    return freed
 
 
 class CheckpointVerbs:

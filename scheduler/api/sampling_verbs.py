@@ -20,9 +20,9 @@ from temper.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from temper.common.validation import (check_last_n, check_prompt_scoring, check_sample_counts, check_sampling_params,
                                      check_token_range, model_input_tokens)
 from temper.scheduler import metrics
-from temper.scheduler.auth import caller
+from temper.scheduler.tenancy.auth import caller
 from temper.scheduler.db import models as m
-from temper.scheduler.samplers import SamplerHandle
+from temper.scheduler.workers.samplers import SamplerHandle
 from temper.v1 import sampler_pb2, service_pb2, types_pb2
 
 REQUEST_TAG = re.compile(r"[A-Za-z0-9_.-]{1,64}")

@@ -26,16 +26,13 @@ import time
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Awaitable, Callable, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 
 from temper.common.errors import AdapterNotLoaded, NotFound, TemperError, Unavailable
 from temper.scheduler import metrics
-from temper.scheduler.downstream import downstream
+from temper.scheduler.workers.downstream import downstream
 from temper.scheduler.settings import SchedulerSettings
 from temper.v1 import sampler_pb2, sampler_pb2_grpc
-
-if TYPE_CHECKING:
-    from temper.scheduler.backends import TrainerHandle
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -46,6 +43,13 @@ INFO_TIMEOUT_SECONDS = 10.0
 class SamplerUnavailable(Unavailable):
     """A sampler could not be reached or did not answer (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED):
     another sampler of the model can take the call."""
+
+
+class CheckpointSource(Protocol):
+    """Where pushed adapter files come from (a TrainerHandle): backends builds on samplers, not the
+    other way round."""
+
+    def read_checkpoint(self, key: str, weights_only: bool = False) -> AsyncIterator: ...
 
 
 @dataclass(eq=False)
@@ -211,7 +215,7 @@ class SamplerRouting:
         sampler.adopt(info)
         sampler.recheck = False
 
-    async def push_checkpoint(self, trainer: TrainerHandle, sampler: SamplerHandle, key: str, tenant: str = "",
+    async def push_checkpoint(self, trainer: CheckpointSource, sampler: SamplerHandle, key: str, tenant: str = "",
                               max_resident: int = 0) -> None:
         """Stream a checkpoint's adapter files from the trainer to the sampler, once per sampler (a key
         already there becomes its most recently used). ``max_resident`` > 0 is the tenant's limit of

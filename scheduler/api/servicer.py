@@ -15,20 +15,20 @@ from temper.common.checkpoints import KIND_DIRS, check_name, parse_path
 from temper.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 from temper.common.logs import request_context
 from temper.common.validation import validate_adam, validate_forward_backward
-from temper.scheduler.admission import Admission
-from temper.scheduler.auth import caller
-from temper.scheduler.backends import Backends
-from temper.scheduler.checkpoint_verbs import CheckpointVerbs, check_ttl
-from temper.scheduler.import_verbs import ImportVerbs
-from temper.scheduler.lookup_verbs import CheckpointSource, LookupVerbs, check_lora, check_lora_for_model, check_user_metadata
+from temper.scheduler.planning.admission import Admission
+from temper.scheduler.tenancy.auth import caller
+from temper.scheduler.workers.backends import Backends
+from temper.scheduler.api.checkpoint_verbs import CheckpointVerbs, check_ttl
+from temper.scheduler.api.import_verbs import ImportVerbs
+from temper.scheduler.api.lookup_verbs import CheckpointSource, LookupVerbs, check_lora, check_lora_for_model, check_user_metadata
 from temper.scheduler.db import models as m
-from temper.scheduler.quotas import check_hard_limit
-from temper.scheduler.recovery import snapshot_key
-from temper.scheduler.runs import RunInfo, RunRegistry, created_expert_rank, new_run_row
-from temper.scheduler.sampling_verbs import SamplingVerbs
-from temper.scheduler.tokenizer_verbs import TokenizerVerbs
-from temper.scheduler.views import KIND_NAMES, lora_of, run_message
-from temper.scheduler.work import WorkKind
+from temper.scheduler.tenancy.quotas import check_hard_limit
+from temper.scheduler.planning.recovery import snapshot_key
+from temper.scheduler.planning.runs import RunInfo, RunRegistry, created_expert_rank, new_run_row
+from temper.scheduler.api.sampling_verbs import SamplingVerbs
+from temper.scheduler.api.tokenizer_verbs import TokenizerVerbs
+from temper.scheduler.db.views import KIND_NAMES, lora_of, run_message
+from temper.scheduler.planning.work import WorkKind
 from temper.v1 import service_pb2, service_pb2_grpc, trainer_pb2, types_pb2
 
 # The session's run counter (sessions.num_training_runs, an INTEGER) stores the index + 1.

@@ -17,23 +17,34 @@ cycles share its tokens across the tenants with work there.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import logging
+from typing import Protocol
 
 from temper.common.errors import TemperError, Unavailable
-from temper.scheduler.backends import TrainerHandle
-from temper.scheduler.policy import FairShare, plan_cycle
-from temper.scheduler.work import Work
-
-if TYPE_CHECKING:
-    from temper.scheduler.loop import SchedulerLoop
+from temper.scheduler.planning.admission import Admission
+from temper.scheduler.planning.policy import CyclePlan, FairShare, plan_cycle
+from temper.scheduler.planning.recovery import Recovery
+from temper.scheduler.settings import SchedulerSettings
+from temper.scheduler.workers.backends import TrainerHandle
+from temper.scheduler.planning.work import Work
 
 log = logging.getLogger(__name__)
 
 
+class LaneHost(Protocol):
+    """What a lane needs of the loop that runs it (SchedulerLoop): the loop builds on lanes, not the
+    other way round."""
+    admission: Admission
+    settings: SchedulerSettings
+    recovery: Recovery
+    in_flight: dict[str, TrainerHandle]
+
+    async def run_cycle(self, trainer: TrainerHandle, plan: CyclePlan) -> None: ...
+    def trainer_of(self, work: Work) -> TrainerHandle: ...
+
+
 class Lane:
-    def __init__(self, loop: SchedulerLoop, trainer: TrainerHandle, share: FairShare):
+    def __init__(self, loop: LaneHost, trainer: TrainerHandle, share: FairShare):
         self.loop = loop
         self.trainer = trainer
         self.share = share

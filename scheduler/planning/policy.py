@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from temper.common.cycles import ITEMS_PER_RUN_PER_CYCLE
-from temper.scheduler.work import Work, WorkKind
+from temper.scheduler.planning.work import Work, WorkKind
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""The public API: the gRPC servicer and its verbs (the top layer; builds on planning, workers, tenancy, db)."""

@@ -1,0 +1,1 @@
+"""Tenants: authentication of callers and their quotas. Builds on db and settings."""
