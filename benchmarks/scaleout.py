@@ -69,7 +69,7 @@ GOAL_FRACTION = 0.9
 def source_digests() -> dict:
     """Which scheduler was measured: short sha256 of its loop's files (they change often) and git's view."""
     out = {}
-    for rel in ("scheduler/loop.py", "scheduler/lanes.py", "scheduler/backends.py", "scheduler/policy.py", "scheduler/admission.py"):
+    for rel in ("scheduler/planning/loop.py", "scheduler/planning/lanes.py", "scheduler/workers/backends.py", "scheduler/planning/policy.py", "scheduler/planning/admission.py"):
         path = REPO / rel
         if path.exists():
             out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()[:12]

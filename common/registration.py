@@ -1,5 +1,5 @@
 """A trainer's or sampler's membership in the scheduler (``register_with``): once its server listens,
-the worker registers at the scheduler's registry (scheduler/registry.py) and sends a heartbeat every
+the worker registers at the scheduler's registry (scheduler/workers/registry.py) and sends a heartbeat every
 ``heartbeat_seconds``. It registers again whenever the scheduler does not know it (the heartbeat
 answers NOT_FOUND: the scheduler restarted), and keeps trying, quietly, while the scheduler cannot
 be reached: workers may start before the scheduler. Calls carry the worker's internal token."""

@@ -4,7 +4,7 @@ runs, served from a thread of the actor's process.
 Ray owns the process: it places the actor on a node with the CPUs and GPUs asked for, and when the
 process dies it starts a new one and runs __init__ again with the same arguments. The new process
 binds the same port, so on the same node the worker comes back at the same address, empty; the
-scheduler restores the runs it held (scheduler/recovery.py). This module imports no Ray at the top:
+scheduler restores the runs it held (scheduler/planning/recovery.py). This module imports no Ray at the top:
 ray_cluster.py wraps the class with ``ray.remote`` and the options of each actor."""
 
 from __future__ import annotations

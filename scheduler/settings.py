@@ -86,7 +86,7 @@ class SchedulerSettings(ProcessSettings, InternalTokenSettings):
     dispatch_retry_seconds: float = Field(
         10.0, description="How long the loop resends a cycle whose trainer is unreachable (the trainer answers a resent "
                           "seq from memory) before answering UNAVAILABLE; the client's retry then resends it again.")
-    # trainer recovery (scheduler/recovery.py)
+    # trainer recovery (scheduler/planning/recovery.py)
     recovery: Literal["snapshot_replay", "off"] = Field(
         "snapshot_replay", description="snapshot_replay: every state-changing request is logged in the database and each run's "
                                        "adapter is snapshotted now and then, so a run whose trainer died (restarted without its "

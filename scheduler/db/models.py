@@ -2,7 +2,7 @@
 the serialized answers of each run's most recent requests (``RequestRecord.result``, pruned to a
 window), kept so that a retry after a restart still gets its answer, and inside the serialized
 requests not yet covered by their run's latest adapter snapshot (``RequestRecord.payload``), kept so
-that a trainer's death loses nothing acknowledged (``scheduler/recovery.py``)."""
+that a trainer's death loses nothing acknowledged (``scheduler/planning/recovery.py``)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class Tenant(Base):
     name: Mapped[str] = mapped_column(String(128), unique=True)
     weight: Mapped[float] = mapped_column(Float, default=1.0)  # fair-share weight (co-batching scheduler)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    # Per-tenant limits (scheduler/quotas.py); NULL: the scheduler's default for that limit, 0: unlimited.
+    # Per-tenant limits (scheduler/tenancy/quotas.py); NULL: the scheduler's default for that limit, 0: unlimited.
     max_training_runs: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     max_resident_adapters: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     max_queued_requests: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
@@ -91,7 +91,7 @@ class TrainingRun(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     last_request_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     # the trainer holding its adapter (host:port), chosen by load at creation; NULL: placed by hash (before 0005).
-    # Moved when that trainer dies and the run is restored on another (scheduler/recovery.py).
+    # Moved when that trainer dies and the run is restored on another (scheduler/planning/recovery.py).
     trainer: Mapped[str | None] = mapped_column(String(256), nullable=True)
     # The run's latest adapter snapshot (checkpoint key "<run>/snapshots/<seq>") and the seq it holds
     # applied; NULL: none yet (restored from a fresh adapter of its config and seed, replayed from seq 1).

@@ -1,6 +1,6 @@
 """A trainer and a sampler without a model, served by the real ``build_server`` (error interceptor,
 health, an optional authenticator and TLS), for the scheduler's channels to its workers
-(scheduler/backends.py): one unary, one server-streaming and one client-streaming call each way."""
+(scheduler/workers/backends.py): one unary, one server-streaming and one client-streaming call each way."""
 
 from __future__ import annotations
 
