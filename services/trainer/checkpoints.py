@@ -1,8 +1,10 @@
 """Checkpoint folders on local disk, addressed by key ("<run>/<kind>/<name>").
 
 Writes go to a temporary sibling and are renamed into place, so a reader never sees half a
-checkpoint; deletes rename the folder away to a hidden sibling first, then remove that. Durable
-object storage can replace this class behind the same methods.
+checkpoint; deletes rename the folder away to a hidden sibling first, then remove that. A discarded
+write and a delete also remove the ``<run>/`` and ``<run>/<kind>/`` folders they leave empty: a
+refused or undone call leaves the tree as it found it. Durable object storage can replace this class
+behind the same methods.
 """
 
 from __future__ import annotations
@@ -46,8 +48,13 @@ class CheckpointStore:
         final = self.path(key)
         if final.exists():
             raise AlreadyExists(f"checkpoint {key} already exists")
-        final.parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
+        for attempt in range(3):
+            final.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                return Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
+            except FileNotFoundError:  # another trainer on the shared folder pruned the empty parent meanwhile
+                if attempt == 2:
+                    raise
 
     def publish(self, staging: Path, key: str, sync: bool = False) -> int:
         """Rename the staged folder into place; the bytes of its files. ``sync``: its files and the
@@ -65,6 +72,17 @@ class CheckpointStore:
 
     def discard(self, staging: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
+        self._prune(staging.parent)
+
+    def _prune(self, folder: Path) -> None:
+        """Remove ``folder`` and its parents below the root while they are empty (rmdir refuses a
+        folder that is not: a concurrent write into it keeps it)."""
+        while folder != self.root and self.root in folder.parents:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty, or already gone
+                return
+            folder = folder.parent
 
     def delete(self, key: str) -> int:
         """Remove the checkpoint's folder; the bytes freed, 0 if there was none (deleting twice is
@@ -79,6 +97,7 @@ class CheckpointStore:
             return 0
         freed = sum(f.stat().st_size for f in doomed.rglob("*") if f.is_file() and not f.is_symlink())
         shutil.rmtree(doomed, ignore_errors=True)
+        self._prune(final.parent)
         return freed
 
     def existing(self, key: str) -> Path:

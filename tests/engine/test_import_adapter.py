@@ -93,15 +93,35 @@ BAD = {
     "missing tensor": lambda f: _weights(f, lambda t: t.pop(_first_a(t))),
     "NaN": lambda f: _weights(f, lambda t: t[_first_a(t)].fill_(float("nan"))),
     "integer dtype": lambda f: _weights(f, lambda t: t.update({_first_a(t): t[_first_a(t)].to(torch.int32)})),
+    "float64": lambda f: _weights(f, lambda t: t.update({_first_a(t): t[_first_a(t)].to(torch.float64)})),
+    "inf": lambda f: _weights(f, lambda t: t[_first_a(t)].fill_(float("inf"))),
+    "modules_to_save": lambda f: _config(f, modules_to_save=["lm_head"]),
+    "rank 0": lambda f: _config(f, r=0),
+    "huge rank": lambda f: _config(f, r=1 << 20),
+    "garbage weights": lambda f: {**f, WEIGHTS_FILE: bytes(range(256)) * 4},
 }
+
+
+def _tree(root):
+    """Every folder and file under ``root`` with the files' bytes: what a refused call must leave as it was."""
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in root.rglob("*")}
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_uploads_are_refused_with_nothing_written(exported, case):
     engine, files = exported
-    key = f"bad-run/sampler_weights/{case.replace(' ', '-')}"
-    with pytest.raises(InvalidArgument):
-        engine.import_checkpoint(key, BAD[case](files))
-    assert not engine.store.exists(key)
-    parent = engine.store.path(key).parent
-    assert not parent.exists() or not any(parent.iterdir())  # no staging folder left behind
+    before = _tree(engine.store.root)
+    for key in (f"bad-run/sampler_weights/{case.replace(' ', '-')}", f"run-a/sampler_weights/{case.replace(' ', '-')}"):
+        # a new run's first checkpoint, and one more of a run that has checkpoints: no <run>/ or <run>/<kind>/ left either
+        with pytest.raises(InvalidArgument):
+            engine.import_checkpoint(key, BAD[case](files))
+        assert _tree(engine.store.root) == before, key
+
+
+def test_deleting_a_runs_last_checkpoint_leaves_no_empty_folders(exported):
+    engine, files = exported
+    before = _tree(engine.store.root)
+    engine.import_checkpoint("undone-run/sampler_weights/x", files)
+    engine.import_checkpoint("undone-run/weights/x", files)
+    assert engine.store.delete("undone-run/sampler_weights/x") and engine.store.delete("undone-run/weights/x")
+    assert _tree(engine.store.root) == before  # as an import undone by the scheduler leaves it
