@@ -7,7 +7,8 @@ adapter's base model check the files with the rules of its own checkpoints and w
 (``Trainer.ImportAdapter``). The new run's adapter is loaded from them, the training checkpoint and
 first snapshot are written, and the run and checkpoint rows are added in one transaction. A refusal
 or failure at any step undoes the steps before it: a refused import leaves no run row, checkpoint
-row or file (only a skipped run number of the session, as a failed CreateTrainingRun does).
+row, file or folder, and gives its run number back to the session (kept skipped only when the
+trainer could not be told to remove what it made).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from temper.scheduler.db import models as m
 from temper.scheduler.api.lookup_verbs import check_user_metadata
 from temper.scheduler.tenancy.quotas import check_hard_limit
 from temper.scheduler.planning.recovery import snapshot_key
-from temper.scheduler.planning.runs import created_expert_rank, new_run_row
+from temper.scheduler.planning.runs import created_expert_rank, give_back_run, new_run_row, undo_creation
 from temper.scheduler.db.views import KIND_NAMES, checkpoint_message
 from temper.v1 import service_pb2, trainer_pb2, types_pb2
 
@@ -101,7 +102,8 @@ class ImportVerbs:
 
     async def _import(self, header: service_pb2.ImportCheckpointHeader, tenant: str, base_model: str, trainer: TrainerHandle,
                       files: dict[str, bytes]) -> service_pb2.ImportCheckpointResponse:
-        run_id = await asyncio.to_thread(self.store.reserve_run_id, header.session_id)
+        number = await asyncio.to_thread(self.store.reserve_run, header.session_id)
+        run_id = number.run_id
         paths = [CheckpointPath(run_id, types_pb2.CHECKPOINT_KIND_SAMPLER, header.name)]
         if header.save_state:
             paths.append(CheckpointPath(run_id, types_pb2.CHECKPOINT_KIND_TRAINING, header.name))
@@ -131,7 +133,8 @@ class ImportVerbs:
             await asyncio.to_thread(self.store.add_imported_run, row, checkpoints)
         except BaseException:
             keys = [path.key for path in paths] + ([snapshot] if snapshot else [])
-            await _undo(trainer, run_id if adapter_made else None, keys)
+            if await undo_creation(trainer, run_id if adapter_made else None, keys):
+                await give_back_run(self.store, header.session_id, number)
             raise
         self.backends.remember_placement(run_id, trainer.address)
         run = self.runs.add(row, tenant)
@@ -141,16 +144,3 @@ class ImportVerbs:
         if header.save_state:
             response.state_checkpoint.CopyFrom(checkpoint_message(checkpoints[1], row))
         return response
-
-
-async def _undo(trainer: TrainerHandle, run_id: str | None, keys: list[str]) -> None:
-    """Remove what a failed import may have made on the trainer: the adapter of ``run_id`` (None: it
-    was never asked for) and the files under ``keys`` (deleting files never written is fine). Never
-    raises: the import's own error is the answer."""
-    steps = [("DropAdapter", trainer_pb2.DropAdapterRequest(training_run_id=run_id))] if run_id else []
-    steps += [("DeleteCheckpoint", trainer_pb2.DeleteCheckpointFilesRequest(checkpoint_key=key)) for key in keys]
-    for method, request in steps:
-        try:
-            await trainer.call(method, request)
-        except Exception as exc:  # noqa: BLE001 - best effort; the rest is still removed
-            log.warning("undoing the import of %s: %s failed: %r", run_id, method, exc)

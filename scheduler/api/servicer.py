@@ -24,7 +24,7 @@ from temper.scheduler.api.lookup_verbs import CheckpointSource, LookupVerbs, che
 from temper.scheduler.db import models as m
 from temper.scheduler.tenancy.quotas import check_hard_limit
 from temper.scheduler.planning.recovery import snapshot_key
-from temper.scheduler.planning.runs import RunInfo, RunRegistry, created_expert_rank, new_run_row
+from temper.scheduler.planning.runs import RunInfo, RunRegistry, created_expert_rank, give_back_run, new_run_row, undo_creation
 from temper.scheduler.api.sampling_verbs import SamplingVerbs
 from temper.scheduler.api.tokenizer_verbs import TokenizerVerbs
 from temper.scheduler.db.views import KIND_NAMES, lora_of, run_message
@@ -132,32 +132,42 @@ class TemperServicer(SamplingVerbs, CheckpointVerbs, ImportVerbs, LookupVerbs, T
     async def _create_run(self, request, tenant: str, base_model: str, cfg: types_pb2.LoraConfig,
                           source: CheckpointSource | None) -> service_pb2.TrainingRunInfo:
         index = request.run_index if request.HasField("run_index") else None
-        run_id = await asyncio.to_thread(self.store.reserve_run_id, request.session_id, index)
+        number = await asyncio.to_thread(self.store.reserve_run, request.session_id, index)
+        run_id, asked, snapshot = number.run_id, [], None  # asked: the trainers sent CreateAdapter
         create = trainer_pb2.CreateAdapterRequest(training_run_id=run_id, lora_config=cfg)
-        if source is not None:
-            trainer = source.trainer
-            created = await trainer.call("CreateAdapter", create)
-            await source.load_into(run_id)
-        else:
-            trainer = self.backends.place(base_model)
-            try:
+        try:
+            if source is not None:
+                trainer = source.trainer
+                asked.append(trainer)
                 created = await trainer.call("CreateAdapter", create)
-            except Unavailable:  # that trainer is down: another of the model that answers takes the run
-                others = [t for t in self.backends.trainers if t.info.base_model == base_model and t is not trainer]
-                answering = [t for t in others if await t.ping()]
-                if not answering:
-                    raise
-                trainer = self.backends.place(base_model, among=answering)
-                created = await trainer.call("CreateAdapter", create)
-        snapshot = None
-        if (source is not None or not cfg.HasField("seed")) and self.admission.settings.recovery != "off":
-            # loaded weights or a random initialisation cannot be created again: trainer recovery restores them from this snapshot
-            snapshot = snapshot_key(run_id, 0)
-            await trainer.snapshot(run_id, snapshot)
-        # the experts' rank in effect (cfg's 0 asks for the trainer's default): shown by GetInfo, asked for again on a rebuild
-        row = new_run_row(run_id, request.session_id, base_model, cfg, dict(request.user_metadata), trainer.address, snapshot,
-                          created_expert_rank(created))
-        await asyncio.to_thread(self.store.add_training_run, row)
+                await source.load_into(run_id)
+            else:
+                trainer = self.backends.place(base_model)
+                try:
+                    asked.append(trainer)
+                    created = await trainer.call("CreateAdapter", create)
+                except Unavailable:  # that trainer is down: another of the model that answers takes the run
+                    others = [t for t in self.backends.trainers if t.info.base_model == base_model and t is not trainer]
+                    answering = [t for t in others if await t.ping()]
+                    if not answering:
+                        raise
+                    trainer = self.backends.place(base_model, among=answering)
+                    asked.append(trainer)
+                    created = await trainer.call("CreateAdapter", create)
+            if (source is not None or not cfg.HasField("seed")) and self.admission.settings.recovery != "off":
+                # loaded weights or a random initialisation cannot be created again: trainer recovery restores them from this snapshot
+                snapshot = snapshot_key(run_id, 0)
+                await trainer.snapshot(run_id, snapshot)
+            # the experts' rank in effect (cfg's 0 asks for the trainer's default): shown by GetInfo, asked for again on a rebuild
+            row = new_run_row(run_id, request.session_id, base_model, cfg, dict(request.user_metadata), trainer.address,
+                              snapshot, created_expert_rank(created))
+            await asyncio.to_thread(self.store.add_training_run, row)
+        except BaseException:
+            # a refused creation leaves nothing: no adapter or snapshot on a trainer, and the run number given back
+            undone = [await undo_creation(t, run_id, [snapshot] if snapshot and t is asked[-1] else []) for t in asked]
+            if all(undone):
+                await give_back_run(self.store, request.session_id, number)
+            raise
         self.backends.remember_placement(run_id, trainer.address)
         return self._run_info(self.runs.add(row, tenant))
 

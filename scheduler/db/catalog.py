@@ -6,13 +6,20 @@ same NotFound as missing ones (tenancy.py)."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from temper.common.errors import AlreadyExists, NotFound
 from temper.scheduler.db import models as m
 from temper.scheduler.db.outage import database_errors
+
+
+class RunNumber(NamedTuple):
+    """A reserved run id, its number, and the session's counter before it (what give_back_run restores)."""
+    run_id: str
+    number: int
+    previous: int
 
 
 @database_errors
@@ -20,6 +27,9 @@ class CatalogStore:
     sessions = None  # sessionmaker, set by Store
 
     def reserve_run_id(self, session_id: str, index: int | None = None) -> str:
+        return self.reserve_run(session_id, index).run_id
+
+    def reserve_run(self, session_id: str, index: int | None = None) -> RunNumber:
         """Reserve "<session>:train:<n>": the next number, or ``index`` when no number at or above it
         was used (the ones skipped are never given out). The row is inserted by add_training_run."""
         with self.sessions.begin() as db:
@@ -30,8 +40,16 @@ class CatalogStore:
             if n < row.num_training_runs:
                 raise AlreadyExists(f"training run {session_id}:train:{n} already exists (this session's next number is "
                                     f"{row.num_training_runs})")
-            row.num_training_runs = n + 1
-            return f"{session_id}:train:{n}"
+            previous, row.num_training_runs = row.num_training_runs, n + 1
+            return RunNumber(f"{session_id}:train:{n}", n, previous)
+
+    def give_back_run(self, session_id: str, number: RunNumber) -> bool:
+        """Undo ``reserve_run`` for a creation that was refused and undone: the session's counter as it
+        was, unless a later reservation moved it on (then the number stays skipped); whether it did."""
+        with self.sessions.begin() as db:
+            done = db.execute(update(m.Session).where(m.Session.id == session_id, m.Session.num_training_runs == number.number + 1)
+                              .values(num_training_runs=number.previous))
+            return done.rowcount == 1
 
     def add_imported_run(self, run: m.TrainingRun, checkpoints: list[m.Checkpoint]) -> list[m.Checkpoint]:
         """A run made by an import and its checkpoints, in one transaction: all of them or none."""

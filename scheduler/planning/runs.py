@@ -4,12 +4,16 @@ the seq it resumes from. Loaded from the database on a run's first use in this p
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
 from temper.common.errors import NotFound
 from temper.scheduler.db import models as m
+from temper.scheduler.db.catalog import RunNumber
 from temper.v1 import trainer_pb2, types_pb2
+
+log = logging.getLogger(__name__)
 
 
 def new_run_row(run_id: str, session_id: str, base_model: str, cfg: types_pb2.LoraConfig, user_metadata: dict[str, str],
@@ -23,6 +27,35 @@ def new_run_row(run_id: str, session_id: str, base_model: str, cfg: types_pb2.Lo
         train_mlp=cfg.train_mlp, train_unembed=cfg.train_unembed, user_metadata=dict(user_metadata), next_seq_id=1,
         trainer=trainer, snapshot_key=snapshot, snapshot_seq=0 if snapshot else None, lora_expert_rank=expert_rank,
     )
+
+
+async def undo_creation(trainer, run_id: str | None, keys: list[str]) -> bool:
+    """Remove what a failed run creation or import may have made on ``trainer`` (a TrainerHandle): the
+    adapter of ``run_id`` (None: it was never asked for; one never made answers NotFound) and the files
+    under ``keys`` (deleting files never written is fine); whether all of it went. Never raises: the
+    creation's own error is the answer."""
+    steps = [("DropAdapter", trainer_pb2.DropAdapterRequest(training_run_id=run_id))] if run_id else []
+    steps += [("DeleteCheckpoint", trainer_pb2.DeleteCheckpointFilesRequest(checkpoint_key=key)) for key in keys]
+    undone = True
+    for method, request in steps:
+        try:
+            await trainer.call(method, request)
+        except NotFound:
+            pass
+        except Exception as exc:  # noqa: BLE001 - best effort; the rest is still removed
+            undone = False
+            log.warning("undoing the creation of %s: %s failed: %r", run_id, method, exc)
+    return undone
+
+
+async def give_back_run(store, session_id: str, number: RunNumber) -> None:
+    """A refused creation's run number back to its session (a refused request changes no counter), once
+    the trainer holds nothing of it: a number whose adapter or files may be left there stays skipped.
+    Never raises: the creation's own error is the answer."""
+    try:
+        await asyncio.to_thread(store.give_back_run, session_id, number)
+    except Exception as exc:  # noqa: BLE001 - the database is down: the number stays skipped, as before
+        log.warning("giving back run number %s: %r", number.run_id, exc)
 
 
 def created_expert_rank(response: trainer_pb2.CreateAdapterResponse | None) -> int:

@@ -1,7 +1,7 @@
 """Bringing your own adapter (ImportCheckpoint) on the real three-process stack: the files of a run
 trained here, downloaded by one tenant and imported by another, sample and load exactly as the
 original; bad files, someone else's session and a full quota are refused with nothing left behind
-(no run row, no checkpoint row, no file)."""
+(no run row, checkpoint row, run number, folder or file)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import json
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
-from safetensors.numpy import load_file
+from safetensors.numpy import load, load_file, save
 from sqlalchemy import create_engine, text
 
 from fixtures_stack import adapter_weights, assert_same_weights, raw_stub, sft_datum
@@ -94,14 +95,24 @@ def _import(stub, session_id: str, files: dict[str, bytes], name: str = "imp") -
 
 
 def _everything(stack) -> dict:
-    """Every run and checkpoint row, and every checkpoint file on the trainers' shared folder."""
+    """Every run and checkpoint row, every session's run counter, and every folder and file (with its
+    bytes) on the trainers' shared checkpoint folder."""
     engine = create_engine(stack.database_url)
     with engine.connect() as conn:
         runs = sorted(r[0] for r in conn.execute(text("select id from training_runs")))
         checkpoints = sorted(r[0] for r in conn.execute(text("select path from checkpoints")))
+        counters = sorted(tuple(r) for r in conn.execute(text("select id, num_training_runs from sessions")))
     engine.dispose()
     root = Path(stack.data_dir) / "checkpoints"
-    return {"runs": runs, "checkpoints": checkpoints, "files": sorted(str(p) for p in root.rglob("*") if p.is_file())}
+    tree = {str(p): p.read_bytes() if p.is_file() else None for p in root.rglob("*")}
+    return {"runs": runs, "checkpoints": checkpoints, "run counters": counters, "tree": tree}
+
+
+def _edit_weights(files: dict[str, bytes], edit) -> dict[str, bytes]:
+    tensors = load(files[WEIGHTS])
+    name = next(k for k in sorted(tensors) if k.endswith("lora_A.weight"))
+    tensors[name] = edit(tensors[name])
+    return {**files, WEIGHTS: save(tensors)}
 
 
 def test_refused_imports_leave_nothing_behind(stack, exported, tiny_model_dir):
@@ -115,6 +126,16 @@ def test_refused_imports_leave_nothing_behind(stack, exported, tiny_model_dir):
         "not JSON": ({**files, CONFIG: b"{nope"}, "imp"),
         "missing weights": ({CONFIG: files[CONFIG]}, "imp"),
         "bad name": (files, "a/b"),
+        # refused by the trainer, after the scheduler reserved the run's number: it is given back
+        "NaN": (_edit_weights(files, lambda a: np.full_like(a, np.nan)), "imp"),
+        "inf": (_edit_weights(files, lambda a: np.full_like(a, np.inf)), "imp"),
+        "float64": (_edit_weights(files, lambda a: a.astype(np.float64)), "imp"),
+        "wrong shape": (_edit_weights(files, lambda a: a[:-1]), "imp"),
+        "DoRA": (_edit_config(files, use_dora=True), "imp"),
+        "modules_to_save": (_edit_config(files, modules_to_save=["lm_head"]), "imp"),
+        "rank 0": (_edit_config(files, r=0), "imp"),
+        "huge rank": (_edit_config(files, r=1 << 20), "imp"),
+        "garbage weights": ({**files, WEIGHTS: bytes(range(256)) * 8}, "imp"),
     }
     with stack.client("imp-carol") as carol:
         stub = raw_stub(stack, "imp-carol")
@@ -133,8 +154,8 @@ def test_refused_imports_leave_nothing_behind(stack, exported, tiny_model_dir):
         listed = stub.ListTrainingRuns(service_pb2.ListTrainingRunsRequest())
         assert listed.total_count == 0 and not stub.ListCheckpoints(service_pb2.ListCheckpointsRequest()).checkpoints
         assert _everything(stack) == before
-        # and the same session still imports good files
-        assert carol.import_checkpoint(files, "good").path.endswith("/sampler_weights/good")
+        # and the same session still imports good files, under the number the refused ones gave back
+        assert carol.import_checkpoint(files, "good").path == f"tinker://{carol.session_id}:train:0/sampler_weights/good"
 
 
 def test_imports_count_against_the_tenants_hard_limits(stack, exported):

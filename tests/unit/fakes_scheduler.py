@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from temper.common.errors import AlreadyExists, TemperError, Unauthenticated, NotFound, Unavailable, status_number
+from temper.scheduler.db.catalog import RunNumber
 from temper.scheduler.db.request_log import LoggedRequest
 from temper.scheduler.workers.backends import Backends
 from temper.scheduler.planning.admission import Admission
@@ -150,6 +151,35 @@ class FakeStore:
         return {seq: r.status for (run, seq), r in sorted(self.requests.items()) if run == run_id}
 
 
+class CreatingStore(FakeStore):
+    """FakeStore with what CreateTrainingRun adds: sessions, run numbers (given back as the Store does), new rows."""
+
+    def __init__(self, fail_add: bool = False):
+        super().__init__()
+        self.next_run, self.fail_add = 0, fail_add
+
+    def open_session(self, session_id, tenant):
+        pass
+
+    def reserve_run(self, session_id, index=None):
+        previous, self.next_run = self.next_run, (self.next_run if index is None else index) + 1
+        return RunNumber(f"{session_id}:train:{self.next_run - 1}", self.next_run - 1, previous)
+
+    def give_back_run(self, session_id, number):
+        if self.next_run != number.number + 1:
+            return False
+        self.next_run = number.previous
+        return True
+
+    def open_training_runs(self, tenant):
+        return sum(1 for owner in self.tenants.values() if owner == tenant)
+
+    def add_training_run(self, row):
+        if self.fail_add:
+            raise Unavailable("the database did not answer")
+        self.runs[row.id], self.tenants[row.id] = row, "alice"
+
+
 @dataclass
 class FakeTrainer:
     """Answers fb items with loss:sum = seq; remembers applied seqs per run (and answers them again).
@@ -200,6 +230,9 @@ class FakeTrainer:
 
     async def call(self, method: str, request):
         self._reach()
+        if method == "DeleteCheckpoint":  # of the snapshots in ``store``
+            self.log.append(("delete", request.checkpoint_key))
+            return trainer_pb2.DeleteCheckpointFilesResponse(freed_bytes=1 if self.store.pop(request.checkpoint_key, None) else 0)
         run_id = request.training_run_id
         if method == "CreateAdapter":
             if run_id in self.adapters:

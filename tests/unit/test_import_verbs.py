@@ -12,6 +12,7 @@ from temper.common.errors import InvalidArgument, NotFound, Unavailable
 from temper.common.uploads import file_chunks
 from temper.scheduler.tenancy.auth import reset_caller, set_caller
 from temper.scheduler.api.import_verbs import ImportVerbs
+from temper.scheduler.db.catalog import RunNumber
 from temper.scheduler.tenancy.quotas import Limits
 from temper.v1 import service_pb2, trainer_pb2, types_pb2
 
@@ -27,7 +28,7 @@ class Trainer:
 
     def __init__(self, fail_at: str | None = None, gate: asyncio.Event | None = None):
         self.fail_at, self.gate = fail_at, gate
-        self.calls, self.files, self.adapters = [], set(), set()
+        self.calls, self.files, self.adapters, self.call_fails = [], set(), set(), set()
 
     async def import_adapter(self, key, files):
         self.calls.append("ImportAdapter")
@@ -48,7 +49,7 @@ class Trainer:
             self.files.add(request.checkpoint_key)
         elif method == "DeleteCheckpoint":
             self.files.discard(request.checkpoint_key)
-        if method == self.fail_at:
+        if method == self.fail_at or method in self.call_fails:
             raise Unavailable(f"{method}: connection reset")
         return trainer_pb2.SaveAdapterResponse(size_bytes=12) if method == "SaveAdapter" else None
 
@@ -67,9 +68,14 @@ class Store:
         if (session_id, tenant) != ("s", "alice"):
             raise NotFound(f"session {session_id!r} not found")
 
-    def reserve_run_id(self, session_id, index=None):
+    def reserve_run(self, session_id, index=None):
         self.next_run += 1
-        return f"{session_id}:train:{self.next_run - 1}"
+        return RunNumber(f"{session_id}:train:{self.next_run - 1}", self.next_run - 1, self.next_run - 1)
+
+    def give_back_run(self, session_id, number):
+        assert self.next_run == number.number + 1
+        self.next_run = number.previous
+        return True
 
     def open_training_runs(self, tenant):
         return 0
@@ -172,7 +178,17 @@ def test_a_failure_at_any_step_undoes_the_steps_before_it(fail_at):
         run_as("alice", lambda: api.ImportCheckpoint(messages(), None))
     assert trainer.files == set() and trainer.adapters == set()
     assert store.added == [] and api.runs.added == [] and api.backends.placed == {}
+    assert store.next_run == 0  # the run number is given back: the session's counter as before
     assert ("DropAdapter" in trainer.calls) == (fail_at != "ImportAdapter")  # no adapter was asked for before it
+
+
+def test_a_number_whose_leftovers_could_not_be_removed_stays_skipped():
+    trainer, store = Trainer(fail_at="SnapshotAdapter"), Store()
+    trainer.call_fails = {"DeleteCheckpoint"}
+    api = Importer(trainer, store)
+    with pytest.raises(Unavailable):
+        run_as("alice", lambda: api.ImportCheckpoint(messages(), None))
+    assert store.next_run == 1  # a later run of this number could meet the files still on the trainer
 
 
 @pytest.mark.parametrize("case", ["not your session", "bad name", "no header", "unknown model"])

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fakes_scheduler import MODEL, FakeBackends, FakeStore, FakeTrainer, build
+from fakes_scheduler import MODEL, CreatingStore, FakeBackends, FakeTrainer, build
 from temper.client import convert as client_convert
 from temper.client import types as t
 from temper.common.errors import FailedPrecondition, InvalidArgument
@@ -115,27 +115,6 @@ def test_a_fresh_adapter_of_a_rebuilt_run_asks_for_the_stored_expert_rank():
 
 # ---- the servicer over fakes --------------------------------------------------------------------
 
-class _Store(FakeStore):
-    """FakeStore with what CreateTrainingRun adds: sessions, run ids, new rows."""
-
-    def __init__(self):
-        super().__init__()
-        self.next_run = 0
-
-    def open_session(self, session_id, tenant):
-        pass
-
-    def reserve_run_id(self, session_id, index=None):
-        self.next_run += 1
-        return f"{session_id}:train:{self.next_run - 1}"
-
-    def open_training_runs(self, tenant):
-        return sum(1 for owner in self.tenants.values() if owner == tenant)
-
-    def add_training_run(self, row):
-        self.runs[row.id], self.tenants[row.id] = row, "alice"
-
-
 class _MoeTrainer(FakeTrainer):
     """Answers CreateAdapter as the trainer does on an MoE model of top-2 routing: the expert rank in effect."""
 
@@ -155,7 +134,7 @@ class _MoeTrainer(FakeTrainer):
 
 @contextlib.asynccontextmanager
 async def servicer(trainer: FakeTrainer):
-    s = build(store=_Store(), trainer=trainer)
+    s = build(store=CreatingStore(), trainer=trainer)
     api = TemperServicer(s.store, FakeBackends(s.trainer), s.admission.runs, s.admission)
     task = asyncio.create_task(s.loop.run_forever())
     token = set_caller("alice")

@@ -46,6 +46,17 @@ def test_run_numbers_asked_for_skip_ahead_and_never_repeat(store):
         store.reserve_run_id("no-such-session")
 
 
+def test_a_refused_creation_gives_its_run_number_back_unless_a_later_one_moved_on(store):
+    session = store.create_session("alice", [], {}).id
+    ahead = store.reserve_run(session, 3)
+    assert store.give_back_run(session, ahead)
+    first = store.reserve_run(session)
+    assert first.run_id == f"{session}:train:0"  # as if the refused one had never asked for number 3
+    later = store.reserve_run(session)
+    assert not store.give_back_run(session, first)  # a later reservation holds the counter: 0 stays skipped
+    assert store.give_back_run(session, later) and store.reserve_run_id(session) == f"{session}:train:1"
+
+
 def test_a_tenants_runs_newest_first_a_page_at_a_time(store):
     mine, theirs = store.create_session("alice", [], {}).id, store.create_session("bob", [], {}).id
     runs = [add_run(store, mine, T0 + timedelta(minutes=i)) for i in range(3)]
