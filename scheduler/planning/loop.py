@@ -22,6 +22,7 @@ from collections import defaultdict
 
 from temper.common.checkpoints import CheckpointPath, parse_path
 from temper.common.errors import AlreadyExists, FailedPrecondition, Internal, NotFound, TemperError, Unavailable, from_status_number
+from temper.common.retry import retry
 from temper.scheduler import metrics
 from temper.scheduler.planning.admission import Admission
 from temper.scheduler.workers.backends import Backends, TrainerHandle
@@ -157,32 +158,33 @@ class SchedulerLoop:
         was applied) or "unknown" (no answer within dispatch_retry_seconds: UNAVAILABLE, resend); or
         "held": the trainer lost the runs' adapters, or stayed silent while another trainer of the
         model answers, and the work waits for its runs to be restored (recovery.py)."""
-        deadline, delay, resent = time.monotonic() + self.settings.dispatch_retry_seconds, 0.2, False
-        while True:
-            try:
-                return await self._abandonable(trainer, call(resent))
-            except Abandoned:  # their runs moved to another trainer (fail_over): they run there once restored
-                self.admission.hold(works)
+        resent = False
+
+        def resending(exc, pause) -> None:
+            nonlocal resent
+            resent = True
+
+        try:
+            return await retry(lambda: self._abandonable(trainer, call(resent)), seconds=self.settings.dispatch_retry_seconds,
+                               between=resending, what="no answer from the trainer, resending")
+        except Abandoned:  # their runs moved to another trainer (fail_over): they run there once restored
+            self.admission.hold(works)
+            return "held"
+        except Unavailable as exc:  # silent for dispatch_retry_seconds
+            if await self.recovery.fail_over(trainer, {w.run_id for w in works}):
+                self.admission.hold(works)  # their runs moved to another trainer: they run there once restored
                 return "held"
-            except Unavailable as exc:
-                if time.monotonic() + delay > deadline:
-                    if await self.recovery.fail_over(trainer, {w.run_id for w in works}):
-                        self.admission.hold(works)  # their runs moved to another trainer: they run there once restored
-                        return "held"
-                    log.warning("no answer from the trainer for %d requests (%s); answered UNAVAILABLE; plan: %s",
-                                len(works), exc.message, describe(plan))
-                    self.admission.release(works, Unavailable(f"{exc.message}; whether it was applied is not known yet: resend it"))
-                    return "unknown"
-                log.warning("%s; resending in %.1f s", exc.message, delay)
-                await asyncio.sleep(delay)
-                delay, resent = min(delay * 2, 5.0), True
-            except TemperError as exc:
-                if self.recovery.enabled and all(adapter_missing(exc, w.run_id) for w in works):
-                    self.recovery.lost(trainer, works, [exc] * len(works))
-                    return "held"
-                log.warning("trainer refused %d requests: %s: %s; plan: %s", len(works), exc.code.name, exc.message, describe(plan))
-                await self.finish(works, [exc] * len(works))
-                return "failed"
+            log.warning("no answer from the trainer for %d requests (%s); answered UNAVAILABLE; plan: %s",
+                        len(works), exc.message, describe(plan))
+            self.admission.release(works, Unavailable(f"{exc.message}; whether it was applied is not known yet: resend it"))
+            return "unknown"
+        except TemperError as exc:
+            if self.recovery.enabled and all(adapter_missing(exc, w.run_id) for w in works):
+                self.recovery.lost(trainer, works, [exc] * len(works))
+                return "held"
+            log.warning("trainer refused %d requests: %s: %s; plan: %s", len(works), exc.code.name, exc.message, describe(plan))
+            await self.finish(works, [exc] * len(works))
+            return "failed"
 
     async def _abandonable(self, trainer: TrainerHandle, call):
         """``call``'s answer, unless abandon(trainer) is called meanwhile (Abandoned): a frozen trainer's
@@ -277,26 +279,14 @@ class SchedulerLoop:
         meanwhile: no transaction or thread hop of its own); retried while the database is
         unavailable, as persist does."""
         running = Running([(w.run_id, w.seq_id) for w in works])
-        delay = 0.1
-        while True:
-            try:
-                return await self.admission.writer.add(running)
-            except Unavailable as exc:
-                log.warning("%s; retrying mark_running in %.1f s", exc.message, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        return await retry(lambda: self.admission.writer.add(running), seconds=None, first_delay=0.1,
+                           what="the database is unavailable, retrying mark_running")
 
     async def persist(self, fn, *args):
         """A store call, retried for as long as the database is unavailable (the loop can do nothing
         else meanwhile: every cycle starts and ends with a write)."""
-        delay = 0.1
-        while True:
-            try:
-                return await asyncio.to_thread(fn, *args)
-            except Unavailable as exc:
-                log.warning("%s; retrying %s in %.1f s", exc.message, getattr(fn, "__name__", "the write"), delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        return await retry(lambda: asyncio.to_thread(fn, *args), seconds=None, first_delay=0.1,
+                           what=f"the database is unavailable, retrying {getattr(fn, '__name__', 'the write')}")
 
 
 def _adapter_lost(trainer: TrainerHandle, work: Work, outcome):

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 from temper.common.checkpoints import parse_path
 from temper.common.errors import AlreadyExists, FailedPrecondition, NotFound, TemperError, Unavailable
+from temper.common.retry import retry
 from temper.scheduler import metrics
 from temper.scheduler.planning.admission import Admission
 from temper.scheduler.planning.cycles import build_cycle, cycle_outcomes
@@ -243,18 +244,12 @@ class Recovery:
     async def _restore_reachable(self, trainer: TrainerHandle, run_id: str, upto: int) -> None:
         """restore(), resent while the trainer does not answer (as a cycle is); past
         dispatch_retry_seconds the run moves to another trainer if one answers, else Unavailable."""
-        deadline, delay = time.monotonic() + self.loop.settings.dispatch_retry_seconds, 0.2
-        while True:
-            try:
-                return await self.restore(trainer, run_id, upto)
-            except Unavailable as exc:
-                if time.monotonic() + delay > deadline:
-                    if await self.fail_over(trainer, [run_id]):
-                        return
-                    raise
-                log.warning("restoring %s: %s; again in %.1f s", run_id, exc.message, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        try:
+            await retry(lambda: self.restore(trainer, run_id, upto), seconds=self.loop.settings.dispatch_retry_seconds,
+                        what=f"restoring {run_id}")
+        except Unavailable:
+            if not await self.fail_over(trainer, [run_id]):
+                raise
 
     async def restore(self, trainer: TrainerHandle, run_id: str, upto: int) -> None:
         """Rebuild the run's adapter on ``trainer`` as the requests up to seq ``upto`` left it: its

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 
 from temper.common.errors import AdapterNotLoaded, NotFound, TemperError, Unavailable
+from temper.common.retry import retry
 from temper.scheduler import metrics
 from temper.scheduler.workers.downstream import downstream
 from temper.scheduler.settings import SchedulerSettings
@@ -165,16 +166,9 @@ class SamplerRouting:
         among those not tried yet. When every one failed, they are tried again (backing off) for
         sampler_retry_seconds: a restarting sampler completes the call late instead of failing it.
         Unavailable after that; other errors are the caller's."""
-        deadline, delay = time.monotonic() + self.settings.sampler_retry_seconds, 0.2
-        while True:
-            try:
-                return await self._each_sampler_once(base_model, key, action, load)
-            except Unavailable as exc:
-                if time.monotonic() + delay > deadline:
-                    raise
-                log.warning("%s; trying again in %.1f s", exc.message, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        # each attempt re-picks among all the model's samplers (their suspicion and load as they are then)
+        return await retry(lambda: self._each_sampler_once(base_model, key, action, load),
+                           seconds=self.settings.sampler_retry_seconds, max_delay=2.0, what="sampling")
 
     async def _each_sampler_once(self, base_model: str, key: str, action, load) -> T | None:
         candidates, tried, failures = self.samplers_of(base_model), [], []

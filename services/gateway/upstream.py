@@ -6,13 +6,11 @@ it and takes the tenant from it, so the gateway never decides who anyone is.
 
 from __future__ import annotations
 
-import asyncio
-import random
-import time
 from typing import Any
 
 import grpc
 
+from temper.common.retry import retry
 from temper.common.server_options import CHANNEL_OPTIONS
 from temper.common.tls import channel_credentials
 from temper.services.gateway.errors import GatewayError
@@ -68,29 +66,35 @@ class Scheduler:
         resent on backpressure (for as long as it lasts, as temper.client does) and while the
         scheduler is unreachable (``unavailable_seconds``). Resending is safe: the scheduler answers a
         repeated (run, seq) with the first answer."""
-        delay, unreachable_since = 0.05, None
-        while True:
+        async def once():
             try:
                 # not wait_for_ready: an unreachable scheduler must surface (and be bounded) here, not hang
                 return await getattr(self.stub, method)(request, metadata=_metadata(key))
             except grpc.aio.AioRpcError as err:
-                error = GatewayError.of(err)
-            if not error.transient:
-                raise error
-            if error.code == grpc.StatusCode.UNAVAILABLE:
-                unreachable_since = unreachable_since or time.monotonic()
-                if time.monotonic() - unreachable_since > self.unavailable_seconds:
-                    raise error
-            else:
-                unreachable_since = None
-            await asyncio.sleep(delay * (1 + random.random()))
-            delay = min(delay * 2, 2.0)
+                raise GatewayError.of(err) from None
+
+        # Backpressure is resent for as long as it lasts; unreachability for unavailable_seconds from
+        # its first failure (a verb may rightly wait long in the queues before the scheduler goes), and
+        # an answer of backpressure in between starts that window again.
+        async def while_reachable():
+            return await retry(once, seconds=self.unavailable_seconds, retryable=_unreachable, from_first_failure=True,
+                               first_delay=0.05, max_delay=2.0, jitter=1.0)
+
+        return await retry(while_reachable, seconds=None, retryable=_backpressure, first_delay=0.05, max_delay=2.0, jitter=1.0)
 
     async def stream(self, method: str, request: Any, key: str | None) -> list:
         try:
             return [item async for item in getattr(self.stub, method)(request, metadata=_metadata(key), timeout=self.timeout)]
         except grpc.aio.AioRpcError as err:
             raise GatewayError.of(err) from None
+
+
+def _unreachable(exc: BaseException) -> bool:
+    return isinstance(exc, GatewayError) and exc.code == grpc.StatusCode.UNAVAILABLE
+
+
+def _backpressure(exc: BaseException) -> bool:
+    return isinstance(exc, GatewayError) and exc.transient and exc.code != grpc.StatusCode.UNAVAILABLE
 
 
 def _metadata(key: str | None) -> tuple[tuple[str, str], ...]:
