@@ -14,6 +14,7 @@ from temper.scheduler.planning.admission import Admission
 from temper.scheduler.tenancy.auth import LOCAL_TENANT, ApiKeyAuth
 from temper.scheduler.workers.backends import Backends
 from temper.scheduler.api.checkpoint_verbs import CheckpointCollector
+from temper.scheduler.db.named_models import named_base_models
 from temper.scheduler.db.store import Store, upgrade_schema
 from temper.scheduler.planning.loop import SchedulerLoop
 from temper.scheduler.workers.membership import Membership
@@ -56,6 +57,8 @@ class SchedulerApp:
         await mark_serving(self.health, [SERVICE], serving=False)  # until the trainers and samplers answer
         await self.server.start()
         if self.settings.registry_bind:
+            # models served before a restart: until their workers register again, they answer UNAVAILABLE, not NOT_FOUND
+            self.backends.known_models.update(await asyncio.to_thread(named_base_models, self.store))
             self.registry, self.registry_port = await start_registry(self.settings, self.membership)
             log.info("worker registry on port %d", self.registry_port)
         self.metrics_port = serve_metrics(self.settings.metrics_bind)

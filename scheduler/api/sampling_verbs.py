@@ -56,12 +56,14 @@ class SamplingVerbs:
             checkpoint = await asyncio.to_thread(self.store.readable_checkpoint, str(path), tenant)
             run = await self.runs.get(checkpoint.training_run_id)  # may be another tenant's: the checkpoint is published
             base_model, model_path = run.base_model, str(path)
+            await self.backends.served("sampler", base_model)  # its samplers may be registering again: waited for
             info = self.backends.sampler_info(base_model)
             # pushed now, to the sampler its first request will likely go to (another one if that one is down)
             await self.backends.on_a_sampler(base_model, path.key, None, load=lambda s: self._ensure_loaded(s, path.key, tenant))
             await asyncio.to_thread(self.store.touch_checkpoint, model_path)
         elif source == "base_model":
             base_model, model_path = request.base_model, None
+            await self.backends.served("sampler", base_model)  # NotFound only for a model unknown here
             info = self.backends.sampler_info(base_model)
         else:
             raise InvalidArgument("give base_model or model_path")
@@ -93,6 +95,7 @@ class SamplingVerbs:
             raise NotFound(f"sampling client {sampler_id!r} not found")
         if row.session_id in self._closed_sessions:
             raise FailedPrecondition(f"the session of sampling client {sampler_id} is closed")
+        await self.backends.served("sampler", row.base_model)  # after a restart, until its samplers register again
         info = self.backends.sampler_info(row.base_model)
         checkpoint_key = ""
         if row.model_path:

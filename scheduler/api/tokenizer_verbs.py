@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import grpc
 
-from temper.common.errors import NotFound, from_rpc_error
+from temper.common.errors import from_rpc_error
 from temper.v1 import trainer_pb2
 
 
@@ -16,10 +16,8 @@ class TokenizerVerbs:
         await self.backends.wait_ready()
         # Any trainer of the model will do: they all loaded the same folder or hub id. Not a tenant's
         # object: a model the server offers is offered to every caller (GetServerCapabilities).
-        trainers = [t for t in self.backends.trainers if t.info.base_model == request.base_model]
-        if not trainers:
-            raise NotFound(f"no trainer serves base model {request.base_model!r} (GetServerCapabilities lists the models)")
-        trainer = trainers[0]
+        await self.backends.served("trainer", request.base_model)  # NotFound only for a model unknown here
+        trainer = next(t for t in self.backends.trainers if t.info.base_model == request.base_model)
         try:
             async for chunk in trainer.stub.ReadTokenizer(trainer_pb2.ReadTokenizerRequest(),
                                                           timeout=trainer.settings.trainer_call_timeout_seconds):

@@ -10,13 +10,14 @@ from dataclasses import dataclass
 
 import grpc
 
-from temper.common.errors import NotFound, TemperError, Unavailable
+from temper.common.errors import TemperError, Unavailable
 from temper.common.internal_auth import bearer_interceptors, resolve_token
 from temper.common.server_options import CHANNEL_OPTIONS
 from temper.common.tls import channel_credentials
 from temper.common.uploads import file_chunks
 from temper.scheduler import metrics
 from temper.scheduler.workers.downstream import UNKNOWN_OUTCOME_CODES, downstream
+from temper.scheduler.workers.presence import ModelPresence
 from temper.scheduler.workers.samplers import SamplerHandle, SamplerRouting
 from temper.scheduler.settings import SchedulerSettings
 from temper.v1 import sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
@@ -81,8 +82,9 @@ class TrainerHandle:
                 yield chunk
 
 
-class Backends(SamplerRouting):
-    """The workers; choosing samplers and calling them: samplers.py::SamplerRouting."""
+class Backends(SamplerRouting, ModelPresence):
+    """The workers; choosing samplers and calling them: samplers.py::SamplerRouting; a model with no
+    worker here now, absent for now or unknown: presence.py::ModelPresence."""
 
     def __init__(self, settings: SchedulerSettings):
         self.settings = settings
@@ -95,6 +97,7 @@ class Backends(SamplerRouting):
         self._channels: list[grpc.aio.Channel] = []
         self._ready = asyncio.Event()
         self._joined = asyncio.Event()  # a trainer joined: the loop starts a lane for it
+        self._init_presence()
         # Every call to a worker carries the internal token (common/internal_auth.py), streams included.
         token = resolve_token(settings, "TEMPER_SCHEDULER_")
         if token is None:
@@ -144,6 +147,7 @@ class Backends(SamplerRouting):
         metrics.WORKERS.labels("trainer").set(len(self.trainers))
         log.info("trainer %s serves %s", handle.address, handle.info.base_model)
         self._joined.set()
+        self.worker_joined()
         if self.settings.registry_bind:
             self._ready.set()
 
@@ -152,6 +156,7 @@ class Backends(SamplerRouting):
         self.samplers.append(handle)
         metrics.WORKERS.labels("sampler").set(len(self.samplers))
         log.info("sampler %s (%s) serves %s", handle.address, handle.info.backend, handle.info.base_model)
+        self.worker_joined()
 
     def trainer_at(self, address: str) -> TrainerHandle | None:
         return next((t for t in self.trainers if t.address == address), None)
@@ -253,5 +258,5 @@ class Backends(SamplerRouting):
     def _trainers_of(self, base_model: str) -> list[TrainerHandle]:
         candidates = [t for t in self.trainers if t.info.base_model == base_model]
         if not candidates:
-            raise NotFound(f"no trainer serves base model {base_model!r}; served: {self.model_names()}")
+            raise self.absent("trainer", base_model)  # NotFound only for a model unknown here
         return candidates

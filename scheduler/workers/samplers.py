@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 
-from temper.common.errors import AdapterNotLoaded, NotFound, TemperError, Unavailable
+from temper.common.errors import AdapterNotLoaded, TemperError, Unavailable
 from temper.common.retry import retry
 from temper.scheduler import metrics
 from temper.scheduler.workers.downstream import downstream
@@ -121,7 +121,8 @@ class SamplerHandle:
 
 
 class SamplerRouting:
-    """Mixed into Backends, which provides ``settings`` and ``samplers``."""
+    """Mixed into Backends, which provides ``settings``, ``samplers``, and ``absent`` and ``served``
+    (presence.py: whether a model without samplers here is waited for or unknown)."""
 
     settings: SchedulerSettings
     samplers: list[SamplerHandle]
@@ -130,8 +131,7 @@ class SamplerRouting:
     def samplers_of(self, base_model: str) -> list[SamplerHandle]:
         found = [s for s in self.samplers if s.info.base_model == base_model]
         if not found:
-            served = sorted({s.info.base_model for s in self.samplers})
-            raise NotFound(f"no sampler serves base model {base_model!r}; served by samplers: {served}")
+            raise self.absent("sampler", base_model)  # NotFound only for a model unknown here (presence.py)
         return found
 
     def sampler_info(self, base_model: str) -> sampler_pb2.SamplerModelInfo:
@@ -166,6 +166,7 @@ class SamplerRouting:
         among those not tried yet. When every one failed, they are tried again (backing off) for
         sampler_retry_seconds: a restarting sampler completes the call late instead of failing it.
         Unavailable after that; other errors are the caller's."""
+        await self.served("sampler", base_model)  # a model whose samplers are registering again waits for them
         # each attempt re-picks among all the model's samplers (their suspicion and load as they are then)
         return await retry(lambda: self._each_sampler_once(base_model, key, action, load),
                            seconds=self.settings.sampler_retry_seconds, max_delay=2.0, what="sampling")

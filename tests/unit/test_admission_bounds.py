@@ -136,11 +136,14 @@ class _Sampling(SamplingVerbs):
         async def no_wait(tenant):
             return None
 
+        async def served(role, base_model):
+            return None
+
         self.store = SimpleNamespace(get_sampling_client=lambda sampler_id, tenant: (row, "alice", False),
                                      readable_checkpoint=lambda path, tenant: None, touch_checkpoint=self.touched.append,
                                      add_sampled_tokens=lambda sampler_id, n: None)
-        self.backends = SimpleNamespace(wait_ready=wait_ready, sampler_info=lambda base: info, holds=lambda base, key: True,
-                                        call_samplers=call_samplers)
+        self.backends = SimpleNamespace(wait_ready=wait_ready, served=served, sampler_info=lambda base: info,
+                                        holds=lambda base, key: True, call_samplers=call_samplers)
         self.admission = SimpleNamespace(quotas=SimpleNamespace(wait_to_sample=no_wait, sampled=SimpleNamespace(record=lambda t, n: None)))
         self._closed_sessions = set()
         self._init_sampling()
