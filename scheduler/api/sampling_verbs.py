@@ -2,7 +2,8 @@
 
 A sampling client belongs to its session's tenant; it samples the base model, one of the tenant's
 checkpoints, or a checkpoint another tenant published. Sampling over the tenant's tokens per minute
-waits (quotas.py); a closed session's sampling clients answer FAILED_PRECONDITION.
+waits (quotas.py); a closed session's sampling clients answer FAILED_PRECONDITION; once its
+checkpoint is unpublished, deleted or expired, a sampling client answers NOT_FOUND.
 """
 
 from __future__ import annotations
@@ -101,9 +102,7 @@ class SamplingVerbs:
         if row.model_path:
             path = parse_path(row.model_path)
             checkpoint_key = path.key
-            if not self.backends.holds(row.base_model, checkpoint_key):
-                # still there, and still the caller's to read (deleted, collected, unpublished); pushed by the call
-                await asyncio.to_thread(self.store.readable_checkpoint, str(path), tenant)
+            await self._still_readable(str(path), tenant)
         tokens = model_input_tokens(prompt)
         if tokens.size == 0:
             raise InvalidArgument("prompt is empty")
@@ -111,6 +110,16 @@ class SamplingVerbs:
         if len(tokens) > info.max_context_length:
             raise InvalidArgument(f"prompt has {len(tokens)} tokens; the context length is {info.max_context_length}")
         return SamplingTarget(row.base_model, info, checkpoint_key, tokens, tenant, row.model_path or None)
+
+    async def _still_readable(self, path: str, tenant: str) -> None:
+        """On every call, adapter held by a sampler or not: the checkpoint is still there, unexpired and
+        the caller's to read. An unpublish, delete or expiry ends every sampling client on it, another
+        tenant's and the owner's alike (NotFound). Known facts are kept exact without a query (db/access.py)."""
+        allowed = self.store.read_access.may_read(path, tenant)
+        if allowed is None:
+            await asyncio.to_thread(self.store.readable_checkpoint, path, tenant)
+        elif not allowed:
+            raise NotFound(f"checkpoint {path} not found")
 
     async def _touch(self, target: SamplingTarget) -> None:
         """The checkpoint's last use, written (at most every TOUCH_SECONDS) for a request accepted: a

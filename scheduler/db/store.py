@@ -17,6 +17,7 @@ from sqlalchemy.orm import sessionmaker
 
 from temper.common.errors import AlreadyExists, FailedPrecondition, NotFound
 from temper.scheduler.db import models as m
+from temper.scheduler.db.access import ReadAccess
 from temper.scheduler.db.outage import database_errors, now
 from temper.scheduler.db.request_log import RequestLogStore
 from temper.scheduler.db.catalog import CatalogStore
@@ -64,6 +65,7 @@ class Store(TenancyStore, RequestLogStore, CatalogStore):
             Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
         self.engine = make_engine(url)
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self.read_access = ReadAccess(now)
 
     # ---- tenants and sessions -----------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from sqlalchemy import func, select, update
 from temper.common.errors import InvalidArgument, NotFound, Unauthenticated
 from temper.scheduler.db import keys
 from temper.scheduler.db import models as m
+from temper.scheduler.db.access import ReadAccess, ReadFacts
 from temper.scheduler.db.outage import database_errors, now
 
 LIMIT_COLUMNS = ("max_training_runs", "max_resident_adapters", "max_queued_requests", "train_tokens_per_minute",
@@ -24,6 +25,7 @@ LAST_USED_RESOLUTION = timedelta(seconds=60)  # last_used_at is written at most 
 @database_errors
 class TenancyStore:
     sessions = None  # sessionmaker, set by Store
+    read_access: ReadAccess = None  # set by Store: who may read a checkpoint, kept exact (access.py)
 
     # ---- API keys -----------------------------------------------------------------------------
 
@@ -119,6 +121,7 @@ class TenancyStore:
         return name
 
     def _checkpoint_and_owner(self, path: str) -> tuple[m.Checkpoint, str]:
+        generation = self.read_access.generation()  # before the read: a change meanwhile is not remembered
         with self.sessions() as db:
             found = db.execute(select(m.Checkpoint, m.Tenant.name)
                                .join(m.TrainingRun, m.TrainingRun.id == m.Checkpoint.training_run_id)
@@ -126,7 +129,10 @@ class TenancyStore:
                                .join(m.Tenant, m.Tenant.id == m.Session.tenant_id).where(m.Checkpoint.path == path)).first()
         if found is None or (found[0].expires_at is not None and _aware(found[0].expires_at) <= now()):
             raise NotFound(f"checkpoint {path} not found")
-        return found[0], found[1]
+        row, owner = found
+        expires = _aware(row.expires_at) if row.expires_at is not None else None
+        self.read_access.remember(path, ReadFacts(owner, bool(row.published), expires), generation)
+        return row, owner
 
     def readable_checkpoint(self, path: str, tenant: str) -> m.Checkpoint:
         """The checkpoint if ``tenant`` owns it or its owner published it."""
@@ -154,6 +160,7 @@ class TenancyStore:
         if values:
             with self.sessions.begin() as db:
                 db.execute(update(m.Checkpoint).where(m.Checkpoint.id == row.id).values(**values))
+            self.read_access.forget(path)  # committed: the next call reads the new facts
         return self.owned_checkpoint(path, tenant)
 
     def delete_checkpoint_row(self, checkpoint_id: int) -> None:
@@ -161,6 +168,8 @@ class TenancyStore:
             row = db.get(m.Checkpoint, checkpoint_id)
             if row is not None:
                 db.delete(row)
+        if row is not None:
+            self.read_access.forget(row.path)  # committed: no call reads it from memory any more
 
     def touch_checkpoint(self, path: str) -> None:
         with self.sessions.begin() as db:
