@@ -13,9 +13,10 @@ import grpc
 
 from temper.client.errors import APIConnectionError, from_rpc_error
 from temper.common.errors import is_hard_limit
+from temper.common.seqs import settles
 from temper.common.server_options import CHANNEL_OPTIONS
 from temper.common.tls import channel_credentials
-from temper.v1 import service_pb2_grpc
+from temper.v1 import service_pb2, service_pb2_grpc
 
 # Safe to resend: training verbs carry a (run, seq) the scheduler deduplicates; the rest are reads
 # or creations that fail before anything is recorded.
@@ -94,6 +95,7 @@ class Runtime:
         self.max_retries = max_retries
         self.timeout = timeout
         self.loop = asyncio.new_event_loop()
+        self._background: set[asyncio.Task] = set()  # held here: the loop keeps only weak references
         self._thread = threading.Thread(target=self.loop.run_forever, name="temper-client", daemon=True)
         self._thread.start()
         try:
@@ -127,7 +129,8 @@ class Runtime:
         """Schedule a unary call with retries; returns a concurrent.futures.Future."""
         return self.call_soon(self._call(method, request))
 
-    async def _call(self, method: str, request: Any):
+    async def _call(self, method: str, request: Any, forever: bool = False):
+        """``forever``: UNAVAILABLE is resent until it passes (for calls nobody waits on)."""
         fn: Callable = getattr(self.stub, method)
         delay, failures = 0.05, 0
         while True:
@@ -136,12 +139,32 @@ class Runtime:
             except grpc.aio.AioRpcError as err:
                 # A full queue is backpressure, not failure (as Tinker treats HTTP 429): wait and
                 # resend for as long as it takes. Unavailability is retried a bounded number of times.
-                if err.code() == grpc.StatusCode.UNAVAILABLE:
+                if err.code() == grpc.StatusCode.UNAVAILABLE and not forever:
                     failures += 1
                 if err.code() not in RETRY_CODES or failures > self.max_retries or is_hard_limit(err.code(), err.details()):
                     raise from_rpc_error(err) from None
             await asyncio.sleep(delay * (1 + random.random()))
             delay = min(delay * 2, 2.0)
+
+    async def sequenced(self, method: str, request: Any):
+        """A sequenced verb (its request has training_run_id and seq_id). When it fails without settling
+        its seq (retries spent in an outage, a deadline, a cancel), the seq is abandoned in the background,
+        resent until the scheduler answers: it is then skipped, unless it was recorded, so the run's later
+        requests do not wait the scheduler's seq-gap timeout for a seq this client will never resend."""
+        try:
+            return await self._call(method, request)
+        except BaseException as exc:
+            if not settles(exc):
+                self.abandon(request.training_run_id, request.seq_id)
+            raise
+
+    def abandon(self, run_id: str, seq_id: int) -> None:
+        """AbandonSeq in the background (call on the loop). Its failure is not anyone's to hear: the
+        scheduler's seq-gap timeout remains the backstop (a closed client, a run that is gone)."""
+        request = service_pb2.AbandonSeqRequest(training_run_id=run_id, seq_id=seq_id)
+        task = self.loop.create_task(self._call("AbandonSeq", request, forever=True))
+        self._background.add(task)
+        task.add_done_callback(lambda done: (self._background.discard(done), done.cancelled() or done.exception()))
 
     def stream(self, method: str, request: Any):
         async def collect():

@@ -8,7 +8,6 @@ submitted, and the scheduler executes the run's requests in seq_id order, so
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import threading
 import uuid
@@ -37,6 +36,10 @@ class TrainingClient:
         self._seq = itertools.count(info.next_seq_id)
         self._seq_lock = threading.Lock()
 
+    def _send(self, method: str, request):
+        """A sequenced verb: a concurrent.futures.Future (a seq it fails to settle is abandoned: Runtime.sequenced)."""
+        return self._runtime.call_soon(self._runtime.sequenced(method, request))
+
     def _next_seq(self) -> int:
         with self._seq_lock:
             return next(self._seq)
@@ -62,7 +65,7 @@ class TrainingClient:
         # The seq is taken only once the request is built: a local error must not leave a gap
         # that the scheduler would wait on.
         request.seq_id = self._next_seq()
-        return APIFuture(self._runtime.rpc("ForwardBackward", request), convert.forward_backward_from_proto)
+        return APIFuture(self._send("ForwardBackward", request), convert.forward_backward_from_proto)
 
     async def forward_async(self, *args: Any, **kwargs: Any) -> APIFuture[t.ForwardBackwardOutput]:
         """As Tinker's ``*_async`` verbs: awaiting submits and gives the future (await it too)."""
@@ -115,19 +118,17 @@ class TrainingClient:
 
         async def run():
             try:
-                outputs = await self._runtime._call("ForwardBackward", forward)
+                outputs = await self._runtime.sequenced("ForwardBackward", forward)
                 loss, metrics, backward_data = await asyncio.to_thread(surrogate, outputs)
             except BaseException:
-                # Spend the reserved seq (an empty request is rejected at once) so later work is not held up.
-                empty = service_pb2.ForwardBackwardRequest(training_run_id=self.model_id, seq_id=backward_seq, loss_fn="cross_entropy")
-                with contextlib.suppress(Exception):
-                    await self._runtime._call("ForwardBackward", empty)
+                # The reserved seq is never sent: given up, so later work is not held up.
+                self._runtime.abandon(self.model_id, backward_seq)
                 raise
             backward = service_pb2.ForwardBackwardRequest(
                 training_run_id=self.model_id, seq_id=backward_seq, data=[convert.datum_to_proto(d) for d in backward_data],
                 loss_fn="cross_entropy",
             )
-            result = convert.forward_backward_from_proto(await self._runtime._call("ForwardBackward", backward))
+            result = convert.forward_backward_from_proto(await self._runtime.sequenced("ForwardBackward", backward))
             result.metrics["surrogate_loss:sum"] = result.metrics["loss:sum"]
             result.metrics.update(metrics)
             result.metrics["loss:sum"] = loss
@@ -145,7 +146,7 @@ class TrainingClient:
             raise unsupported(f"the optimizer of {type(params).__name__}", "Temper trains with AdamW (AdamParams)")
         request = service_pb2.OptimStepRequest(training_run_id=self.model_id, adam_params=convert.adam_to_proto(params))
         request.seq_id = self._next_seq()
-        return APIFuture(self._runtime.rpc("OptimStep", request), lambda r: t.OptimStepResponse(metrics=t.metrics_dict(r.metrics)))
+        return APIFuture(self._send("OptimStep", request), lambda r: t.OptimStepResponse(metrics=t.metrics_dict(r.metrics)))
 
     async def optim_step_async(self, *args: Any, **kwargs: Any) -> APIFuture[t.OptimStepResponse]:
         return self.optim_step(*args, **kwargs)
@@ -157,7 +158,7 @@ class TrainingClient:
         request = service_pb2.SaveWeightsRequest(training_run_id=self.model_id, seq_id=self._next_seq(), name=name, kind=kind,
                                                  ttl_seconds=ttl_seconds or 0, ephemeral=ephemeral, overwrite=overwrite,
                                                  user_metadata=user_metadata or {})
-        return self._runtime.rpc("SaveWeights", request)
+        return self._send("SaveWeights", request)
 
     def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
                    user_metadata: dict[str, str] | None = None) -> APIFuture[t.SaveWeightsResponse]:
@@ -227,7 +228,7 @@ class TrainingClient:
         request = service_pb2.LoadWeightsRequest(
             training_run_id=self.model_id, seq_id=self._next_seq(), path=path, with_optimizer=with_optimizer
         )
-        return APIFuture(self._runtime.rpc("LoadWeights", request), lambda r: t.LoadWeightsResponse(path=r.path))
+        return APIFuture(self._send("LoadWeights", request), lambda r: t.LoadWeightsResponse(path=r.path))
 
     def create_sampling_client(self, model_path: str, retry_config: Any = None,
                                record_stability_info: bool = False) -> "ClientFuture[SamplingClient]":

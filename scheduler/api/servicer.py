@@ -189,6 +189,13 @@ class TemperServicer(SamplingVerbs, CheckpointVerbs, ImportVerbs, LookupVerbs, T
             return await self.admission.submit(request.training_run_id, request.seq_id, kind, request, check, check_async,
                                                tenant=caller())
 
+    async def AbandonSeq(self, request, context):
+        """A seq its client gave up on (retries spent in an outage, or the request failed before it was
+        sent): skipped unless recorded, so the run's next request does not wait seq_gap_timeout_seconds."""
+        with request_context(run=request.training_run_id, seq=request.seq_id, verb="abandon_seq"):
+            skipped = await self.admission.abandon(request.training_run_id, request.seq_id, tenant=caller())
+        return service_pb2.AbandonSeqResponse(skipped=skipped)
+
     async def ForwardBackward(self, request, context):
         def check(run: RunInfo) -> int:
             trainer = self.backends.trainer_for(run.base_model, run.run_id)

@@ -40,6 +40,13 @@ _CUT_RESULTS = update(REQUESTS).where(REQUESTS.c.training_run_id == bindparam("b
 _COUNT_RUN = update(RUNS).where(RUNS.c.id == bindparam("b_run")).values(
     next_seq_id=bindparam("b_next"), tokens_trained=RUNS.c.tokens_trained + bindparam("b_tokens"),
     steps=RUNS.c.steps + bindparam("b_steps"))
+_ONE = (REQUESTS.c.training_run_id == bindparam("b_run"), REQUESTS.c.seq_id == bindparam("b_seq"))
+_STATUS = select(REQUESTS.c.status).where(*_ONE).with_for_update()
+_SKIP_QUEUED = update(REQUESTS).where(*_ONE, REQUESTS.c.status == "queued").values(
+    status="skipped", kind="skipped", payload_sha256="", payload=None, error=bindparam("b_error"), finished_at=bindparam("b_at"))
+_SKIPPED_FROM = select(REQUESTS.c.seq_id).where(REQUESTS.c.training_run_id == bindparam("b_run"),
+                                                REQUESTS.c.seq_id >= bindparam("b_seq"), REQUESTS.c.status == "skipped")
+ABANDONED = "abandoned by its client before it was recorded (AbandonSeq)"
 _LOCK_SNAPSHOT = select(RUNS.c.snapshot_key).where(RUNS.c.id == bindparam("b_run")).with_for_update()
 _SET_SNAPSHOT = update(RUNS).where(RUNS.c.id == bindparam("b_run")).values(snapshot_key=bindparam("b_key"), snapshot_seq=bindparam("b_seq"))
 _SET_RESTORING = update(RUNS).where(RUNS.c.id == bindparam("b_run")).values(restoring=bindparam("b_restoring"))
@@ -120,6 +127,24 @@ class RequestLogStore:
             for r in rows])
         # row by row in run id order, as finish_requests: two transactions never wait on each other's runs in a cycle
         conn.execute(_TOUCH_RUN, [dict(b_run=run_id, b_at=at) for run_id in sorted({r.run_id for r in rows})])
+
+    def skip_request(self, run_id: str, seq_id: int, queued_too: bool) -> str:
+        """Its client gave up on (run, seq): a "skipped" row where it has none (with ``queued_too``, also
+        in place of a row left "queued", which never left the scheduler). Returns the row's status now."""
+        with self.engine.begin() as conn:
+            found = conn.execute(_STATUS, {"b_run": run_id, "b_seq": seq_id}).scalar()
+            if found is None:
+                self._insert_requests(conn, [NewRequest(run_id, seq_id, "skipped", "", "skipped", 0, ABANDONED)])
+                return "skipped"
+            if found == "queued" and queued_too:
+                conn.execute(_SKIP_QUEUED, {"b_run": run_id, "b_seq": seq_id, "b_at": now(), "b_error": ABANDONED})
+                return "skipped"
+        return found
+
+    def skipped_seqs(self, run_id: str, from_seq: int) -> tuple[int, ...]:
+        """The run's seqs from ``from_seq`` on that their clients gave up on (skip_request)."""
+        with self.engine.connect() as conn:
+            return tuple(conn.execute(_SKIPPED_FROM, {"b_run": run_id, "b_seq": from_seq}).scalars())
 
     def mark_running(self, keys: Iterable[tuple[str, int]]) -> None:
         """(run, seq) requests are about to go to a trainer. After a crash, "running" means the

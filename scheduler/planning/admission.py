@@ -47,6 +47,7 @@ MAX_SEQ_ID = 2**62 - 1
 # that deep, so it is a wrong seq (INVALID_ARGUMENT). Nearer, past max_queued_per_run, it waits:
 # RESOURCE_EXHAUSTED, and its resend is admitted once the run has caught up.
 MAX_SEQ_AHEAD = 1 << 20
+SKIPPED = "skipped"  # the payload hash of an abandoned seq's placeholder: no request has it
 INLINE_CHECK_BYTES = 64 * 1024  # smaller requests are hashed and checked on the event loop: cheaper than a thread hop
 Check = Callable[[RunInfo], int]                 # CPU-only validation; returns the request's token count
 AsyncCheck = Callable[[RunInfo], Awaitable[None]]  # validation that needs the database or other runs
@@ -79,8 +80,7 @@ class Admission:
             sha, tokens, invalid, serialized = await asyncio.to_thread(_digest_and_check, request, check, run)
         # the request log of trainer recovery (recovery.py): what a restored adapter replays
         payload = serialized if self.settings.recovery != "off" and kind in LOGGED_KINDS else None
-        queue = self.queues.get(run_id) or self.queues.setdefault(
-            run_id, RunQueue(run_id, run.row.next_seq_id, run.recorded_upto, run.tenant))
+        queue = self._queue(run)
         existing = self._known(run_id, seq_id)
         recorded = False
         if existing is None and seq_id <= queue.lookup_upto:  # above it, the database has no row that memory lacks
@@ -95,14 +95,15 @@ class Admission:
                 # answers it from memory by its seq instead of applying it twice.
                 recorded = True
         if existing is not None:
+            if existing.payload_sha256 is SKIPPED:
+                raise Unavailable(f"seq_id {seq_id} of {run_id} is being abandoned by its client; retry")
             if existing.payload_sha256 != sha:
                 raise AlreadyExists(f"seq_id {seq_id} of {run_id} was used by a different request")
             return await asyncio.shield(existing.future)
         if run.closed:
             raise FailedPrecondition(f"the session of {run_id} is closed; its runs take no more work")
         if queue.was_skipped(seq_id):
-            raise FailedPrecondition(f"seq_id {seq_id} of {run_id} arrived after the scheduler stopped waiting for it "
-                                     f"(seq_gap_timeout_seconds); the run's later requests went on without it")
+            raise _skipped(run_id, seq_id)
         if seq_id < queue.next_seq_id:
             raise InvalidArgument(f"seq_id {seq_id} of {run_id} is behind the next expected seq_id {queue.next_seq_id}")
         if seq_id - queue.next_seq_id > MAX_SEQ_AHEAD:
@@ -130,6 +131,42 @@ class Admission:
         metrics.ADMISSIONS.labels(kind.value, "admitted").inc()
         self.wake.set()
         return await asyncio.shield(work.future)
+
+    async def abandon(self, run_id: str, seq_id: int, tenant: str | None = None) -> bool:
+        """Its client gave up on (run, seq) (AbandonSeq). True: it was never recorded and is now skipped,
+        durably, so the run's later work goes on at once; False: it was recorded (or refused) and keeps
+        its place. Skipping a row left queued is safe: queued means it never left the scheduler."""
+        run = await self.runs.get(run_id, tenant)
+        if not 1 <= seq_id <= MAX_SEQ_ID:
+            raise InvalidArgument(f"seq_id must be in [1, 2**62), got {seq_id}")
+        queue = self._queue(run)
+        if queue.was_skipped(seq_id):
+            return True
+        if (work := self._known(run_id, seq_id) or queue.pending.get(seq_id)) is None:
+            if seq_id - queue.next_seq_id > MAX_SEQ_AHEAD:
+                raise InvalidArgument(f"seq_id {seq_id} of {run_id} is more than {MAX_SEQ_AHEAD} ahead of the next expected "
+                                      f"seq_id {queue.next_seq_id}")
+            # held in ``recent`` meanwhile: a resend racing this abandonment is answered UNAVAILABLE (and resent)
+            self._claim_key(Work(run_id, seq_id, WorkKind.FORWARD, None, SKIPPED, 0, run.tenant, WorkState.CLAIMED))
+            try:
+                # a queued row below next_seq_id may be in a cycle already: only one ahead is skipped
+                status = await asyncio.to_thread(self.store.skip_request, run_id, seq_id, seq_id >= queue.next_seq_id)
+            finally:
+                self.recent.pop((run_id, seq_id), None)
+                self.forgot(run_id, seq_id)
+            if status != "skipped":
+                return False
+            queue.skip(seq_id)
+            log.info("run %s: seq %d skipped, its client gave up on it", run_id, seq_id)
+            self.wake.set()
+            return True
+        if work.state is WorkState.CLAIMED:
+            raise Unavailable(f"seq_id {seq_id} of {run_id} is being admitted; retry")
+        return work.rejected
+
+    def _queue(self, run: RunInfo) -> RunQueue:
+        return self.queues.get(run.run_id) or self.queues.setdefault(
+            run.run_id, RunQueue(run.run_id, run.row.next_seq_id, run.recorded_upto, run.tenant, run.skipped))
 
     def _known(self, run_id: str, seq_id: int) -> Work | None:
         return self.recent.get((run_id, seq_id))
@@ -167,9 +204,12 @@ class Admission:
         return mine, everyone
 
     def _claim(self, queue: RunQueue, work: Work) -> None:
+        queue.add(work)
+        self._claim_key(work)
+
+    def _claim_key(self, work: Work) -> None:
         work.future = asyncio.get_running_loop().create_future()
         work.submitted_at = time.monotonic()
-        queue.add(work)
         self.recent[(work.run_id, work.seq_id)] = work
         while len(self.recent) > self.settings.result_cache_size:
             self.forgot(*self.recent.popitem(last=False)[0])
@@ -298,8 +338,16 @@ def _digest_and_check(request, check: Check | None, run: RunInfo) -> tuple[str, 
         return sha, 0, exc, serialized
 
 
+def _skipped(run_id: str, seq_id: int) -> FailedPrecondition:
+    return FailedPrecondition(f"seq_id {seq_id} of {run_id} was skipped: its client gave up on it (AbandonSeq), or the "
+                              f"scheduler stopped waiting for it (seq_gap_timeout_seconds); the run's later requests "
+                              f"went on without it")
+
+
 def _answer_from_record(record, sha: str):
     """The stored answer of a request an earlier process completed; None when it must be queued again."""
+    if record.status == "skipped":
+        raise _skipped(record.training_run_id, record.seq_id)
     if record.payload_sha256 != sha:
         raise AlreadyExists(f"seq_id {record.seq_id} of {record.training_run_id} was used by a different request")
     return stored_answer(record)
@@ -312,6 +360,8 @@ def stored_answer(record):
         return ANSWER_TYPES[WorkKind(record.kind)].FromString(record.result)
     if record.status in ("queued", "running"):
         return None
+    if record.status == "skipped":
+        raise _skipped(record.training_run_id, record.seq_id)
     detail = f": {record.error}" if record.error else ""
     raise FailedPrecondition(f"seq_id {record.seq_id} of {record.training_run_id} already ran ({record.status}{detail}); "
                              f"its result is no longer held")

@@ -73,6 +73,7 @@ class RunInfo:
     row: m.TrainingRun        # as loaded or created (lora config, metadata); counters there are not kept current
     closed: bool = False      # its session was closed: the run takes no more work
     recorded_upto: int = 0    # the highest seq with a request row when this process loaded it (0 for a run it created)
+    skipped: tuple[int, ...] = ()  # seqs from the resume point on that their clients gave up on (AbandonSeq)
 
 
 class RunRegistry:
@@ -82,8 +83,9 @@ class RunRegistry:
         self._runs: dict[str, RunInfo] = {}
         self._loading: dict[str, asyncio.Future] = {}
 
-    def add(self, row: m.TrainingRun, tenant: str, closed: bool = False, recorded_upto: int = 0) -> RunInfo:
-        info = self._runs[row.id] = RunInfo(row.id, row.session_id, tenant, row.base_model, row, closed, recorded_upto)
+    def add(self, row: m.TrainingRun, tenant: str, closed: bool = False, recorded_upto: int = 0,
+            skipped: tuple[int, ...] = ()) -> RunInfo:
+        info = self._runs[row.id] = RunInfo(row.id, row.session_id, tenant, row.base_model, row, closed, recorded_upto, skipped)
         if self.on_load is not None:
             self.on_load(info)
         return info
@@ -107,14 +109,20 @@ class RunRegistry:
             return info
         loading = self._loading.get(run_id)
         if loading is None:
-            loading = self._loading[run_id] = asyncio.ensure_future(asyncio.to_thread(self.store.load_run, run_id))
+            loading = self._loading[run_id] = asyncio.ensure_future(asyncio.to_thread(self._load, run_id))
         try:
-            row, owner, closed, recorded_upto = await asyncio.shield(loading)
+            row, owner, closed, recorded_upto, skipped = await asyncio.shield(loading)
         finally:
             if loading.done():
                 self._loading.pop(run_id, None)
-        info = self._runs.get(run_id) or self.add(row, owner, closed, recorded_upto)
+        info = self._runs.get(run_id) or self.add(row, owner, closed, recorded_upto, skipped)
         return info
+
+    def _load(self, run_id: str):
+        row, owner, closed, recorded_upto = self.store.load_run(run_id)
+        # only rows at or above the resume point can be skips the queue must pass over
+        skipped = self.store.skipped_seqs(run_id, row.next_seq_id) if recorded_upto >= row.next_seq_id else ()
+        return row, owner, closed, recorded_upto, skipped
 
     def known(self, run_id: str) -> RunInfo | None:
         return self._runs.get(run_id)

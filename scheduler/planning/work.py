@@ -63,7 +63,7 @@ class Work:
 class RunQueue:
     """Pending work of one training run, keyed by seq_id; releases it strictly in order."""
 
-    def __init__(self, run_id: str, next_seq_id: int, lookup_upto: int = 0, tenant: str = "?"):
+    def __init__(self, run_id: str, next_seq_id: int, lookup_upto: int = 0, tenant: str = "?", skipped: tuple[int, ...] = ()):
         self.run_id = run_id
         self.tenant = tenant
         self.next_seq_id = next_seq_id
@@ -71,7 +71,9 @@ class RunQueue:
         # asked about seqs up to it only (rows of earlier processes; work this process forgot, see Admission.forgot)
         self.lookup_upto = lookup_upto
         self.pending: dict[int, Work] = {}
-        self.skipped: list[range] = []   # seqs given up on (see skip_gap)
+        # seqs given up on: by the scheduler (skip_gap) or by their client (skip; ``skipped``: the ones
+        # an earlier process recorded)
+        self.skipped: list[range] = [range(seq, seq + 1) for seq in skipped]
 
     def add(self, work: Work) -> None:
         self.pending[work.seq_id] = work
@@ -82,9 +84,12 @@ class RunQueue:
             del self.pending[work.seq_id]
 
     def ready(self) -> list[Work]:
-        """The contiguous run of queued work starting at next_seq_id (rejected heads are dropped)."""
-        while (head := self.pending.get(self.next_seq_id)) is not None and head.rejected:
-            del self.pending[self.next_seq_id]
+        """The contiguous run of queued work starting at next_seq_id (rejected and skipped heads are dropped)."""
+        while True:
+            if (head := self.pending.get(self.next_seq_id)) is not None and head.rejected:
+                del self.pending[self.next_seq_id]
+            elif head is not None or not self.was_skipped(self.next_seq_id):
+                break
             self.next_seq_id += 1
         out, seq = [], self.next_seq_id
         while (work := self.pending.get(seq)) is not None and work.state is WorkState.QUEUED:
@@ -115,7 +120,7 @@ class RunQueue:
 
     def gap_since(self) -> float | None:
         """When the oldest work waiting behind a missing next seq arrived; None without such a gap."""
-        if not self.pending or self.next_seq_id in self.pending:
+        if not self.pending or self.next_seq_id in self.pending or self.was_skipped(self.next_seq_id):
             return None
         return min(work.submitted_at for work in self.pending.values())
 
@@ -125,6 +130,11 @@ class RunQueue:
         self.skipped.append(gap)
         self.next_seq_id = gap.stop
         return gap
+
+    def skip(self, seq_id: int) -> None:
+        """Its client gave up on ``seq_id`` before it was recorded: passed over when it comes (also
+        after a rewind to below it)."""
+        self.skipped.append(range(seq_id, seq_id + 1))
 
     def was_skipped(self, seq_id: int) -> bool:
         return any(seq_id in gap for gap in self.skipped)

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 
 from temper.common.strings import shown
 from temper.services.gateway import convert, fields, results
+from temper.services.gateway.abandon import abandon_unless_settled
 from temper.services.gateway.app import Gateway, Result, api_key, fingerprint, gateway, json_body
 from temper.services.gateway.errors import GatewayError, failed_result, invalid, request_error
 from temper.v1 import service_pb2, types_pb2
@@ -32,8 +33,8 @@ async def _spend(gw: Gateway, key: str, run: str, seq: int, error: GatewayError)
     empty = service_pb2.ForwardBackwardRequest(training_run_id=run, seq_id=seq, loss_fn="cross_entropy")
     try:
         await gw.scheduler.verb("ForwardBackward", empty, key)
-    except GatewayError:
-        pass
+    except GatewayError as refused:
+        abandon_unless_settled(gw.scheduler, key, run, seq, refused)
     raise error
 
 
@@ -58,7 +59,13 @@ async def _sequenced(request: Request, run: str, seq: int, build, method: str, r
     gw, key = gateway(request), api_key(request)
 
     async def work():
-        return render(await gw.scheduler.verb(method, await _build(gw, key, run, seq, build), key))
+        request = await _build(gw, key, run, seq, build)
+        try:
+            response = await gw.scheduler.verb(method, request, key)
+        except BaseException as exc:
+            abandon_unless_settled(gw.scheduler, key, run, seq, exc)
+            raise
+        return render(response)
 
     return gw.submit(key, results.sequenced_id(run, seq), work, await fingerprint(request))
 
@@ -186,7 +193,11 @@ async def save_weights_for_sampler(request: Request):
 
     async def work():
         save, session = await _build(gw, key, run, seq, build)
-        saved = await gw.scheduler.verb("SaveWeights", save, key)
+        try:
+            saved = await gw.scheduler.verb("SaveWeights", save, key)
+        except BaseException as exc:
+            abandon_unless_settled(gw.scheduler, key, run, seq, exc)
+            raise
         if session is None:
             return Result(json=lambda: {"type": "save_weights_for_sampler", "path": saved.checkpoint.path})
         sampler = await gw.scheduler.verb("CreateSamplingClient", service_pb2.CreateSamplingClientRequest(

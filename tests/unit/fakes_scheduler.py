@@ -147,6 +147,20 @@ class FakeStore:
             record = self.requests[(run_id, seq_id)]
             record.status, record.error, record.result = status, error, result
 
+    def skip_request(self, run_id, seq_id, queued_too):
+        self._check()
+        record = self.requests.get((run_id, seq_id))
+        if record is None:
+            self.add_request(run_id, seq_id, "skipped", "", "skipped", 0, delay=False)
+            return "skipped"
+        if record.status == "queued" and queued_too:
+            record.status, record.kind, record.payload_sha256, record.payload = "skipped", "skipped", "", None
+        return record.status
+
+    def skipped_seqs(self, run_id, from_seq):
+        self._check()
+        return tuple(seq for (run, seq), r in sorted(self.requests.items()) if run == run_id and seq >= from_seq and r.status == "skipped")
+
     def statuses(self, run_id: str) -> dict[int, str]:
         return {seq: r.status for (run, seq), r in sorted(self.requests.items()) if run == run_id}
 

@@ -257,6 +257,20 @@ class GetRequestResultRequest(_message.Message):
     seq_id: int
     def __init__(self, training_run_id: _Optional[str] = ..., seq_id: _Optional[int] = ...) -> None: ...
 
+class AbandonSeqRequest(_message.Message):
+    __slots__ = ("training_run_id", "seq_id")
+    TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    training_run_id: str
+    seq_id: int
+    def __init__(self, training_run_id: _Optional[str] = ..., seq_id: _Optional[int] = ...) -> None: ...
+
+class AbandonSeqResponse(_message.Message):
+    __slots__ = ("skipped",)
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    skipped: bool
+    def __init__(self, skipped: _Optional[bool] = ...) -> None: ...
+
 class RequestResult(_message.Message):
     __slots__ = ("kind", "done", "forward_backward", "optim_step", "save_weights", "load_weights")
     KIND_FIELD_NUMBER: _ClassVar[int]

@@ -95,6 +95,11 @@ class TemperStub:
                 request_serializer=temper_dot_v1_dot_service__pb2.GetRequestResultRequest.SerializeToString,
                 response_deserializer=temper_dot_v1_dot_service__pb2.RequestResult.FromString,
                 _registered_method=True)
+        self.AbandonSeq = channel.unary_unary(
+                '/temper.v1.Temper/AbandonSeq',
+                request_serializer=temper_dot_v1_dot_service__pb2.AbandonSeqRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_service__pb2.AbandonSeqResponse.FromString,
+                _registered_method=True)
         self.CreateSamplingClient = channel.unary_unary(
                 '/temper.v1.Temper/CreateSamplingClient',
                 request_serializer=temper_dot_v1_dot_service__pb2.CreateSamplingClientRequest.SerializeToString,
@@ -234,6 +239,16 @@ class TemperServicer:
         no longer has the request (an HTTP gateway that restarted). Answers are kept for each run's last
         durable_results_per_run requests; a failed request answers its error, one not yet finished
         answers done = false.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbandonSeq(self, request, context):
+        """A client gave up on (run, seq_id) (its retries ran out, or it failed before sending): skipped
+        = true when the seq was never recorded, and is now durably skipped (never applied; a resend is
+        refused FAILED_PRECONDITION) so the run's later requests go on at once; false when it was
+        recorded: it is applied (or was) in its place, exactly once. Idempotent; resend on UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -389,6 +404,11 @@ def add_TemperServicer_to_server(servicer, server):
                     servicer.GetRequestResult,
                     request_deserializer=temper_dot_v1_dot_service__pb2.GetRequestResultRequest.FromString,
                     response_serializer=temper_dot_v1_dot_service__pb2.RequestResult.SerializeToString,
+            ),
+            'AbandonSeq': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbandonSeq,
+                    request_deserializer=temper_dot_v1_dot_service__pb2.AbandonSeqRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_service__pb2.AbandonSeqResponse.SerializeToString,
             ),
             'CreateSamplingClient': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateSamplingClient,
@@ -775,6 +795,33 @@ class Temper:
             '/temper.v1.Temper/GetRequestResult',
             temper_dot_v1_dot_service__pb2.GetRequestResultRequest.SerializeToString,
             temper_dot_v1_dot_service__pb2.RequestResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbandonSeq(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Temper/AbandonSeq',
+            temper_dot_v1_dot_service__pb2.AbandonSeqRequest.SerializeToString,
+            temper_dot_v1_dot_service__pb2.AbandonSeqResponse.FromString,
             options,
             channel_credentials,
             insecure,
