@@ -6,6 +6,7 @@ The async servicer calls them through ``asyncio.to_thread``. Rows come back deta
 
 from __future__ import annotations
 
+import os
 import uuid
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -23,9 +24,21 @@ from temper.scheduler.db.request_log import RequestLogStore
 from temper.scheduler.db.catalog import CatalogStore
 from temper.scheduler.db.tenancy import TenancyStore
 
+def executor_threads() -> int:
+    """The threads of asyncio's default executor, where every store call runs (``asyncio.to_thread``)."""
+    return min(32, (os.cpu_count() or 1) + 4)  # ThreadPoolExecutor's default max_workers
+
+
+def _pool() -> dict:
+    """A pooled connection for every executor thread: with SQLAlchemy's default of 5, each transaction
+    beyond 5 at once opened a connection and closed it on return (a PostgreSQL backend each, under load)."""
+    return {"pool_size": executor_threads(), "max_overflow": 10}
+
+
 def make_engine(url: str):
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        in_memory = make_url(url).database in (None, "", ":memory:")  # one shared connection (SingletonThreadPool): not sized
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, **({} if in_memory else _pool()))
 
         @event.listens_for(engine, "connect")
         def _pragmas(conn, _record):  # WAL lets readers run beside the single writer
@@ -38,7 +51,7 @@ def make_engine(url: str):
     # A refused or hung connection fails in seconds (then Unavailable), not at the OS's TCP timeout.
     # psycopg2: an executemany UPDATE (a cycle's outcomes, request_log.py) is one round trip, not one per row.
     batch = {"executemany_mode": "values_plus_batch"} if make_url(url).get_driver_name() == "psycopg2" else {}
-    return create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": 5}, **batch)
+    return create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": 5}, **batch, **_pool())
 
 
 def upgrade_schema(url: str) -> None:
