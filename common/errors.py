@@ -91,6 +91,13 @@ class Unavailable(TemperError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class Abandoned(TemperError):
+    """A call to a worker given up because the worker stopped answering and its runs moved to another
+    (scheduler/workers/abandon.py). UNAVAILABLE on the wire; not an Unavailable, so that no retry loop
+    resends it to the same worker: the caller holds the work for the run's new trainer instead."""
+    code = grpc.StatusCode.UNAVAILABLE
+
+
 class Unauthenticated(TemperError):
     code = grpc.StatusCode.UNAUTHENTICATED
 

@@ -21,7 +21,7 @@ import time
 from collections import defaultdict
 
 from temper.common.checkpoints import CheckpointPath, parse_path
-from temper.common.errors import AlreadyExists, FailedPrecondition, Internal, NotFound, TemperError, Unavailable, from_status_number
+from temper.common.errors import Abandoned, AlreadyExists, FailedPrecondition, Internal, NotFound, TemperError, Unavailable, from_status_number
 from temper.common.retry import retry
 from temper.scheduler import metrics
 from temper.scheduler.planning.admission import Admission
@@ -41,10 +41,6 @@ from temper.v1 import service_pb2, trainer_pb2, types_pb2
 log = logging.getLogger(__name__)
 
 
-class Abandoned(Exception):
-    """A trainer call given up because its runs moved to another trainer meanwhile (SchedulerLoop.abandon)."""
-
-
 class SchedulerLoop:
     def __init__(self, admission: Admission, backends: Backends, store, runs: RunRegistry, settings: SchedulerSettings,
                  share: FairShare | None = None):
@@ -59,7 +55,6 @@ class SchedulerLoop:
         # run id -> the trainer its planned work is on now: a run moved meanwhile (fail-over) waits for that
         # work's outcome (answered, or held) before its new trainer's lane plans more of it (lanes.py)
         self.in_flight: dict[str, TrainerHandle] = {}
-        self._calls: dict[str, asyncio.Task] = {}  # trainer address -> the call awaited there now (abandon())
 
     async def run_forever(self) -> None:
         """The lanes, one per trainer, concurrently. One that dies takes the others with it and this
@@ -165,7 +160,7 @@ class SchedulerLoop:
             resent = True
 
         try:
-            return await retry(lambda: self._abandonable(trainer, call(resent)), seconds=self.settings.dispatch_retry_seconds,
+            return await retry(lambda: call(resent), seconds=self.settings.dispatch_retry_seconds,
                                between=resending, what="no answer from the trainer, resending")
         except Abandoned:  # their runs moved to another trainer (fail_over): they run there once restored
             self.admission.hold(works)
@@ -186,27 +181,11 @@ class SchedulerLoop:
             await self.finish(works, [exc] * len(works))
             return "failed"
 
-    async def _abandonable(self, trainer: TrainerHandle, call):
-        """``call``'s answer, unless abandon(trainer) is called meanwhile (Abandoned): a frozen trainer's
-        call would otherwise hold its runs' work until cycle_timeout_seconds, though they moved."""
-        task = asyncio.ensure_future(call)
-        self._calls[trainer.address] = task
-        try:
-            return await task
-        except asyncio.CancelledError:
-            if task.cancelled() and not asyncio.current_task().cancelling():  # abandoned, not the lane stopping
-                raise Abandoned() from None
-            raise
-        finally:
-            if self._calls.get(trainer.address) is task:
-                del self._calls[trainer.address]
-
     def abandon(self, trainer: TrainerHandle) -> None:
-        """Stop waiting for the call on ``trainer`` (its runs were moved away: recovery.fail_over).
-        Whatever it applies there later is on a copy nobody uses again (dropped when it answers)."""
-        task = self._calls.get(trainer.address)
-        if task is not None and not task.done():
-            task.cancel()
+        """Stop waiting for every call on ``trainer`` (its runs were moved away: recovery.fail_over):
+        cycles, saves, loads, snapshots, restores alike raise Abandoned in their callers
+        (workers/abandon.py). Whatever it applies there later is on a copy nobody uses again."""
+        trainer.abandon()
 
     async def _save(self, trainer: TrainerHandle, work: Work, resent: bool) -> service_pb2.SaveWeightsResponse:
         request = work.request

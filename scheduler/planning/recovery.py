@@ -35,7 +35,7 @@ from collections import defaultdict
 from typing import Any, Protocol
 
 from temper.common.checkpoints import parse_path
-from temper.common.errors import AlreadyExists, FailedPrecondition, NotFound, TemperError, Unavailable
+from temper.common.errors import Abandoned, AlreadyExists, FailedPrecondition, NotFound, TemperError, Unavailable
 from temper.common.retry import retry
 from temper.scheduler import metrics
 from temper.scheduler.planning.admission import Admission
@@ -181,6 +181,9 @@ class Recovery:
             except Unavailable as exc:
                 self.loop.admission.take(works)
                 self.loop.admission.release(works, Unavailable(f"{exc.message}; nothing was applied: resend it"))
+            except Abandoned:  # the trainer froze mid-restore and the run moved: its work waits, untaken, for its new trainer
+                log.warning("restoring %s on trainer %s given up: the run moved to %s", run_id, trainer.address,
+                            self.loop.backends.placements.get(run_id))
         return True
 
     async def fail_over(self, dead: TrainerHandle, run_ids) -> bool:
@@ -275,7 +278,7 @@ class Recovery:
                 await self._fresh_adapter(trainer, row)
             for batch in _batches(replay, self.loop.settings.cycle_token_budget):
                 await self._replay(trainer, run_id, batch)
-        except Unavailable:
+        except (Unavailable, Abandoned):  # not the run's fault: restored again (here, or on the trainer it moved to)
             raise
         except TemperError as exc:  # the snapshot is unreadable, or a replayed request was refused
             if adapter_missing(exc, run_id):  # the trainer restarted mid-restore: the whole restore again

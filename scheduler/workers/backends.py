@@ -1,12 +1,13 @@
 """Connections to trainer and sampler services, which one serves a base model, and the calls to
-them, each with its deadline from settings (samplers: choice, failover and adapters in samplers.py)."""
+them, each with its deadline from settings (samplers: choice, failover and adapters in samplers.py).
+Every trainer call can be given up while it waits (``TrainerHandle.abandon``: abandon.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -16,6 +17,7 @@ from temper.common.server_options import CHANNEL_OPTIONS
 from temper.common.tls import channel_credentials
 from temper.common.uploads import file_chunks
 from temper.scheduler import metrics
+from temper.scheduler.workers.abandon import Calls
 from temper.scheduler.workers.downstream import UNKNOWN_OUTCOME_CODES, downstream
 from temper.scheduler.workers.presence import ModelPresence
 from temper.scheduler.workers.samplers import SamplerHandle, SamplerRouting
@@ -32,13 +34,23 @@ class TrainerHandle:
     stub: trainer_pb2_grpc.TrainerStub
     info: trainer_pb2.ModelInfo
     settings: SchedulerSettings
+    calls: Calls = field(init=False, repr=False, compare=False)  # waiting now: given up by abandon()
+
+    def __post_init__(self):
+        self.calls = Calls(f"trainer {self.address}")
+
+    def abandon(self) -> int:
+        """Give up every call waiting on this trainer now (its runs moved: Recovery.fail_over); each
+        raises Abandoned in its caller. How many."""
+        return self.calls.abandon()
 
     async def run_cycle(self, request: trainer_pb2.CycleRequest) -> trainer_pb2.CycleResponse:
         async with downstream(f"trainer {self.address}"):
-            return await self.stub.RunCycle(request, timeout=self.settings.cycle_timeout_seconds)
+            return await self.calls.run(self.stub.RunCycle(request, timeout=self.settings.cycle_timeout_seconds))
 
     async def ping(self, timeout: float = 2.0) -> bool:
-        """Whether the trainer answers GetModelInfo within ``timeout`` (a hung one does not)."""
+        """Whether the trainer answers GetModelInfo within ``timeout`` (a hung one does not). Not
+        abandonable: it is how a frozen trainer is told from a live one."""
         try:
             async with downstream(f"trainer {self.address}"):
                 await self.stub.GetModelInfo(trainer_pb2.GetModelInfoRequest(), timeout=timeout)
@@ -49,7 +61,7 @@ class TrainerHandle:
     async def call(self, method: str, request):
         """A unary trainer call other than RunCycle (CreateAdapter, SaveAdapter, LoadAdapter, ...)."""
         async with downstream(f"trainer {self.address}"):
-            return await getattr(self.stub, method)(request, timeout=self.settings.trainer_call_timeout_seconds)
+            return await self.calls.run(getattr(self.stub, method)(request, timeout=self.settings.trainer_call_timeout_seconds))
 
     async def delete_checkpoint(self, key: str) -> int:
         """Remove a checkpoint's files; the bytes freed (0 if there were none: deleting twice is fine)."""
@@ -73,12 +85,17 @@ class TrainerHandle:
                 yield trainer_pb2.ImportAdapterChunk(file=chunk)
 
         async with downstream(f"trainer {self.address}"):
-            return await self.stub.ImportAdapter(messages(), timeout=self.settings.trainer_call_timeout_seconds)
+            return await self.calls.run(self.stub.ImportAdapter(messages(), timeout=self.settings.trainer_call_timeout_seconds))
 
     async def read_checkpoint(self, key: str, weights_only: bool = False):
         request = trainer_pb2.ReadCheckpointRequest(checkpoint_key=key, weights_only=weights_only)
         async with downstream(f"trainer {self.address}"):
-            async for chunk in self.stub.ReadCheckpoint(request, timeout=self.settings.trainer_call_timeout_seconds):
+            chunks = aiter(self.stub.ReadCheckpoint(request, timeout=self.settings.trainer_call_timeout_seconds))
+            while True:
+                try:
+                    chunk = await self.calls.run(anext(chunks))  # each chunk's wait can be given up
+                except StopAsyncIteration:
+                    return
                 yield chunk
 
 

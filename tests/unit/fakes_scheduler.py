@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from temper.common.errors import AlreadyExists, TemperError, Unauthenticated, NotFound, Unavailable, status_number
 from temper.scheduler.db.catalog import RunNumber
 from temper.scheduler.db.request_log import LoggedRequest
+from temper.scheduler.workers.abandon import Calls
 from temper.scheduler.workers.backends import Backends
 from temper.scheduler.planning.admission import Admission
 from temper.scheduler.planning.loop import SchedulerLoop
@@ -204,7 +205,9 @@ class FakeTrainer:
     order) the trainer holds adapters as the real one does: a run without one is refused NotFound,
     an applied seq is answered from that adapter's memory, and ``lose()`` forgets them all (a
     restart); snapshots live in ``store``, shared by the trainers given the same dict. ``down``: every
-    call is UNAVAILABLE (a dead trainer). ``log`` lists the calls (restore, create, cycle, ...)."""
+    call is UNAVAILABLE (a dead trainer). ``log`` lists the calls (restore, create, cycle, ...).
+    ``frozen_in``: those calls ("snapshot", "restore", a trainer RPC's name) wait at ``gate`` too (a
+    trainer SIGSTOPped mid-call); waits are given up by ``abandon()``, as TrainerHandle's are."""
 
     address: str = "fake-trainer:1"
     info: trainer_pb2.ModelInfo = field(default_factory=lambda: trainer_pb2.ModelInfo(
@@ -217,6 +220,8 @@ class FakeTrainer:
     answers: dict[tuple[str, int], object] = field(default_factory=dict)
     calls: int = 0
     waiting: int = 0                           # calls waiting at the gate now
+    frozen_in: tuple[str, ...] = ()
+    in_flight: Calls = field(default_factory=lambda: Calls("trainer fake"), repr=False)
     adapters: dict[str, list] | None = None
     store: dict[str, tuple[str, list]] = field(default_factory=dict)   # snapshot key -> (run, state)
     down: bool = False
@@ -224,6 +229,20 @@ class FakeTrainer:
 
     def lose(self) -> None:
         self.adapters.clear()
+
+    def abandon(self) -> int:
+        return self.in_flight.abandon()
+
+    async def _at_gate(self) -> None:
+        self.waiting += 1
+        try:
+            await self.in_flight.run(self.gate.wait())
+        finally:
+            self.waiting -= 1
+
+    async def _frozen(self, name: str) -> None:
+        if name in self.frozen_in and not self.gate.is_set():
+            await self._at_gate()
 
     def _reach(self) -> None:
         if self.down:
@@ -244,6 +263,7 @@ class FakeTrainer:
 
     async def call(self, method: str, request):
         self._reach()
+        await self._frozen(method)
         if method == "DeleteCheckpoint":  # of the snapshots in ``store``
             self.log.append(("delete", request.checkpoint_key))
             return trainer_pb2.DeleteCheckpointFilesResponse(freed_bytes=1 if self.store.pop(request.checkpoint_key, None) else 0)
@@ -267,6 +287,7 @@ class FakeTrainer:
 
     async def snapshot(self, run_id: str, key: str):
         self._reach()
+        await self._frozen("snapshot")
         if self._missing(run_id):
             raise self._missing(run_id)
         if key in self.store:
@@ -277,6 +298,7 @@ class FakeTrainer:
 
     async def restore(self, run_id: str, key: str):
         self._reach()
+        await self._frozen("restore")
         if key not in self.store:
             raise NotFound(f"checkpoint {key} not found on this trainer")
         self.log.append(("restore", run_id, key))
@@ -292,12 +314,8 @@ class FakeTrainer:
         self.calls += 1
         self._reach()
         await asyncio.sleep(self.delay)
-        if self.gate is not None:
-            self.waiting += 1
-            try:
-                await self.gate.wait()
-            finally:
-                self.waiting -= 1
+        if self.gate is not None and ("run_cycle" in self.frozen_in or not self.frozen_in):
+            await self._at_gate()
         response = trainer_pb2.CycleResponse()
         self.log.append(("cycle", [(item.training_run_id, item.seq_id) for item in [*request.forward_backward, *request.optim_step]]))
         for item in [*request.forward_backward, *request.optim_step]:
