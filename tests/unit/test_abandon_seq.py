@@ -135,3 +135,36 @@ def test_the_store_skips_only_a_seq_without_a_row_or_one_left_queued(tmp_path):
     assert store.skip_request(run, 1, queued_too=True) == "skipped"    # idempotent
     assert store.skipped_seqs(run, 1) == (1, 2) and store.skipped_seqs(run, 2) == (2,)
     assert store.get_request(run, 2).payload_sha256 == "" and store.get_request(run, 3).status == "running"
+
+
+@pytest.mark.timeout(10)
+def test_an_sdk_verb_the_gateway_gives_up_on_is_abandoned_at_the_scheduler():
+    from fastapi.testclient import TestClient
+
+    from temper.services.gateway.app import create_app
+
+    class Scheduler:
+        def __init__(self):
+            self.sent = []
+
+        async def verb(self, method, request, key):
+            self.sent.append((method, request.seq_id))
+            if method != "AbandonSeq":  # the gateway's resends of it ran out in an outage
+                raise GatewayError(grpc.StatusCode.UNAVAILABLE, "the database is unavailable")
+            return service_pb2.AbandonSeqResponse(skipped=True)
+
+        async def close(self):
+            pass
+
+    scheduler, headers = Scheduler(), {"X-API-Key": "tml-k"}
+    body = {"model_id": "s:train:0", "seq_id": 7, "forward_backward_input": {"loss_fn": "cross_entropy", "data": [
+        {"model_input": {"chunks": [{"tokens": [1, 2], "type": "encoded_text"}]},
+         "loss_fn_inputs": {"target_tokens": {"data": [2, 3], "dtype": "int64"}}}]}}
+    with TestClient(create_app(scheduler, long_poll_seconds=0.05)) as http:
+        future = http.post("/api/v1/forward_backward", json=body, headers=headers).json()
+        while (result := http.post("/api/v1/retrieve_future", json=future, headers=headers).json()).get("type") == "try_again":
+            pass
+        assert "UNAVAILABLE" in str(result)  # the SDK hears the failure
+        while ("AbandonSeq", 7) not in scheduler.sent:
+            http.post("/api/v1/retrieve_future", json=future, headers=headers)  # lets the gateway's loop run
+        assert scheduler.sent == [("ForwardBackward", 7), ("AbandonSeq", 7)]
