@@ -111,6 +111,8 @@ _BY_CODE = {cls.code: cls for cls in (InvalidArgument, NotFound, AlreadyExists, 
 
 # Who may call: awaited with (method, context) before every handler; raises Unauthenticated to refuse.
 Authenticator = Callable[[str, grpc.aio.ServicerContext], Awaitable[None]]
+# Told of every failed call: (full method name, the status code sent). common/metrics.count_rpc_error.
+ErrorCounter = Callable[[str, grpc.StatusCode], None]
 
 
 def from_rpc_error(err: grpc.RpcError) -> TemperError:
@@ -140,10 +142,12 @@ def _error(code: grpc.StatusCode, details: str | None) -> TemperError:
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps exceptions raised by servicers to status codes: TemperError → its code, else INTERNAL.
     An ``authenticate`` hook runs first inside the same mapping (and the same task, so a context
-    variable it sets is seen by the handler)."""
+    variable it sets is seen by the handler). ``count`` is told of each failed call, so every
+    service's errors are counted here, the same way, and by no servicer."""
 
-    def __init__(self, authenticate: Authenticator | None = None):
+    def __init__(self, authenticate: Authenticator | None = None, count: ErrorCounter | None = None):
         self.authenticate = authenticate
+        self.count = count
         self._wrapped: dict[str, tuple[object, object]] = {}  # method -> (its handler, wrapped): built once, not per call
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -158,13 +162,15 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
             behavior = getattr(handler, kind)
             if behavior:
-                wrapped = handler._replace(**{kind: _wrap(behavior, method, self.authenticate)})
+                wrapped = handler._replace(**{kind: _wrap(behavior, method, self.authenticate, self.count)})
                 break
         self._wrapped[method] = (handler, wrapped)
         return wrapped
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str):
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str, count: ErrorCounter | None):
+    if count is not None:
+        count(method, exc.code if isinstance(exc, TemperError) else grpc.StatusCode.INTERNAL)
     if isinstance(exc, TemperError):
         message = bounded(exc.message)
         log.info("%s -> %s: %s", method, exc.code.name, message)
@@ -193,7 +199,7 @@ async def _admit(request, context, method: str, authenticate: Authenticator | No
     _check_strings(request)
 
 
-def _wrap(behavior, method, authenticate: Authenticator | None = None):
+def _wrap(behavior, method, authenticate: Authenticator | None = None, count: ErrorCounter | None = None):
     """Wrap a handler in one of the same kind: grpc.aio sends an async generator's items itself,
     while a coroutine handler returns its reply or streams with ``context.write`` (grpc_health's
     Watch does), so wrapping a coroutine in a generator breaks it."""
@@ -206,7 +212,7 @@ def _wrap(behavior, method, authenticate: Authenticator | None = None):
             except (grpc.aio.AbortError, grpc.aio.UsageError):
                 raise
             except Exception as exc:  # noqa: BLE001 - this is the one place exceptions become statuses
-                await _abort(context, exc, method)
+                await _abort(context, exc, method, count)
 
         return stream_wrapper
 
@@ -217,6 +223,6 @@ def _wrap(behavior, method, authenticate: Authenticator | None = None):
         except (grpc.aio.AbortError, grpc.aio.UsageError):
             raise
         except Exception as exc:  # noqa: BLE001
-            await _abort(context, exc, method)
+            await _abort(context, exc, method, count)
 
     return wrapper

@@ -1,11 +1,26 @@
-"""Prometheus metrics endpoint shared by every Temper process. Each process defines its own series
-with prometheus_client (module-level, on the default registry) and calls ``serve_metrics`` once."""
+"""Prometheus metrics endpoint shared by every Temper process, and the one series they all share
+(failed RPCs). Each process defines its own series with prometheus_client (module-level, on the
+default registry) and calls ``serve_metrics`` once."""
 
 from __future__ import annotations
 
 import logging
 
+import grpc
+from prometheus_client import Counter
+
 log = logging.getLogger(__name__)
+
+# Counted by the one error interceptor of every gRPC server (common/server.build_server), never by a
+# servicer: each service's failures the same way, once per failed call.
+RPC_ERRORS = Counter("temper_rpc_errors_total", "Failed calls to this process's gRPC services, by service, method and "
+                     "the status code sent.", ["service", "method", "code"])
+
+
+def count_rpc_error(method: str, code: grpc.StatusCode) -> None:
+    """``method`` is gRPC's full name, ``/package.Service/Method``."""
+    service, _, name = method.lstrip("/").rpartition("/")
+    RPC_ERRORS.labels(service, name, code.name).inc()
 
 
 def serve_metrics(bind: str) -> int | None:

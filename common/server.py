@@ -1,5 +1,6 @@
-"""Builds a grpc.aio server the same way for every Temper process: error interceptor, large
-message limits, the standard health service and server reflection."""
+"""Builds a grpc.aio server the same way for every Temper process: error interceptor (which also
+counts failed calls: temper_rpc_errors_total), large message limits, the standard health service
+and server reflection."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from temper.common.errors import Authenticator, ErrorInterceptor
+from temper.common.metrics import count_rpc_error
 from temper.common.server_options import CHANNEL_OPTIONS
 
 
@@ -28,7 +30,7 @@ def build_server(
     awaited before every call (health and reflection included: it decides which methods are open).
     With ``credentials`` (``common.tls.server_credentials``) the port serves TLS only.
     """
-    server = grpc.aio.server(interceptors=[ErrorInterceptor(authenticate)], options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(interceptors=[ErrorInterceptor(authenticate, count_rpc_error)], options=CHANNEL_OPTIONS)
     names = []
     for add_fn, servicer, name in registrations:
         add_fn(servicer, server)

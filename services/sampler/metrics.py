@@ -12,4 +12,4 @@ SAMPLE_SECONDS = Histogram("temper_sampler_sample_seconds", "Latency of one Samp
 RESIDENT_ADAPTERS = Gauge("temper_sampler_resident_adapters", "Checkpoints whose LoRA weights are loaded.")
 RESIDENT_ADAPTER_BYTES = Gauge("temper_sampler_resident_adapter_bytes", "Bytes of the loaded adapters' pushed files.")
 EVICTIONS = Counter("temper_sampler_adapter_evictions", "Adapters dropped to make room (least recently used first).")
-ERRORS = Counter("temper_sampler_errors", "Failed RPCs by gRPC status code.", ["rpc", "code"])
+# Failed RPCs are counted by the error interceptor, as every service's: temper_rpc_errors_total (common/metrics.py).

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import secrets
 import shutil
@@ -20,27 +19,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from temper.common.checkpoints import WEIGHT_FILES
-from temper.common.errors import AdapterNotLoaded, InvalidArgument, TemperError
+from temper.common.errors import AdapterNotLoaded, InvalidArgument
 from temper.services.sampler import convert, metrics
 from temper.services.sampler.backend import SampleRequest, SampleResult, SamplerBackend
 from temper.services.sampler.residency import Residency
 from temper.v1 import sampler_pb2, sampler_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-
-def _counted(method):
-    """Count the RPC's failures by the status the error interceptor will send."""
-
-    @functools.wraps(method)
-    async def wrapper(self, request, context):
-        try:
-            return await method(self, request, context)
-        except Exception as exc:
-            metrics.ERRORS.labels(method.__name__, exc.code.name if isinstance(exc, TemperError) else "INTERNAL").inc()
-            raise
-
-    return wrapper
 
 
 class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
@@ -68,7 +53,6 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
     async def GetModelInfo(self, request, context):
         return convert.model_info_to_pb(self.backend.describe(), self.backend.name, self.incarnation)
 
-    @_counted
     async def PushAdapter(self, request_iterator, context):
         staging = Path(tempfile.mkdtemp(dir=self.adapter_dir, prefix=".push-"))
         checkpoint_key, received, handles = None, 0, {}
@@ -119,7 +103,6 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
             raise
         self.residency.loaded(key)
 
-    @_counted
     async def DropAdapter(self, request, context):
         """Once the requests already using it are done (new ones get AdapterNotLoaded meanwhile)."""
         key = request.checkpoint_key
@@ -163,7 +146,6 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         metrics.RESIDENT_ADAPTERS.set(len(self.backend.describe().loaded_checkpoints))
         metrics.RESIDENT_ADAPTER_BYTES.set(self.residency.total_bytes)
 
-    @_counted
     async def Sample(self, request, context):
         start = time.perf_counter()
         sample = convert.sample_request_from_pb(request, self.backend.describe().vocab_size, self.max_num_samples)
@@ -212,7 +194,6 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         metrics.TOKENS_SAMPLED.inc(sum(len(seq.tokens) for result in results for seq in result.sequences))
         return results
 
-    @_counted
     async def ComputeLogprobs(self, request, context):
         checkpoint_key, prompt, last_n = convert.logprobs_request_from_pb(request)
         with self._pinned(checkpoint_key):

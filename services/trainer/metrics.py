@@ -18,7 +18,9 @@ CYCLES = Counter("temper_trainer_cycles", "RunCycle calls that completed.")
 OPTIM_STEPS = Counter("temper_trainer_optim_steps", "Optimizer steps applied.")
 RESIDENT_ADAPTERS = Gauge("temper_trainer_resident_adapters", "Adapters live in the model.")
 OFFLOADED_ADAPTERS = Gauge("temper_trainer_offloaded_adapters", "Adapters offloaded to host memory or disk.")
-ERRORS = Counter("temper_trainer_errors", "Failed RPCs, and refused RunCycle items, by gRPC status code.", ["rpc", "code"])
+# Failed RPCs are counted by the error interceptor, as every service's: temper_rpc_errors_total (common/metrics.py).
+REFUSED_ITEMS = Counter("temper_trainer_refused_items", "RunCycle items refused (answered in the response while the "
+                        "cycle's other items ran), by gRPC status code.", ["code"])
 RSS_BYTES = Gauge("temper_trainer_rss_bytes", "Resident set size of the trainer process.")
 CUDA_ALLOCATED_BYTES = Gauge("temper_trainer_cuda_memory_allocated_bytes",
                              "torch.cuda.memory_allocated() of the current device (0 unless CUDA is in use).")

@@ -25,11 +25,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self._tokenizer_files: dict[str, bytes] | None = None  # saved on the first ReadTokenizer
 
     async def _run(self, rpc: str, fn, *args):
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
-        except Exception as exc:
-            count_error(rpc, exc)
-            raise
+        # a failure is counted by the error interceptor (common/metrics.RPC_ERRORS), as every service's is
+        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 
     async def GetModelInfo(self, request, context):
         # a trainer group (group.GroupEngine) is one trainer of world_size ranks
@@ -63,13 +60,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         forward_backward, optim_step = convert.cycle_from_pb(request, loaded.vocab_size, loaded.max_context_length)
         results, steps = self.engine.run_cycle(forward_backward, optim_step)
         for outcome in [*results, *steps]:
-            if isinstance(outcome, TemperError):  # a refused item: answered in the response, counted here
-                count_error("RunCycle", outcome)
+            if isinstance(outcome, TemperError):  # a refused item: answered in the response (the call succeeds)
+                metrics.REFUSED_ITEMS.labels(outcome.code.name).inc()
         return convert.cycle_to_pb(results, steps)
 
     async def SaveAdapter(self, request, context):
         size = await self._run("SaveAdapter", self.engine.save, request.training_run_id, request.checkpoint_key,
-                               request.include_optimizer)
+                               request.include_optimizer, request.measure_only)
         return trainer_pb2.SaveAdapterResponse(size_bytes=size)
 
     async def LoadAdapter(self, request, context):
@@ -93,19 +90,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     async def ReadCheckpoint(self, request, context):
         key, names = convert.checkpoint_files(request)
-        try:
-            for chunk in convert.file_chunks_to_pb(self.engine.store.read_chunks(key, names)):
-                yield chunk
-        except Exception as exc:
-            count_error("ReadCheckpoint", exc)
-            raise
+        for chunk in convert.file_chunks_to_pb(self.engine.store.read_chunks(key, names)):
+            yield chunk
 
     async def ImportAdapter(self, request_iterator, context):
-        try:
-            key, files = await self._receive_import(request_iterator)
-        except Exception as exc:
-            count_error("ImportAdapter", exc)
-            raise
+        key, files = await self._receive_import(request_iterator)
         size, lora = await self._run("ImportAdapter", self.engine.import_checkpoint, key, files)
         return trainer_pb2.ImportAdapterResponse(size_bytes=size, lora_config=convert.imported_lora_to_pb(lora))
 
@@ -129,9 +118,3 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             self._tokenizer_files = await asyncio.to_thread(tokenizer_files, self.engine.loaded.tokenizer)
         for chunk in convert.file_chunks_to_pb(file_pieces(self._tokenizer_files)):
             yield chunk
-
-
-def count_error(rpc: str, exc: BaseException) -> None:
-    """The status the error interceptor will send: a domain error's code, else INTERNAL."""
-    code = exc.code.name if isinstance(exc, TemperError) else "INTERNAL"
-    metrics.ERRORS.labels(rpc, code).inc()

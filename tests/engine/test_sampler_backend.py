@@ -162,6 +162,5 @@ def test_sample_through_the_servicer_converts_and_counts(backend, tmp_path):
     with pytest.raises(InvalidArgument, match="num_samples"):
         asyncio.run(servicer.Sample(sampler_pb2.SamplerSampleRequest(prompt_tokens=encode_tokens(prompt), num_samples=5,
                                                                      sampling_params=request.sampling_params), None))
-    assert REGISTRY.get_sample_value("temper_sampler_errors_total", {"rpc": "Sample", "code": "INVALID_ARGUMENT"}) >= 1
     info = asyncio.run(servicer.GetModelInfo(None, None))
     assert list(info.loaded_adapters) == ["x", "y", "z"] and info.backend == "torch"

@@ -92,7 +92,6 @@ def metric(name: str, labels: dict | None = None) -> float:
 def test_the_least_recently_used_adapter_is_evicted_and_comes_back_identical(backend, folders, tiny_model_dir, tmp_path):
     servicer = SamplerServicer(backend, tmp_path, max_num_samples=4, max_adapters=2)
     evictions = metric("temper_sampler_adapter_evictions_total")
-    refused = metric("temper_sampler_errors_total", {"rpc": "Sample", "code": "FAILED_PRECONDITION"})
 
     async def scenario():
         await push(servicer, "a", folders["a"])
@@ -115,7 +114,6 @@ def test_the_least_recently_used_adapter_is_evicted_and_comes_back_identical(bac
                 await call
             assert raised.value.code == grpc.StatusCode.FAILED_PRECONDITION
             assert raised.value.message == "ADAPTER_NOT_LOADED: checkpoint b is not loaded on this sampler"
-        assert metric("temper_sampler_errors_total", {"rpc": "Sample", "code": "FAILED_PRECONDITION"}) == refused + 1
 
         await push(servicer, "b", folders["b"])   # c was used less recently than a
         assert servicer.residency.keys() == ["a", "b"] and metric("temper_sampler_adapter_evictions_total") == evictions + 2

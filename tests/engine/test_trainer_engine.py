@@ -309,7 +309,7 @@ def test_the_engine_imports_no_protobuf():
     assert out.strip() == "[]"
 
 
-def test_the_servicer_decodes_runs_encodes_and_counts_errors(engine):
+def test_the_servicer_decodes_runs_encodes_and_counts_refused_items(engine):
     import asyncio
 
     import grpc
@@ -323,14 +323,14 @@ def test_the_servicer_decodes_runs_encodes_and_counts_errors(engine):
     want = direct(engine, raw)[0]
     response = asyncio.run(servicer.RunCycle(trainer_pb2.CycleRequest(forward_backward=[item]), None))
     assert response.forward_backward[0].metrics["loss:sum"] == pytest.approx(want, rel=1e-5, abs=1e-4)
-    labels = {"rpc": "RunCycle", "code": "NOT_FOUND"}
-    before = REGISTRY.get_sample_value("temper_trainer_errors_total", labels) or 0.0
+    labels = {"code": "NOT_FOUND"}  # failed calls are the error interceptor's (tests/unit/test_error_counting.py)
+    before = REGISTRY.get_sample_value("temper_trainer_refused_items_total", labels) or 0.0
     missing = trainer_pb2.ForwardBackwardItem(training_run_id="missing", data=item.data, loss_fn="cross_entropy")
     response = asyncio.run(servicer.RunCycle(trainer_pb2.CycleRequest(forward_backward=[missing, item]), None))
     refused, ran = response.forward_backward_status
     assert refused.code == grpc.StatusCode.NOT_FOUND.value[0] and "not loaded" in refused.message and ran.code == 0
     assert response.forward_backward[1].metrics["loss:sum"] == pytest.approx(want, rel=1e-5, abs=1e-4)
-    assert REGISTRY.get_sample_value("temper_trainer_errors_total", labels) == before + 1
+    assert REGISTRY.get_sample_value("temper_trainer_refused_items_total", labels) == before + 1
     asyncio.run(servicer.CreateAdapter(trainer_pb2.CreateAdapterRequest(
         training_run_id="run-c", lora_config=types_pb2.LoraConfig(rank=2, train_mlp=True)), None))
     assert engine.host.get("run-c").spec == AdapterSpec(rank=2, alpha=32.0, targets=lora_targets(mlp=True))
