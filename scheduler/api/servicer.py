@@ -12,6 +12,7 @@ import functools
 from collections import defaultdict
 
 from temper.common.checkpoints import KIND_DIRS, check_name, parse_path
+from temper.common.defaults import adam_with_defaults
 from temper.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 from temper.common.logs import request_context
 from temper.common.validation import validate_adam, validate_forward_backward
@@ -209,7 +210,7 @@ class TemperServicer(SamplingVerbs, CheckpointVerbs, ImportVerbs, LookupVerbs, T
         def check(run: RunInfo) -> int:
             if not request.HasField("adam_params"):
                 raise InvalidArgument("optim_step needs adam_params")
-            validate_adam(request.adam_params)
+            validate_adam(adam_with_defaults(request.adam_params))
             return 0
 
         return await self._submit(request, WorkKind.OPTIM_STEP, check)

@@ -14,6 +14,7 @@ from typing import Callable, Iterable, TypeVar
 from temper.common.checkpoints import WEIGHT_FILES
 from temper.common.codec import encode_array
 from temper.common.errors import InvalidArgument, TemperError, status_number
+from temper.common.defaults import adam_with_defaults
 from temper.common.validation import validate_adam, validate_forward_backward
 from temper.services.lora.model import AdapterSpec, LoraModel
 from temper.services.models import families
@@ -63,6 +64,7 @@ def forward_backward_from_pb(item: trainer_pb2.ForwardBackwardItem, vocab_size: 
 
 
 def adam_from_pb(params: types_pb2.AdamParams) -> AdamParams:
+    params = adam_with_defaults(params)  # a raw client's unset fields: Tinker's defaults
     validate_adam(params)
     return AdamParams(learning_rate=params.learning_rate, beta1=params.beta1, beta2=params.beta2, eps=params.eps,
                       weight_decay=params.weight_decay, grad_clip_norm=params.grad_clip_norm)
