@@ -7,6 +7,7 @@ from __future__ import annotations
 from temper.v1 import types_pb2
 
 # tinker.AdamParams (docs: /work/shared/docs/tinker-wire-spec.md, section 4)
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": -1, "top_p": 1.0}  # tinker.SamplingParams
 ADAM_DEFAULTS = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0, "grad_clip_norm": 0.0}
 
 
@@ -23,3 +24,7 @@ def _filled(message, defaults: dict):
 
 def adam_with_defaults(params: types_pb2.AdamParams) -> types_pb2.AdamParams:
     return _filled(params, ADAM_DEFAULTS)
+
+
+def sampling_with_defaults(params: types_pb2.SamplingParams) -> types_pb2.SamplingParams:
+    return _filled(params, SAMPLING_DEFAULTS)

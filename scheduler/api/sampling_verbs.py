@@ -18,6 +18,7 @@ import numpy as np
 
 from temper.common.checkpoints import parse_path
 from temper.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from temper.common.defaults import sampling_with_defaults
 from temper.common.validation import (check_last_n, check_prompt_scoring, check_sample_counts, check_sampling_params,
                                      check_token_range, model_input_tokens)
 from temper.scheduler import metrics
@@ -140,7 +141,7 @@ class SamplingVerbs:
         target = await self._sampling_target(request.sampler_id, request.prompt)
         # every rule the sampler applies, before any sampler is called: a refused request pushes no
         # adapter (which could evict the tenant's others) and changes nothing
-        check_sampling_params(request.sampling_params, target.info.vocab_size)
+        check_sampling_params(sampling_with_defaults(request.sampling_params), target.info.vocab_size)
         check_sample_counts(request.num_samples, request.topk_logprobs, request.topk_prompt_logprobs, target.info.vocab_size)
         last_n = request.prompt_logprobs_last_n if request.HasField("prompt_logprobs_last_n") else None
         check_prompt_scoring(len(target.tokens), request.include_prompt_logprobs, request.topk_prompt_logprobs, last_n)

@@ -12,6 +12,7 @@ from temper.common.codec import decode_tokens, encode_array, encode_floats, enco
 from temper.common.validation import (  # noqa: F401 (MAX_TOPK_LOGPROBS, MIN_TEMPERATURE: re-exported)
     MAX_TOPK_LOGPROBS, MIN_TEMPERATURE, check_last_n, check_prompt_scoring, check_sample_counts, check_sampling_params)
 from temper.services.sampler.backend import ModelDescription, SampleRequest, SampleResult, SamplingOptions
+from temper.common.defaults import sampling_with_defaults
 from temper.v1 import sampler_pb2, types_pb2
 
 _STOP_REASONS = {"stop": types_pb2.STOP_REASON_STOP, "length": types_pb2.STOP_REASON_LENGTH}
@@ -19,6 +20,7 @@ _STOP_REASONS = {"stop": types_pb2.STOP_REASON_STOP, "length": types_pb2.STOP_RE
 
 def sampling_options_from_pb(p: types_pb2.SamplingParams, vocab_size: int) -> SamplingOptions:
     # the scheduler checked the same rules before calling (validation.py); checked again here
+    p = sampling_with_defaults(p)  # a raw client's unset fields: Tinker's defaults
     stop_ids = check_sampling_params(p, vocab_size)
     return SamplingOptions(
         max_tokens=p.max_tokens, seed=p.seed if p.HasField("seed") else None, temperature=p.temperature,

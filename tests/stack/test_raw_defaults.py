@@ -1,11 +1,13 @@
 """A raw gRPC client (temper.v1 stubs only) that leaves optional fields unset gets Tinker's defaults
 (common/defaults.py), not proto3's zeros: an AdamParams with only learning_rate set trains exactly as
-one that spells out beta1 0.9, beta2 0.95, eps 1e-12, weight_decay 0, grad_clip_norm 0."""
+one that spells out beta1 0.9, beta2 0.95, eps 1e-12, weight_decay 0, grad_clip_norm 0; SamplingParams
+without temperature, top_k, top_p samples as temperature 1 over the full vocabulary."""
 
 from __future__ import annotations
 
 from fixtures_stack import raw_stub, sft_datum
-from temper.client import convert
+from temper.client import ModelInput, convert
+from temper.common.codec import decode_tokens
 from temper.v1 import service_pb2, types_pb2
 
 PATTERN = [7, 19, 42, 101, 250, 33, 77, 5, 310, 64, 128, 12]
@@ -35,3 +37,22 @@ def test_adam_params_left_unset_are_tinkers_defaults(stack, tiny_model_dir):
     # and a field set to 0 is 0, not the default: beta2 0 is another optimizer
     other = _losses_after_steps(stub, session.session_id, tiny_model_dir, types_pb2.AdamParams(learning_rate=2e-2, beta2=0.0))
     assert other[2] != only_lr[2]  # (Adam's first step does not depend on the betas)
+
+
+def test_sampling_params_left_unset_are_tinkers_defaults(stack, tiny_model_dir):
+    """temperature unset is 1 (not greedy), top_k -1 and top_p 1 (the full vocabulary)."""
+    stub = raw_stub(stack, "raw-defaults")
+    session = stub.CreateSession(service_pb2.CreateSessionRequest(), timeout=60)
+    sampler = stub.CreateSamplingClient(service_pb2.CreateSamplingClientRequest(session_id=session.session_id,
+                                                                                base_model=tiny_model_dir), timeout=60)
+    prompt = convert.model_input_to_proto(ModelInput.from_ints(PATTERN[:5]))
+
+    def tokens(**params) -> list[list[int]]:
+        response = stub.Sample(service_pb2.SampleRequest(sampler_id=sampler.sampler_id, prompt=prompt, num_samples=4,
+                                                         sampling_params=types_pb2.SamplingParams(
+                                                             max_tokens=8, seed=11, stop_disabled=True, **params)), timeout=60)
+        return [list(decode_tokens(s.tokens)) for s in response.sequences]
+
+    unset = tokens()
+    assert unset == tokens(temperature=1.0, top_k=-1, top_p=1.0)
+    assert unset != tokens(temperature=0.0)  # an explicit 0 is greedy, as before
