@@ -209,7 +209,8 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
         if request.checkpoint_key in self.checkpoints.files:
             raise AlreadyExists(f"checkpoint {request.checkpoint_key} exists")
         files = CheckpointFiles.make(request.training_run_id, self.adapters[request.training_run_id], request.include_optimizer)
-        self.checkpoints.files[request.checkpoint_key] = files
+        if not request.measure_only:  # measuring writes nothing
+            self.checkpoints.files[request.checkpoint_key] = files
         return trainer_pb2.SaveAdapterResponse(size_bytes=sum(len(b) for b in files.values()))
 
     async def LoadAdapter(self, request, context):

@@ -89,19 +89,21 @@ class ImportVerbs:
 
     async def _import_within_limits(self, header: service_pb2.ImportCheckpointHeader, tenant: str, base_model: str,
                                     trainer: TrainerHandle, files: dict[str, bytes]) -> service_pb2.ImportCheckpointResponse:
-        async with self._creating_runs[tenant]:  # the limits hold exactly against this tenant's other creations
+        # the limits hold exactly against this tenant's other creations, and storage against its saves too
+        async with self._creating_runs[tenant], self.admission.quotas.storage_lock(tenant):
             limits = await self.admission.quotas.limits(tenant)
             if limits.max_training_runs:
                 check_hard_limit("max_training_runs", limits.max_training_runs,
                                  await asyncio.to_thread(self.store.open_training_runs, tenant))
-            if limits.max_storage_bytes:
-                adding = sum(len(data) for data in files.values()) * (2 if header.save_state else 1)
-                check_hard_limit("max_storage_bytes", limits.max_storage_bytes,
-                                 await asyncio.to_thread(self.store.storage_bytes, tenant), adding=adding)
-            return await self._import(header, tenant, base_model, trainer, files)
+            used = 0
+            if limits.max_storage_bytes:  # the files are written as uploaded: their bytes exactly
+                used = await asyncio.to_thread(self.store.storage_bytes, tenant)
+                check_hard_limit("max_storage_bytes", limits.max_storage_bytes, used, adding=sum(map(len, files.values())))
+            return await self._import(header, tenant, base_model, trainer, files, (limits.max_storage_bytes, used))
 
     async def _import(self, header: service_pb2.ImportCheckpointHeader, tenant: str, base_model: str, trainer: TrainerHandle,
-                      files: dict[str, bytes]) -> service_pb2.ImportCheckpointResponse:
+                      files: dict[str, bytes], storage: tuple[int, int]) -> service_pb2.ImportCheckpointResponse:
+        """``storage``: the tenant's max_storage_bytes (0: none) and its use before this import."""
         number = await asyncio.to_thread(self.store.reserve_run, header.session_id)
         run_id = number.run_id
         paths = [CheckpointPath(run_id, types_pb2.CHECKPOINT_KIND_SAMPLER, header.name)]
@@ -118,6 +120,12 @@ class ImportVerbs:
             created = await trainer.call("CreateAdapter", trainer_pb2.CreateAdapterRequest(training_run_id=run_id, lora_config=cfg))
             await trainer.call("LoadAdapter", trainer_pb2.LoadAdapterRequest(training_run_id=run_id, checkpoint_key=paths[0].key))
             sizes = [imported.size_bytes]
+            if header.save_state and storage[0]:
+                # the training checkpoint is in the trainer's own format: measured before it is written;
+                # if both would not fit, refused and the import undone
+                measured = await trainer.call("SaveAdapter", trainer_pb2.SaveAdapterRequest(
+                    training_run_id=run_id, checkpoint_key=paths[1].key, include_optimizer=True, measure_only=True))
+                check_hard_limit("max_storage_bytes", *storage, adding=sizes[0] + measured.size_bytes)
             if header.save_state:
                 # with the (fresh, empty) optimizer state: a training checkpoint always has one, so
                 # loading it with_optimizer works as for any other (the optimizer starts afresh)

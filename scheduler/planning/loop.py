@@ -35,6 +35,7 @@ from temper.scheduler.planning.recovery import Recovery, adapter_missing
 from temper.scheduler.planning.runs import RunRegistry
 from temper.scheduler.settings import SchedulerSettings
 from temper.scheduler.db.views import KIND_NAMES, checkpoint_message
+from temper.scheduler.tenancy.quotas import check_hard_limit
 from temper.scheduler.planning.work import Work, WorkKind
 from temper.v1 import service_pb2, trainer_pb2, types_pb2
 
@@ -190,6 +191,43 @@ class SchedulerLoop:
     async def _save(self, trainer: TrainerHandle, work: Work, resent: bool) -> service_pb2.SaveWeightsResponse:
         request = work.request
         path = CheckpointPath(work.run_id, request.kind, request.name)
+        limit = 0 if request.ephemeral else self.admission.quotas.cached(work.tenant).max_storage_bytes
+        if limit:  # snapshots are collected by themselves; named saves are what fills storage
+            async with self.admission.quotas.storage_lock(work.tenant):  # measured to written: no other save of the tenant between
+                await self._within_storage(trainer, work, path, limit)
+                row = await self._write_checkpoint(trainer, work, path, resent)
+        else:
+            row = await self._write_checkpoint(trainer, work, path, resent)
+        if request.kind == types_pb2.CHECKPOINT_KIND_SAMPLER:
+            # Pushed now so a sampling client starts without waiting; if the sampler is down, the first
+            # sampling client on this checkpoint pushes it instead.
+            try:
+                sampler = self.backends.sampler_for(self.runs.known(work.run_id).base_model)
+                limit = self.admission.quotas.cached(work.tenant).max_resident_adapters
+                await self.backends.push_checkpoint(trainer, sampler, path.key, tenant=work.tenant, max_resident=limit)
+            except TemperError as exc:
+                log.warning("could not push %s to a sampler now: %s", path.key, exc.message)
+        return service_pb2.SaveWeightsResponse(checkpoint=checkpoint_message(row, self.runs.known(work.run_id).row))
+
+    async def _within_storage(self, trainer: TrainerHandle, work: Work, path: CheckpointPath, limit: int) -> None:
+        """ResourceExhausted, before anything is written or removed, if the save would take the tenant's
+        checkpoints over ``limit``: its size measured by the trainer (what it would write), an
+        overwritten checkpoint's bytes counted as freed."""
+        request, freed = work.request, 0
+        if request.overwrite:
+            try:
+                freed = (await self.persist(self.store.get_checkpoint, str(path))).size_bytes
+            except NotFound:
+                pass
+        measured = await trainer.call("SaveAdapter", trainer_pb2.SaveAdapterRequest(
+            training_run_id=work.run_id, checkpoint_key=path.key, measure_only=True,
+            include_optimizer=request.kind == types_pb2.CHECKPOINT_KIND_TRAINING))
+        used = await self.persist(self.store.storage_bytes, work.tenant)
+        check_hard_limit("max_storage_bytes", limit, used - freed, adding=measured.size_bytes)
+
+    async def _write_checkpoint(self, trainer: TrainerHandle, work: Work, path: CheckpointPath, resent: bool):
+        """The save's files on the trainer (an overwritten checkpoint removed first), then its row."""
+        request = work.request
         if request.overwrite:
             await self._remove_existing(str(path))
         try:
@@ -202,18 +240,8 @@ class SchedulerLoop:
                 raise
             # The first attempt wrote it (its answer was lost); nothing of the run has run since.
             size = sum([len(chunk.data) async for chunk in trainer.read_checkpoint(path.key)])
-        row = await self.persist(self.store.add_or_get_checkpoint, work.run_id, KIND_NAMES[request.kind], request.name, str(path), size,
-                                  request.ephemeral, request.ttl_seconds, dict(request.user_metadata))
-        if request.kind == types_pb2.CHECKPOINT_KIND_SAMPLER:
-            # Pushed now so a sampling client starts without waiting; if the sampler is down, the first
-            # sampling client on this checkpoint pushes it instead.
-            try:
-                sampler = self.backends.sampler_for(self.runs.known(work.run_id).base_model)
-                limit = self.admission.quotas.cached(work.tenant).max_resident_adapters
-                await self.backends.push_checkpoint(trainer, sampler, path.key, tenant=work.tenant, max_resident=limit)
-            except TemperError as exc:
-                log.warning("could not push %s to a sampler now: %s", path.key, exc.message)
-        return service_pb2.SaveWeightsResponse(checkpoint=checkpoint_message(row, self.runs.known(work.run_id).row))
+        return await self.persist(self.store.add_or_get_checkpoint, work.run_id, KIND_NAMES[request.kind], request.name, str(path),
+                                  size, request.ephemeral, request.ttl_seconds, dict(request.user_metadata))
 
     async def _remove_existing(self, path: str) -> None:
         """An overwriting save: the checkpoint of that name goes first (files, sampler copies, row)."""

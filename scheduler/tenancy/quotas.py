@@ -2,7 +2,8 @@
 the one-minute token windows the rate limits are measured on.
 
 Hard limits (training runs, checkpoint storage) answer RESOURCE_EXHAUSTED naming the limit and the
-use. Rate limits never fail work: a tenant over its tokens per minute has its work wait in the
+use. Storage is checked with the size of the save itself, measured by the trainer before it writes:
+a save that would cross the limit is refused and nothing is written. Rate limits never fail work: a tenant over its tokens per minute has its work wait in the
 queue until its last minute is under the limit again (``TokenWindow.wait_seconds`` says how long).
 """
 
@@ -55,6 +56,12 @@ class Quotas:
         self._cache: dict[str, tuple[float, Limits]] = {}
         self.trained = TokenWindow()
         self.sampled = TokenWindow()
+        self._storage: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+
+    def storage_lock(self, tenant: str) -> asyncio.Lock:
+        """Held by a named save or an import from measuring it against max_storage_bytes until its row
+        is written: the tenant's concurrent saves cannot together cross the limit."""
+        return self._storage[tenant]
 
     async def limits(self, tenant: str) -> Limits:
         cached = self._cache.get(tenant)

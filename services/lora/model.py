@@ -11,7 +11,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -296,11 +297,15 @@ class LoraModel:
     def state_dict(self, key: str) -> dict[str, torch.Tensor]:
         return {name: p.detach().to("cpu").contiguous() for name, p in self.adapters[key].params.items()}
 
+    def files(self, key: str) -> dict[str, bytes]:
+        """The peft checkpoint of adapter ``key``, file name -> bytes (what ``save`` writes)."""
+        config = self.adapters[key].spec.peft_config(self.base_model_name)
+        return {"adapter_model.safetensors": safetensors_bytes(self.state_dict(key)),
+                "adapter_config.json": json.dumps(config, indent=2, sort_keys=True).encode()}
+
     def save(self, key: str, folder: Path) -> None:
-        adapter = self.adapters[key]
-        save_file(self.state_dict(key), str(folder / "adapter_model.safetensors"))
-        config = adapter.spec.peft_config(self.base_model_name)
-        (folder / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        for name, data in self.files(key).items():
+            (folder / name).write_bytes(data)
 
     @staticmethod
     def read(folder: Path) -> tuple[AdapterSpec, dict[str, torch.Tensor]]:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from safetensors.torch import save as safetensors_bytes
 
 from temper.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from temper.services.lora.model import ATTN_MODULES, MLP_MODULES, UNEMBED_MODULES, AdapterSpec, LoraModel
@@ -264,8 +265,10 @@ class AdapterHost:
 
     # ---- persistence -------------------------------------------------------------------------
 
-    def save(self, adapter: TrainedAdapter, folder: Path, include_optimizer: bool) -> None:
-        self.lora.save(adapter.run_id, folder)
+    def checkpoint_files(self, adapter: TrainedAdapter, include_optimizer: bool) -> dict[str, bytes]:
+        """What a save of ``adapter`` writes, file name -> bytes: its size is known before anything is
+        written (max_storage_bytes is checked against it)."""
+        files = self.lora.files(adapter.run_id)
         if include_optimizer:
             tensors, steps = {}, {}
             for name, param in adapter.params.items():
@@ -274,8 +277,9 @@ class AdapterHost:
                     tensors[f"exp_avg/{name}"] = state["exp_avg"].detach().cpu().contiguous()
                     tensors[f"exp_avg_sq/{name}"] = state["exp_avg_sq"].detach().cpu().contiguous()
                     steps[name] = float(state["step"])
-            save_file(tensors, str(folder / OPTIMIZER_FILE))
-            (folder / OPTIMIZER_META).write_text(json.dumps({"steps": adapter.steps, "param_steps": steps}, indent=2))
+            files[OPTIMIZER_FILE] = safetensors_bytes(tensors)
+            files[OPTIMIZER_META] = json.dumps({"steps": adapter.steps, "param_steps": steps}, indent=2).encode()
+        return files
 
     def read_checkpoint(self, adapter: TrainedAdapter, folder: Path, with_optimizer: bool) -> dict[str, torch.Tensor]:
         """Read a checkpoint and check it fits ``adapter``; returns its weights. Touches nothing."""

@@ -304,11 +304,16 @@ class TrainerEngine:
 
     # ---- checkpoints --------------------------------------------------------------------------
 
-    def save(self, run_id: str, key: str, include_optimizer: bool) -> int:
+    def save(self, run_id: str, key: str, include_optimizer: bool, measure_only: bool = False) -> int:
+        """The checkpoint's bytes, written under ``key``; ``measure_only``: the bytes it would take, nothing written."""
         adapter = self.host.get(run_id)
+        files = self.host.checkpoint_files(adapter, include_optimizer)
+        if measure_only:
+            return sum(len(data) for data in files.values())
         staging = self.store.staging_dir(key)
         try:
-            self.host.save(adapter, staging, include_optimizer)
+            for name, data in files.items():
+                (staging / name).write_bytes(data)
             return self.store.publish(staging, key)
         except BaseException:
             self.store.discard(staging)

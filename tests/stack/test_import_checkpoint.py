@@ -176,3 +176,26 @@ def test_imports_count_against_the_tenants_hard_limits(stack, exported):
         code, details = _import(raw_stub(stack, "imp-erin"), erin.session_id, files)
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_training_runs = 1" in details, (code, details)
         assert _everything(stack) == before
+
+
+def test_an_import_that_would_cross_the_storage_limit_is_refused_by_its_written_size(stack, exported):
+    """Issue 21, edge 7: the state checkpoint is written in the trainer's format (with its optimizer
+    files); it is measured before it is written, not guessed as twice the upload."""
+    _, _, folder = exported
+    files = {n: (folder / n).read_bytes() for n in WEIGHT_FILES}
+    with stack.client("imp-fay") as fay:
+        imported = fay.import_checkpoint(files, "size", save_state=True)
+    total = imported.checkpoint.size_bytes + imported.state_checkpoint.size_bytes
+    assert total > 2 * sum(map(len, files.values()))  # a limit checked with the guess would be crossed
+    store = Store(stack.database_url)
+    store.set_limits("imp-gus", {"max_storage_bytes": total - 1})
+    store.set_limits("imp-hana", {"max_storage_bytes": total})
+    store.engine.dispose()
+    with stack.client("imp-gus") as gus:
+        before = _everything(stack)
+        code, details = _import(raw_stub(stack, "imp-gus"), gus.session_id, files)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and f"max_storage_bytes = {total - 1} reached (in use: 0)" in details
+        assert _everything(stack) == before
+    with stack.client("imp-hana") as hana:  # exactly at the limit: admitted
+        assert _import(raw_stub(stack, "imp-hana"), hana.session_id, files) == (grpc.StatusCode.OK, "")
+        assert hana.get_usage()["storage_bytes"] == total

@@ -94,6 +94,9 @@ class Quotas:
     async def limits(self, tenant):
         return Limits()
 
+    def storage_lock(self, tenant):
+        return asyncio.Lock()
+
 
 class Admission:
     settings = settings()

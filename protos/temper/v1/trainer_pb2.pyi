@@ -140,14 +140,16 @@ class OptimStepResponseInternal(_message.Message):
     def __init__(self, metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class SaveAdapterRequest(_message.Message):
-    __slots__ = ("training_run_id", "checkpoint_key", "include_optimizer")
+    __slots__ = ("training_run_id", "checkpoint_key", "include_optimizer", "measure_only")
     TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_KEY_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    MEASURE_ONLY_FIELD_NUMBER: _ClassVar[int]
     training_run_id: str
     checkpoint_key: str
     include_optimizer: bool
-    def __init__(self, training_run_id: _Optional[str] = ..., checkpoint_key: _Optional[str] = ..., include_optimizer: _Optional[bool] = ...) -> None: ...
+    measure_only: bool
+    def __init__(self, training_run_id: _Optional[str] = ..., checkpoint_key: _Optional[str] = ..., include_optimizer: _Optional[bool] = ..., measure_only: _Optional[bool] = ...) -> None: ...
 
 class SaveAdapterResponse(_message.Message):
     __slots__ = ("size_bytes",)
