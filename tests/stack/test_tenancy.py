@@ -197,6 +197,26 @@ def test_a_published_checkpoint_is_readable_and_loadable_but_not_writable(tenanc
             fred.download_checkpoint(state, tmp_path / "after")
 
 
+def test_withdrawn_access_ends_the_sampling_clients_made_while_it_was_granted(tenancy_stack, tiny_model_dir):
+    """Issue 21, edge 4: the samplers still hold the adapter; the next call answers NOT_FOUND all the same."""
+    prompt, params = ModelInput.from_ints([1, 2, 3]), SamplingParams(max_tokens=2, temperature=0.0)
+    with tenancy_stack.client("ivy") as ivy, tenancy_stack.client("jon") as jon:
+        run = ivy.create_lora_training_client(tiny_model_dir, rank=4, seed=1)
+        path = run.save_weights_for_sampler("shared").result().path
+        ivy.publish_checkpoint(path)
+        theirs, mine = jon.create_sampling_client(model_path=path).result(), ivy.create_sampling_client(model_path=path).result()
+        assert theirs.sample(prompt, 1, params).result().sequences and mine.sample(prompt, 1, params).result().sequences
+        ivy.unpublish_checkpoint(path)
+        with pytest.raises(NotFound):
+            theirs.sample(prompt, 1, params).result()
+        with pytest.raises(NotFound):
+            theirs.compute_logprobs(prompt).result()
+        assert mine.sample(prompt, 1, params).result().sequences  # the owner's goes on until the checkpoint goes
+        ivy.delete_checkpoint(path)
+        with pytest.raises(NotFound):
+            mine.sample(prompt, 1, params).result()
+
+
 def test_hard_limits_answer_resource_exhausted_naming_the_limit(tenancy_stack, tiny_model_dir):
     assert admin(tenancy_stack, "set-quota", "--tenant", "gina", "--max-training-runs", "1", "--max-storage-bytes", "1").returncode == 0
     shown = admin(tenancy_stack, "show-quota", "--tenant", "gina").stdout
@@ -209,13 +229,18 @@ def test_hard_limits_answer_resource_exhausted_naming_the_limit(tenancy_stack, t
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_training_runs = 1" in details and "in use: 1" in details
         with pytest.raises(ResourceExhausted, match="max_training_runs"):  # a hard limit: the client does not retry it
             gina.create_lora_training_client(tiny_model_dir, rank=4, seed=1).result()
-        run.save_weights_for_sampler("first").result()  # 0 bytes used before it
-        code, details = code_of(stub.SaveWeights, service_pb2.SaveWeightsRequest(
-            training_run_id=run.model_id, seq_id=2, name="second", kind=types_pb2.CHECKPOINT_KIND_SAMPLER))
-        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_storage_bytes = 1" in details
+        # 0 bytes used before it, but the save itself is bytes: refused, nothing written (issue 21, edge 7)
+        with pytest.raises(ResourceExhausted, match="max_storage_bytes = 1 reached"):
+            run.save_weights_for_sampler("first").result()
+        for kind in (types_pb2.CHECKPOINT_KIND_SAMPLER, types_pb2.CHECKPOINT_KIND_TRAINING):
+            code, details = code_of(stub.SaveWeights, service_pb2.SaveWeightsRequest(
+                training_run_id=run.model_id, seq_id=1 + kind, name="second", kind=kind))
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_storage_bytes = 1 reached (in use: 0)" in details
+        assert not (Path(tenancy_stack.data_dir) / "checkpoints" / run.model_id).exists()
+        assert rows(tenancy_stack.database_url, f"select path from checkpoints where training_run_id = '{run.model_id}'") == []
         usage = gina.get_usage()
         assert usage["limits"]["max_training_runs"] == {"limit": 1, "used": 1.0, "wait_seconds": 0.0}
-        assert usage["limits"]["max_storage_bytes"]["used"] == usage["storage_bytes"] > 0
+        assert usage["limits"]["max_storage_bytes"]["used"] == usage["storage_bytes"] == 0
     with tenancy_stack.client("gina") as again:  # the first session closed: its run no longer counts
         assert again.create_lora_training_client(tiny_model_dir, rank=4, seed=2).model_id
 
