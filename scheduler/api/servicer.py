@@ -108,6 +108,7 @@ class TemperServicer(SamplingVerbs, CheckpointVerbs, ImportVerbs, LookupVerbs, T
                 raise InvalidArgument("with_optimizer needs from_path (the checkpoint to load)")
             check_lora(request.lora_config)
         base_model, cfg = (source.run.base_model, lora_of(source.run)) if source else (request.base_model, request.lora_config)
+        await self.backends.served("trainer", base_model)  # its trainers may be registering again: waited for
         await asyncio.to_thread(self.store.open_session, request.session_id, tenant)
         trainer = self.backends.trainer_for(base_model, "")  # an unknown model leaves the session untouched
         if source is None:

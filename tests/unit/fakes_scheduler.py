@@ -358,6 +358,9 @@ class FakeBackends:
     async def wait_ready(self):
         return None
 
+    async def served(self, role, base_model):
+        return None  # the fixed trainers are all here; trainer_for answers an unknown model
+
     async def wait_for_new_trainer(self):
         await asyncio.Event().wait()  # the trainers are fixed here
 

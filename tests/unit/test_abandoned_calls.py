@@ -117,6 +117,7 @@ def test_a_trainer_frozen_in_a_restore_gives_the_run_up_to_the_trainer_it_moved_
         s, frozen, alive, api = two_trainers(("restore",), snapshot_every_steps=2)
         loop = asyncio.create_task(s.loop.run_forever())
         await train(api, "a", (1, 2, 3, 4))
+        await until(lambda: s.store.runs["a"].snapshot_key is not None)  # the snapshot follows the answer
         assert s.store.runs["a"].snapshot_key == "a/snapshots/4"
         frozen.lose()
         s.loop.recovery.trainer_restarted(frozen)  # a new incarnation registered: "a" is restored first ...

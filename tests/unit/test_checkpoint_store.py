@@ -29,7 +29,8 @@ def test_delete_frees_the_folder_and_is_idempotent(tmp_path):
     assert store.delete("run-2/sampler_weights/never") == 0
     # nothing else touched, and nothing left behind (no hidden sibling either)
     assert store.exists("run-1/weights/step-3")
-    assert sorted(p.name for p in (tmp_path / "ckpt" / "run-1" / "sampler_weights").iterdir()) == []
+    assert not (tmp_path / "ckpt" / "run-1" / "sampler_weights").exists()  # its emptied kind folder goes too
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "run-1").iterdir()) == ["weights"]
     # the key can be saved again
     assert save(store, KEY, {"adapter_model.safetensors": b"yy"}) == 2
 

@@ -121,7 +121,7 @@ class _Context:
 def test_every_status_message_is_bounded_its_start_kept():
     context = _Context()
     with pytest.raises(RuntimeError):
-        asyncio.run(_abort(context, InvalidArgument("x" * 100_000), "/m"))
+        asyncio.run(_abort(context, InvalidArgument("x" * 100_000), "/m", None))
     code, details = context.aborted
     assert code == grpc.StatusCode.INVALID_ARGUMENT and len(details) <= MAX_STATUS_CHARS and details.startswith("xxx")
     long_key = AdapterNotLoaded("k" * 5000)
