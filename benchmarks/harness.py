@@ -15,7 +15,6 @@ import contextlib
 import gc
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -122,8 +121,16 @@ def sync(device: str) -> None:
 # ---- memory: one pass in a fresh child process --------------------------------------------------
 
 
+def peak_rss_kb() -> int:
+    """The kernel's peak-RSS mark of this process (VmHWM), which ``_reset_peak_rss`` resets. Not
+    getrusage's ru_maxrss: that keeps the peak of the process before its exec too (the parent's, as
+    forked), so in a child of a bigger parent it reads the parent's peak and no growth at all."""
+    with open("/proc/self/status") as f:
+        return int(next(line.split()[1] for line in f if line.startswith("VmHWM:")))
+
+
 def _reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark (Linux >= 4.0), so ru_maxrss then measures from here."""
+    """Reset the kernel's peak-RSS mark (Linux >= 4.0), so ``peak_rss_kb`` then measures from here."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -223,9 +230,9 @@ def memory_child(args) -> None:
         # buffers) outside the measurement, the same for every variant.
         run_memory_variant(engine, variant, random_sequences(ROWS, 8, engine.loaded.vocab_size, seed=2))
         gc.collect()
-        load_peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        load_peak_kb = peak_rss_kb()
         reset = _reset_peak_rss()
-        baseline_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        baseline_kb = peak_rss_kb()
         rss_before_kb = _current_rss_kb()
         if engine.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -234,7 +241,7 @@ def memory_child(args) -> None:
         loss = run_memory_variant(engine, variant, sequences)
         sync(args.device)
         seconds = time.perf_counter() - start
-        peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak_kb = peak_rss_kb()
         out = {
             "variant": variant, "rows": ROWS, "tokens": args.memory_tokens, "seconds": seconds, "loss": loss,
             "load_peak_rss_kb": load_peak_kb, "peak_reset": reset, "baseline_rss_kb": baseline_kb, "rss_before_pass_kb": rss_before_kb,

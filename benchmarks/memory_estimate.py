@@ -136,7 +136,6 @@ def family_child(args) -> None:
     process after a warm-up: peak RSS growth and the estimate of the planned passes. Prints a
     harness.MEM_PREFIX line."""
     import gc
-    import resource
     import tempfile
 
     import torch
@@ -171,11 +170,11 @@ def family_child(args) -> None:
         run(harness.random_sequences(args.family_rows, 8, vocab, seed=2))  # one-off costs outside the measurement
         gc.collect()
         reset = harness._reset_peak_rss()
-        baseline_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        baseline_kb = harness.peak_rss_kb()
         start = time.perf_counter()
         run(harness.random_sequences(args.family_rows, args.memory_tokens, vocab, seed=1))
         seconds = time.perf_counter() - start
-        peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak_kb = harness.peak_rss_kb()
         dtype = next(loaded.model.parameters()).dtype
         model = ActivationModel.from_config(loaded.model.config, dtype, device=engine.device)
         plan = harness.describe_plan(engine, [args.memory_tokens] * args.family_rows)
