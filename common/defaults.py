@@ -8,6 +8,7 @@ from temper.v1 import types_pb2
 
 # tinker.AdamParams (docs: /work/shared/docs/tinker-wire-spec.md, section 4)
 SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": -1, "top_p": 1.0}  # tinker.SamplingParams
+LORA_DEFAULTS = {"rank": 32, "train_attn": True, "train_mlp": True, "train_unembed": True}  # tinker.LoraConfig
 ADAM_DEFAULTS = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0, "grad_clip_norm": 0.0}
 
 
@@ -28,3 +29,7 @@ def adam_with_defaults(params: types_pb2.AdamParams) -> types_pb2.AdamParams:
 
 def sampling_with_defaults(params: types_pb2.SamplingParams) -> types_pb2.SamplingParams:
     return _filled(params, SAMPLING_DEFAULTS)
+
+
+def lora_with_defaults(config: types_pb2.LoraConfig) -> types_pb2.LoraConfig:
+    return _filled(config, LORA_DEFAULTS)

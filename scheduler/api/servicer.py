@@ -12,7 +12,7 @@ import functools
 from collections import defaultdict
 
 from temper.common.checkpoints import KIND_DIRS, check_name, parse_path
-from temper.common.defaults import adam_with_defaults
+from temper.common.defaults import adam_with_defaults, lora_with_defaults
 from temper.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 from temper.common.logs import request_context
 from temper.common.validation import validate_adam, validate_forward_backward
@@ -101,6 +101,7 @@ class TemperServicer(SamplingVerbs, CheckpointVerbs, ImportVerbs, LookupVerbs, T
         if request.HasField("run_index") and not 0 <= request.run_index < MAX_RUN_INDEX:
             raise InvalidArgument(f"run_index must be in [0, {MAX_RUN_INDEX}), got {request.run_index}")
         check_user_metadata(request.user_metadata)
+        request.lora_config.CopyFrom(lora_with_defaults(request.lora_config))  # a raw client's unset fields: Tinker's
         tenant = caller()
         source = await self._checkpoint_source(request, tenant) if request.from_path else None
         if source is None:

@@ -1,7 +1,8 @@
 """A raw gRPC client (temper.v1 stubs only) that leaves optional fields unset gets Tinker's defaults
 (common/defaults.py), not proto3's zeros: an AdamParams with only learning_rate set trains exactly as
 one that spells out beta1 0.9, beta2 0.95, eps 1e-12, weight_decay 0, grad_clip_norm 0; SamplingParams
-without temperature, top_k, top_p samples as temperature 1 over the full vocabulary."""
+without temperature, top_k, top_p samples as temperature 1 over the full vocabulary; a LoraConfig without
+rank or train_* is rank 32 training attention, MLP and unembedding."""
 
 from __future__ import annotations
 
@@ -56,3 +57,19 @@ def test_sampling_params_left_unset_are_tinkers_defaults(stack, tiny_model_dir):
     unset = tokens()
     assert unset == tokens(temperature=1.0, top_k=-1, top_p=1.0)
     assert unset != tokens(temperature=0.0)  # an explicit 0 is greedy, as before
+
+
+def test_lora_config_left_unset_is_tinkers_default(stack, tiny_model_dir):
+    stub = raw_stub(stack, "raw-defaults")
+    session = stub.CreateSession(service_pb2.CreateSessionRequest(), timeout=60)
+
+    def created(lora: types_pb2.LoraConfig) -> types_pb2.LoraConfig:
+        run = stub.CreateTrainingRun(service_pb2.CreateTrainingRunRequest(
+            session_id=session.session_id, base_model=tiny_model_dir, lora_config=lora), timeout=60)
+        info = stub.GetInfo(service_pb2.GetInfoRequest(training_run_id=run.training_run_id), timeout=60)
+        return info.lora_config
+
+    unset = created(types_pb2.LoraConfig())
+    assert (unset.rank, unset.train_attn, unset.train_mlp, unset.train_unembed) == (32, True, True, True)
+    explicit = created(types_pb2.LoraConfig(rank=4, train_attn=True, train_mlp=False, train_unembed=False))
+    assert (explicit.rank, explicit.train_attn, explicit.train_mlp, explicit.train_unembed) == (4, True, False, False)

@@ -155,7 +155,7 @@ def test_create_training_run_stores_the_trainers_expert_rank_and_refuses_a_bad_o
         async with servicer(_MoeTrainer.serving_moe(adapters={})) as (s, api):
             default = await create(api, rank=8, train_mlp=True)
             asked = await create(api, rank=8, train_mlp=True, expert_rank=2)
-            dense = await create(api, rank=8, train_attn=True)
+            dense = await create(api, rank=8, train_attn=True, train_mlp=False)  # unset train_mlp would be Tinker's True
             assert [r.lora_config.expert_rank for r in (default, asked, dense)] == [4, 2, 0]
             assert [s.store.runs[r.training_run_id].lora_expert_rank for r in (default, asked, dense)] == [4, 2, 0]
             info = await api.GetInfo(service_pb2.GetInfoRequest(training_run_id=default.training_run_id), None)
