@@ -374,10 +374,17 @@ def _not_finite(items: list[ForwardBackwardItem], results: list[ForwardBackwardR
     """Runs whose loss or accumulated gradient is not finite: the next optim_step would turn their
     adapter into NaN for good, so they are refused instead (the caller restores their grads)."""
     bad = {item.run_id for item, result in zip(items, results) if not math.isfinite(result.metrics["loss:sum"])}
+    # Every run's gradients in one fused max-abs norm (NaN and inf survive a max, and nothing can overflow
+    # it) and one device sync: an isfinite per tensor cost ~3% of a co-batched cycle of 8 adapters.
+    owners, grads = [], []
     for run_id, adapter in training.items():
-        flags = [torch.isfinite(p.grad).all() for p in adapter.params.values() if p.grad is not None]
-        if flags and not bool(torch.stack(flags).all()):  # one device sync per adapter
-            bad.add(run_id)
+        for p in adapter.params.values():
+            if p.grad is not None and p.grad.numel():
+                owners.append(run_id)
+                grads.append(p.grad)
+    if grads:
+        finite = torch.isfinite(torch.stack([n.float() for n in torch._foreach_norm(grads, math.inf)])).tolist()
+        bad.update(run_id for run_id, ok in zip(owners, finite) if not ok)
     return {run_id: InvalidArgument(f"the loss or gradient of run {run_id} is not finite (inputs too large for "
                                     f"float32?); nothing of the run was changed") for run_id in sorted(bad)}
 

@@ -259,8 +259,11 @@ def test_cycle_protobuf_round_trip(engine):
     for wire, lp, loss in zip(out.loss_fn_outputs, results[0].logprobs, results[0].elementwise_loss):
         np.testing.assert_array_equal(decode_array(wire.fields["logprobs"]), lp)
         np.testing.assert_array_equal(decode_array(wire.fields["elementwise_loss"]), loss)
+    # unset fields are Tinker's defaults (common/defaults.py); one set out of range is still refused
+    assert convert.adam_from_pb(types_pb2.AdamParams(learning_rate=1e-3)) == AdamParams(
+        learning_rate=1e-3, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.0, grad_clip_norm=0.0)
     with pytest.raises(InvalidArgument, match="eps"):
-        convert.adam_from_pb(types_pb2.AdamParams(learning_rate=1e-3))
+        convert.adam_from_pb(types_pb2.AdamParams(learning_rate=1e-3, eps=0.0))
 
 
 def test_lora_config_converts_to_an_adapter_spec():
