@@ -1,3 +1,4 @@
+from temper.v1 import records_pb2 as _records_pb2
 from temper.v1 import types_pb2 as _types_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -507,3 +508,190 @@ class GetTokenizerRequest(_message.Message):
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     base_model: str
     def __init__(self, base_model: _Optional[str] = ...) -> None: ...
+
+class GetAuditLogRequest(_message.Message):
+    __slots__ = ("from_unix_ms", "to_unix_ms", "page_size", "page_token", "tenant", "action")
+    FROM_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    TO_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    from_unix_ms: int
+    to_unix_ms: int
+    page_size: int
+    page_token: str
+    tenant: str
+    action: str
+    def __init__(self, from_unix_ms: _Optional[int] = ..., to_unix_ms: _Optional[int] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., tenant: _Optional[str] = ..., action: _Optional[str] = ...) -> None: ...
+
+class AuditEntry(_message.Message):
+    __slots__ = ("id", "at_unix_ms", "tenant", "key_prefix", "actor", "action", "target", "details")
+    class DetailsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    KEY_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    ACTOR_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    at_unix_ms: int
+    tenant: str
+    key_prefix: str
+    actor: str
+    action: str
+    target: str
+    details: _containers.ScalarMap[str, str]
+    def __init__(self, id: _Optional[int] = ..., at_unix_ms: _Optional[int] = ..., tenant: _Optional[str] = ..., key_prefix: _Optional[str] = ..., actor: _Optional[str] = ..., action: _Optional[str] = ..., target: _Optional[str] = ..., details: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class GetAuditLogResponse(_message.Message):
+    __slots__ = ("entries", "next_page_token")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[AuditEntry]
+    next_page_token: str
+    def __init__(self, entries: _Optional[_Iterable[_Union[AuditEntry, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class ApiKeyInfo(_message.Message):
+    __slots__ = ("id", "prefix", "tenant", "label", "is_admin", "created_unix_ms", "last_used_unix_ms", "revoked_unix_ms")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    IS_ADMIN_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    prefix: str
+    tenant: str
+    label: str
+    is_admin: bool
+    created_unix_ms: int
+    last_used_unix_ms: int
+    revoked_unix_ms: int
+    def __init__(self, id: _Optional[int] = ..., prefix: _Optional[str] = ..., tenant: _Optional[str] = ..., label: _Optional[str] = ..., is_admin: _Optional[bool] = ..., created_unix_ms: _Optional[int] = ..., last_used_unix_ms: _Optional[int] = ..., revoked_unix_ms: _Optional[int] = ...) -> None: ...
+
+class ListApiKeysRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListApiKeysResponse(_message.Message):
+    __slots__ = ("keys", "caller")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    CALLER_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedCompositeFieldContainer[ApiKeyInfo]
+    caller: ApiKeyInfo
+    def __init__(self, keys: _Optional[_Iterable[_Union[ApiKeyInfo, _Mapping]]] = ..., caller: _Optional[_Union[ApiKeyInfo, _Mapping]] = ...) -> None: ...
+
+class CreateApiKeyRequest(_message.Message):
+    __slots__ = ("label", "is_admin")
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    IS_ADMIN_FIELD_NUMBER: _ClassVar[int]
+    label: str
+    is_admin: bool
+    def __init__(self, label: _Optional[str] = ..., is_admin: _Optional[bool] = ...) -> None: ...
+
+class CreateApiKeyResponse(_message.Message):
+    __slots__ = ("api_key", "key")
+    API_KEY_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    api_key: str
+    key: ApiKeyInfo
+    def __init__(self, api_key: _Optional[str] = ..., key: _Optional[_Union[ApiKeyInfo, _Mapping]] = ...) -> None: ...
+
+class RevokeApiKeyRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    def __init__(self, key: _Optional[str] = ...) -> None: ...
+
+class GetClusterStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("role", "address", "base_model", "state", "incarnation", "runs_placed", "memory_used_bytes", "memory_capacity_bytes", "seconds_since_heard", "device")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    RUNS_PLACED_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_HEARD_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    address: str
+    base_model: str
+    state: str
+    incarnation: str
+    runs_placed: int
+    memory_used_bytes: int
+    memory_capacity_bytes: int
+    seconds_since_heard: float
+    device: str
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., base_model: _Optional[str] = ..., state: _Optional[str] = ..., incarnation: _Optional[str] = ..., runs_placed: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_capacity_bytes: _Optional[int] = ..., seconds_since_heard: _Optional[float] = ..., device: _Optional[str] = ...) -> None: ...
+
+class LaneStatus(_message.Message):
+    __slots__ = ("trainer_address", "queue_depth", "cycles_per_minute", "cycles_total")
+    TRAINER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    CYCLES_PER_MINUTE_FIELD_NUMBER: _ClassVar[int]
+    CYCLES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    trainer_address: str
+    queue_depth: int
+    cycles_per_minute: float
+    cycles_total: int
+    def __init__(self, trainer_address: _Optional[str] = ..., queue_depth: _Optional[int] = ..., cycles_per_minute: _Optional[float] = ..., cycles_total: _Optional[int] = ...) -> None: ...
+
+class TenantShare(_message.Message):
+    __slots__ = ("tenant", "weight", "share", "queued_requests", "train_tokens_last_minute")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_TOKENS_LAST_MINUTE_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    weight: float
+    share: float
+    queued_requests: int
+    train_tokens_last_minute: float
+    def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[float] = ..., share: _Optional[float] = ..., queued_requests: _Optional[int] = ..., train_tokens_last_minute: _Optional[float] = ...) -> None: ...
+
+class ClusterEvent(_message.Message):
+    __slots__ = ("at_unix_ms", "kind", "what", "worker", "training_run_id")
+    AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    WHAT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    at_unix_ms: int
+    kind: str
+    what: str
+    worker: str
+    training_run_id: str
+    def __init__(self, at_unix_ms: _Optional[int] = ..., kind: _Optional[str] = ..., what: _Optional[str] = ..., worker: _Optional[str] = ..., training_run_id: _Optional[str] = ...) -> None: ...
+
+class ClusterStatus(_message.Message):
+    __slots__ = ("at_unix_ms", "workers", "lanes", "fair_share", "events")
+    AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    LANES_FIELD_NUMBER: _ClassVar[int]
+    FAIR_SHARE_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    at_unix_ms: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    lanes: _containers.RepeatedCompositeFieldContainer[LaneStatus]
+    fair_share: _containers.RepeatedCompositeFieldContainer[TenantShare]
+    events: _containers.RepeatedCompositeFieldContainer[ClusterEvent]
+    def __init__(self, at_unix_ms: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., lanes: _Optional[_Iterable[_Union[LaneStatus, _Mapping]]] = ..., fair_share: _Optional[_Iterable[_Union[TenantShare, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[ClusterEvent, _Mapping]]] = ...) -> None: ...

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from temper.v1 import records_pb2 as temper_dot_v1_dot_records__pb2
 from temper.v1 import service_pb2 as temper_dot_v1_dot_service__pb2
 from temper.v1 import types_pb2 as temper_dot_v1_dot_types__pb2
 
@@ -159,6 +160,51 @@ class TemperStub:
                 '/temper.v1.Temper/GetTokenizer',
                 request_serializer=temper_dot_v1_dot_service__pb2.GetTokenizerRequest.SerializeToString,
                 response_deserializer=temper_dot_v1_dot_types__pb2.FileChunk.FromString,
+                _registered_method=True)
+        self.ListRunMetrics = channel.unary_unary(
+                '/temper.v1.Temper/ListRunMetrics',
+                request_serializer=temper_dot_v1_dot_records__pb2.ListRunMetricsRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_records__pb2.ListRunMetricsResponse.FromString,
+                _registered_method=True)
+        self.ListSessions = channel.unary_unary(
+                '/temper.v1.Temper/ListSessions',
+                request_serializer=temper_dot_v1_dot_records__pb2.ListSessionsRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_records__pb2.ListSessionsResponse.FromString,
+                _registered_method=True)
+        self.GetSession = channel.unary_unary(
+                '/temper.v1.Temper/GetSession',
+                request_serializer=temper_dot_v1_dot_records__pb2.GetSessionRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_records__pb2.SessionInfo.FromString,
+                _registered_method=True)
+        self.GetSessionSamplingMetrics = channel.unary_unary(
+                '/temper.v1.Temper/GetSessionSamplingMetrics',
+                request_serializer=temper_dot_v1_dot_records__pb2.GetSessionSamplingMetricsRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_records__pb2.GetSessionSamplingMetricsResponse.FromString,
+                _registered_method=True)
+        self.GetAuditLog = channel.unary_unary(
+                '/temper.v1.Temper/GetAuditLog',
+                request_serializer=temper_dot_v1_dot_service__pb2.GetAuditLogRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_service__pb2.GetAuditLogResponse.FromString,
+                _registered_method=True)
+        self.ListApiKeys = channel.unary_unary(
+                '/temper.v1.Temper/ListApiKeys',
+                request_serializer=temper_dot_v1_dot_service__pb2.ListApiKeysRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_service__pb2.ListApiKeysResponse.FromString,
+                _registered_method=True)
+        self.CreateApiKey = channel.unary_unary(
+                '/temper.v1.Temper/CreateApiKey',
+                request_serializer=temper_dot_v1_dot_service__pb2.CreateApiKeyRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_service__pb2.CreateApiKeyResponse.FromString,
+                _registered_method=True)
+        self.RevokeApiKey = channel.unary_unary(
+                '/temper.v1.Temper/RevokeApiKey',
+                request_serializer=temper_dot_v1_dot_service__pb2.RevokeApiKeyRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_service__pb2.ApiKeyInfo.FromString,
+                _registered_method=True)
+        self.GetClusterStatus = channel.unary_unary(
+                '/temper.v1.Temper/GetClusterStatus',
+                request_serializer=temper_dot_v1_dot_service__pb2.GetClusterStatusRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_service__pb2.ClusterStatus.FromString,
                 _registered_method=True)
 
 
@@ -342,6 +388,75 @@ class TemperServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRunMetrics(self, request, context):
+        """---- records kept after the answer (records.proto): the caller's own only ----
+        A run's answered sequenced requests (loss, tokens, grad norm, timing, co-batching), by step range, paged.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSessions(self, request, context):
+        """The calling tenant's sessions, newest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSession(self, request, context):
+        """One session: its runs, sampling clients and sampling counts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSessionSamplingMetrics(self, request, context):
+        """A session's sampling records (Sample, ComputeLogprobs) in a time range: each record, or per-time buckets.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetAuditLog(self, request, context):
+        """---- issue 22: audit log, the tenant's own API keys, operator status ----------------------------
+        Audit entries (key create/revoke, limits, publish/unpublish, TTL, delete, import, session
+        open/close), newest first, a page at a time: a tenant's key reads its own tenant's; an admin key
+        every tenant's (or one: GetAuditLogRequest.tenant). Append-only: the API has no way to change one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListApiKeys(self, request, context):
+        """The calling tenant's API keys (prefix, label, role, times; never a key itself), and which is the caller's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateApiKey(self, request, context):
+        """A new key of the calling tenant, shown in this answer only. is_admin needs an admin caller
+        (PERMISSION_DENIED otherwise).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RevokeApiKey(self, request, context):
+        """Revoke one of the calling tenant's keys by id or prefix (another tenant's: NOT_FOUND). Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetClusterStatus(self, request, context):
+        """What the operator sees (admin keys only; PERMISSION_DENIED otherwise): trainers and samplers,
+        each lane's queue and cycle rate, fair share per tenant, recent failures and recoveries.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TemperServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -469,6 +584,51 @@ def add_TemperServicer_to_server(servicer, server):
                     servicer.GetTokenizer,
                     request_deserializer=temper_dot_v1_dot_service__pb2.GetTokenizerRequest.FromString,
                     response_serializer=temper_dot_v1_dot_types__pb2.FileChunk.SerializeToString,
+            ),
+            'ListRunMetrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRunMetrics,
+                    request_deserializer=temper_dot_v1_dot_records__pb2.ListRunMetricsRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_records__pb2.ListRunMetricsResponse.SerializeToString,
+            ),
+            'ListSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSessions,
+                    request_deserializer=temper_dot_v1_dot_records__pb2.ListSessionsRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_records__pb2.ListSessionsResponse.SerializeToString,
+            ),
+            'GetSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSession,
+                    request_deserializer=temper_dot_v1_dot_records__pb2.GetSessionRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_records__pb2.SessionInfo.SerializeToString,
+            ),
+            'GetSessionSamplingMetrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSessionSamplingMetrics,
+                    request_deserializer=temper_dot_v1_dot_records__pb2.GetSessionSamplingMetricsRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_records__pb2.GetSessionSamplingMetricsResponse.SerializeToString,
+            ),
+            'GetAuditLog': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetAuditLog,
+                    request_deserializer=temper_dot_v1_dot_service__pb2.GetAuditLogRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_service__pb2.GetAuditLogResponse.SerializeToString,
+            ),
+            'ListApiKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListApiKeys,
+                    request_deserializer=temper_dot_v1_dot_service__pb2.ListApiKeysRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_service__pb2.ListApiKeysResponse.SerializeToString,
+            ),
+            'CreateApiKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateApiKey,
+                    request_deserializer=temper_dot_v1_dot_service__pb2.CreateApiKeyRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_service__pb2.CreateApiKeyResponse.SerializeToString,
+            ),
+            'RevokeApiKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeApiKey,
+                    request_deserializer=temper_dot_v1_dot_service__pb2.RevokeApiKeyRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_service__pb2.ApiKeyInfo.SerializeToString,
+            ),
+            'GetClusterStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetClusterStatus,
+                    request_deserializer=temper_dot_v1_dot_service__pb2.GetClusterStatusRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_service__pb2.ClusterStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1146,6 +1306,249 @@ class Temper:
             '/temper.v1.Temper/GetTokenizer',
             temper_dot_v1_dot_service__pb2.GetTokenizerRequest.SerializeToString,
             temper_dot_v1_dot_types__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRunMetrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Temper/ListRunMetrics',
+            temper_dot_v1_dot_records__pb2.ListRunMetricsRequest.SerializeToString,
+            temper_dot_v1_dot_records__pb2.ListRunMetricsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Temper/ListSessions',
+            temper_dot_v1_dot_records__pb2.ListSessionsRequest.SerializeToString,
+            temper_dot_v1_dot_records__pb2.ListSessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Temper/GetSession',
+            temper_dot_v1_dot_records__pb2.GetSessionRequest.SerializeToString,
+            temper_dot_v1_dot_records__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSessionSamplingMetrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Temper/GetSessionSamplingMetrics',
+            temper_dot_v1_dot_records__pb2.GetSessionSamplingMetricsRequest.SerializeToString,
+            temper_dot_v1_dot_records__pb2.GetSessionSamplingMetricsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetAuditLog(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Temper/GetAuditLog',
+            temper_dot_v1_dot_service__pb2.GetAuditLogRequest.SerializeToString,
+            temper_dot_v1_dot_service__pb2.GetAuditLogResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListApiKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Temper/ListApiKeys',
+            temper_dot_v1_dot_service__pb2.ListApiKeysRequest.SerializeToString,
+            temper_dot_v1_dot_service__pb2.ListApiKeysResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateApiKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Temper/CreateApiKey',
+            temper_dot_v1_dot_service__pb2.CreateApiKeyRequest.SerializeToString,
+            temper_dot_v1_dot_service__pb2.CreateApiKeyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeApiKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Temper/RevokeApiKey',
+            temper_dot_v1_dot_service__pb2.RevokeApiKeyRequest.SerializeToString,
+            temper_dot_v1_dot_service__pb2.ApiKeyInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetClusterStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Temper/GetClusterStatus',
+            temper_dot_v1_dot_service__pb2.GetClusterStatusRequest.SerializeToString,
+            temper_dot_v1_dot_service__pb2.ClusterStatus.FromString,
             options,
             channel_credentials,
             insecure,
