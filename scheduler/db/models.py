@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, LargeBinary, String, Text, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, LargeBinary, String, Text, UniqueConstraint
 from sqlalchemy import false as sa_false
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -152,3 +152,49 @@ class RequestRecord(Base):
     # the request itself, serialized (state-changing verbs, recovery on): replayed onto a restored adapter;
     # cleared once the run's latest snapshot covers its seq
     payload: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+
+
+class RunMetric(Base):
+    """One answered sequenced request of a run, kept after its answer (issue 22; migration 0010):
+    written with the request's outcome (``Store.finish_requests``), read by ListRunMetrics, pruned
+    by age and per run (``db/records.py``). Times are unix milliseconds."""
+
+    __tablename__ = "run_metrics"
+    __table_args__ = (Index("ix_run_metrics_run_step", "training_run_id", "step"),)
+
+    training_run_id: Mapped[str] = mapped_column(String(128), ForeignKey("training_runs.id"), primary_key=True)
+    seq_id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    step: Mapped[int] = mapped_column(BigInteger)  # the run's optimizer steps when answered (an optim_step counts itself)
+    kind: Mapped[str] = mapped_column(String(32))
+    status: Mapped[str] = mapped_column(String(16))  # done | failed
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    num_tokens: Mapped[int] = mapped_column(BigInteger)
+    grad_norm: Mapped[float | None] = mapped_column(Float, nullable=True)
+    learning_rate: Mapped[float | None] = mapped_column(Float, nullable=True)
+    metrics: Mapped[dict] = mapped_column(JSON)
+    queued_seconds: Mapped[float] = mapped_column(Float)
+    trainer_seconds: Mapped[float] = mapped_column(Float)
+    cobatched_with: Mapped[int] = mapped_column(Integer)
+    trainer: Mapped[str] = mapped_column(String(256))
+    cycle: Mapped[int] = mapped_column(BigInteger)
+    created_ms: Mapped[int] = mapped_column(BigInteger)
+    started_ms: Mapped[int] = mapped_column(BigInteger)
+    answered_ms: Mapped[int] = mapped_column(BigInteger, index=True)
+
+
+class SamplingRecord(Base):
+    """One answered Sample or ComputeLogprobs (issue 22; migration 0010), by session and start time."""
+
+    __tablename__ = "sampling_records"
+    __table_args__ = (Index("ix_sampling_records_session_started", "session_id", "started_ms"),)
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id"))
+    sampler_id: Mapped[str] = mapped_column(String(128))
+    kind: Mapped[str] = mapped_column(String(32))  # sample | compute_logprobs
+    num_samples: Mapped[int] = mapped_column(Integer)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    tokens_sampled: Mapped[int] = mapped_column(BigInteger)
+    started_ms: Mapped[int] = mapped_column(BigInteger, index=True)
+    answered_ms: Mapped[int] = mapped_column(BigInteger)
