@@ -55,6 +55,11 @@ class SamplerStub:
                 request_serializer=temper_dot_v1_dot_sampler__pb2.SamplerSampleRequest.SerializeToString,
                 response_deserializer=temper_dot_v1_dot_types__pb2.SampleResponse.FromString,
                 _registered_method=True)
+        self.SampleStream = channel.unary_stream(
+                '/temper.v1.Sampler/SampleStream',
+                request_serializer=temper_dot_v1_dot_sampler__pb2.SamplerSampleRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_types__pb2.SampleStreamChunk.FromString,
+                _registered_method=True)
         self.ComputeLogprobs = channel.unary_unary(
                 '/temper.v1.Sampler/ComputeLogprobs',
                 request_serializer=temper_dot_v1_dot_sampler__pb2.SamplerLogprobsRequest.SerializeToString,
@@ -95,6 +100,14 @@ class SamplerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SampleStream(self, request, context):
+        """Sample as a stream: each decode step's tokens as soon as they are decoded, then a done message
+        (same tokens, logprobs and stop reasons as Sample gives for the same request and seed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ComputeLogprobs(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -123,6 +136,11 @@ def add_SamplerServicer_to_server(servicer, server):
                     servicer.Sample,
                     request_deserializer=temper_dot_v1_dot_sampler__pb2.SamplerSampleRequest.FromString,
                     response_serializer=temper_dot_v1_dot_types__pb2.SampleResponse.SerializeToString,
+            ),
+            'SampleStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.SampleStream,
+                    request_deserializer=temper_dot_v1_dot_sampler__pb2.SamplerSampleRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_types__pb2.SampleStreamChunk.SerializeToString,
             ),
             'ComputeLogprobs': grpc.unary_unary_rpc_method_handler(
                     servicer.ComputeLogprobs,
@@ -238,6 +256,33 @@ class Sampler:
             '/temper.v1.Sampler/Sample',
             temper_dot_v1_dot_sampler__pb2.SamplerSampleRequest.SerializeToString,
             temper_dot_v1_dot_types__pb2.SampleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SampleStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/temper.v1.Sampler/SampleStream',
+            temper_dot_v1_dot_sampler__pb2.SamplerSampleRequest.SerializeToString,
+            temper_dot_v1_dot_types__pb2.SampleStreamChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -116,6 +116,11 @@ class TemperStub:
                 request_serializer=temper_dot_v1_dot_service__pb2.SampleRequest.SerializeToString,
                 response_deserializer=temper_dot_v1_dot_types__pb2.SampleResponse.FromString,
                 _registered_method=True)
+        self.SampleStream = channel.unary_stream(
+                '/temper.v1.Temper/SampleStream',
+                request_serializer=temper_dot_v1_dot_service__pb2.SampleRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_types__pb2.SampleStreamChunk.FromString,
+                _registered_method=True)
         self.ComputeLogprobs = channel.unary_unary(
                 '/temper.v1.Temper/ComputeLogprobs',
                 request_serializer=temper_dot_v1_dot_service__pb2.ComputeLogprobsRequest.SerializeToString,
@@ -315,6 +320,15 @@ class TemperServicer:
 
     def Sample(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SampleStream(self, request, context):
+        """Sample as a stream of each sequence's tokens as they are decoded (SampleStreamChunk), with the
+        same checks, limits and errors as Sample: a refused request fails before the first message.
+        Joined, the pieces are what Sample answers for the same request and seed.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -539,6 +553,11 @@ def add_TemperServicer_to_server(servicer, server):
                     servicer.Sample,
                     request_deserializer=temper_dot_v1_dot_service__pb2.SampleRequest.FromString,
                     response_serializer=temper_dot_v1_dot_types__pb2.SampleResponse.SerializeToString,
+            ),
+            'SampleStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.SampleStream,
+                    request_deserializer=temper_dot_v1_dot_service__pb2.SampleRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_types__pb2.SampleStreamChunk.SerializeToString,
             ),
             'ComputeLogprobs': grpc.unary_unary_rpc_method_handler(
                     servicer.ComputeLogprobs,
@@ -1063,6 +1082,33 @@ class Temper:
             '/temper.v1.Temper/Sample',
             temper_dot_v1_dot_service__pb2.SampleRequest.SerializeToString,
             temper_dot_v1_dot_types__pb2.SampleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SampleStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/temper.v1.Temper/SampleStream',
+            temper_dot_v1_dot_service__pb2.SampleRequest.SerializeToString,
+            temper_dot_v1_dot_types__pb2.SampleStreamChunk.FromString,
             options,
             channel_credentials,
             insecure,

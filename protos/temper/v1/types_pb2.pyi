@@ -209,6 +209,40 @@ class SampleResponse(_message.Message):
     topk_prompt_logprobs: Tensor
     def __init__(self, sequences: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., topk_prompt_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., topk_prompt_logprobs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
+class SampledPiece(_message.Message):
+    __slots__ = ("index", "tokens", "logprobs", "topk", "topk_token_ids", "topk_logprobs", "stop_reason", "sequence_id")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_FIELD_NUMBER: _ClassVar[int]
+    TOPK_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    tokens: bytes
+    logprobs: bytes
+    topk: int
+    topk_token_ids: bytes
+    topk_logprobs: bytes
+    stop_reason: StopReason
+    sequence_id: str
+    def __init__(self, index: _Optional[int] = ..., tokens: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., topk: _Optional[int] = ..., topk_token_ids: _Optional[bytes] = ..., topk_logprobs: _Optional[bytes] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ..., sequence_id: _Optional[str] = ...) -> None: ...
+
+class SampleStreamChunk(_message.Message):
+    __slots__ = ("pieces", "done", "prompt_logprobs", "topk_prompt_token_ids", "topk_prompt_logprobs")
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    pieces: _containers.RepeatedCompositeFieldContainer[SampledPiece]
+    done: bool
+    prompt_logprobs: Tensor
+    topk_prompt_token_ids: Tensor
+    topk_prompt_logprobs: Tensor
+    def __init__(self, pieces: _Optional[_Iterable[_Union[SampledPiece, _Mapping]]] = ..., done: _Optional[bool] = ..., prompt_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., topk_prompt_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., topk_prompt_logprobs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
 class Checkpoint(_message.Message):
     __slots__ = ("checkpoint_id", "kind", "path", "training_run_id", "size_bytes", "created_unix_ms", "published", "expires_unix_ms", "base_model", "lora_config", "user_metadata")
     class UserMetadataEntry(_message.Message):
