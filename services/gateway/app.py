@@ -122,7 +122,7 @@ def error_response(error: GatewayError) -> JSONResponse:
 
 def create_app(scheduler: Scheduler, long_poll_seconds: float = 25.0, future_keep_seconds: float = 3600.0,
                json_body_limit: int = JSON_LIMIT, protobuf_body_limit: int = PROTOBUF_LIMIT) -> FastAPI:
-    from temper.services.gateway import routes_openai, routes_rest, routes_sampling, routes_session, routes_training
+    from temper.services.gateway import console, routes_openai, routes_rest, routes_sampling, routes_session, routes_training
 
     state = Gateway(scheduler, Futures(future_keep_seconds), long_poll_seconds)
 
@@ -167,6 +167,7 @@ def create_app(scheduler: Scheduler, long_poll_seconds: float = 25.0, future_kee
 
     for module in (routes_session, routes_training, routes_sampling, routes_rest, routes_openai):
         app.include_router(module.router)
+    console.install(app)  # the web console at /console (and /api/v1/sessions/{id}/trace)
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
     async def _not_served(path: str, request: Request):

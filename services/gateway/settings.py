@@ -37,3 +37,6 @@ class GatewaySettings(ProcessSettings):
     max_protobuf_body_bytes: int = Field(PROTOBUF_LIMIT, gt=0, description="Largest protobuf request body (forward_backward); "
                                                                            "a larger one is refused with 413. Default: the "
                                                                            "scheduler's message limit.")
+    console_max_rows: int = Field(20000, gt=0, le=1_000_000,
+                                  description="Most kept rows (requests and sampling calls) one console trace or Session "
+                                              "Metrics answer reads; a range holding more is refused (400): narrow it.")

@@ -1,0 +1,45 @@
+import { post, get } from "../api.js";
+import { errorBox, fmt, h, runLink, table } from "../dom.js";
+
+// Every change is a POST with a JSON body (the server validates it); the row is redrawn from the answer.
+export function checkpointTable(checkpoints, redraw) {
+  const status = h("p", { class: "muted", id: "checkpoint-status" });
+  const act = async (button, path, body, done) => {
+    button.disabled = true;
+    try { await post(path, body); status.className = "ok"; status.textContent = done; await redraw(); }
+    catch (err) { status.className = "error"; status.textContent = err.message; button.disabled = false; }
+  };
+  const actions = (c) => {
+    const publish = h("button", { type: "button", class: "publish", onclick: (e) => act(e.target,
+      "/console/api/checkpoints/publish", { path: c.path, published: !c.published },
+      `${c.published ? "unpublished" : "published"} ${c.path}`) }, c.published ? "Unpublish" : "Publish");
+    const ttl = h("input", { type: "number", min: 0, step: 1, placeholder: "TTL s", class: "ttl", style: "width:7em" });
+    const setTtl = h("button", { type: "button", onclick: (e) => act(e.target, "/console/api/checkpoints/ttl",
+      { path: c.path, ttl_seconds: ttl.value === "" ? NaN : Number(ttl.value) }, `TTL set on ${c.path}`) }, "Set TTL");
+    const copy = h("button", { type: "button", class: "copy", onclick: async () => {
+      try { await navigator.clipboard.writeText(c.path); status.className = "ok"; status.textContent = `copied ${c.path}`; }
+      catch (err) { status.className = "muted"; status.textContent = `copy this path: ${c.path}`; }
+    } }, "Copy path");
+    const del = h("button", { type: "button", class: "delete", onclick: (e) => {
+      if (window.confirm(`Delete ${c.path}? Its files go too.`)) act(e.target, "/console/api/checkpoints/delete", { path: c.path }, `deleted ${c.path}`);
+    } }, "Delete");
+    return h("span", {}, publish, " ", ttl, setTtl, " ", copy, " ", del);
+  };
+  return h("div", {}, status, table([
+    { label: "path", cell: (c) => h("code", { class: "path" }, c.path) },
+    { label: "run", cell: (c) => runLink(c.training_run_id) },
+    { label: "kind", cell: (c) => (c.kind === "CHECKPOINT_KIND_SAMPLER" ? "sampler" : "training") },
+    { label: "size", num: true, cell: (c) => fmt.bytes(c.size_bytes) },
+    { label: "saved", cell: (c) => fmt.time(c.created_unix_ms) },
+    { label: "published", cell: (c) => (c.published ? "yes" : "no") },
+    { label: "expires", cell: (c) => (c.expires_unix_ms ? fmt.time(c.expires_unix_ms) : "never") },
+    { label: "", cell: actions },
+  ], checkpoints, { class: "checkpoints" }));
+}
+
+export async function render(page, _id, ctx) {
+  const data = await get("/console/api/checkpoints");
+  page.append(h("h1", {}, "Checkpoints"), checkpointTable(data.checkpoints, ctx.redraw));
+}
+
+export { errorBox };
