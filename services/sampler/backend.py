@@ -3,13 +3,19 @@ SGLang backend (``sglang_backend.py``, CUDA, an in-process ``sglang.Engine`` wit
 
 Transport-free (``convert.py`` maps protobuf onto these types). A sampler serves the base model
 plus the LoRA weights of saved checkpoints, each loaded under its checkpoint key
-("<run>/sampler_weights/<name>"); a key of None means the base model."""
+("<run>/sampler_weights/<name>"); a key of None means the base model.
+
+Streaming: a request with ``progress`` set is told what each of its sequences gained, as ``Piece``s,
+after every decode step (``sample_batch`` calls it on the compute thread). A backend that cannot
+stream calls it once, at the end, with every sequence whole: the pieces of a sequence, joined, are
+always its ``GeneratedSequence``."""
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -37,6 +43,21 @@ class GeneratedSequence:
 
 
 @dataclass
+class Piece:
+    """The tokens one sequence of a request gained since its last piece (streaming)."""
+
+    sequence: int               # index within the request's num_samples
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str | None = None   # "stop" | "length" on the sequence's last piece
+    topk_ids: list[list[int]] | None = None
+    topk_logprobs: list[list[float]] | None = None
+
+
+Progress = Callable[[list[Piece]], None]
+
+
+@dataclass
 class SampleResult:
     sequences: list[GeneratedSequence]
     prompt_logprobs: np.ndarray | None = None   # float32 (len(prompt),), NaN where not scored (position 0)
@@ -54,6 +75,7 @@ class SampleRequest:
     topk_logprobs: int = 0
     topk_prompt_logprobs: int = 0
     prompt_logprobs_last_n: int | None = None   # score only the last n prompt positions
+    progress: Progress | None = None            # streaming: told each decode step's pieces (module docstring)
 
 
 @dataclass
@@ -92,9 +114,19 @@ class SamplerBackend(abc.ABC):
     def sample_batch(self, requests: list[SampleRequest]) -> list[SampleResult]:
         """Serve several requests (possibly for different adapters) together; backends that can
         decode them in one batch override this."""
-        return [self.sample(r.checkpoint_key, r.prompt, r.num_samples, r.options, r.prompt_logprobs) for r in requests]
+        results = []
+        for r in requests:
+            results.append(self.sample(r.checkpoint_key, r.prompt, r.num_samples, r.options, r.prompt_logprobs))
+            if r.progress is not None:
+                r.progress(whole_pieces(results[-1]))
+        return results
 
     @abc.abstractmethod
     def compute_logprobs(self, checkpoint_key: str | None, prompt: np.ndarray, last_n: int | None = None) -> np.ndarray:
         """float32 log p(prompt[i] | prompt[:i]) for each position, NaN at position 0 (and before the
         last ``last_n`` positions when given)."""
+
+
+def whole_pieces(result: SampleResult) -> list[Piece]:
+    """Every sequence of a result as one last piece (a backend that does not stream)."""
+    return [Piece(i, s.tokens, s.logprobs, s.stop_reason, s.topk_ids, s.topk_logprobs) for i, s in enumerate(result.sequences)]

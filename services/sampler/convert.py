@@ -11,7 +11,7 @@ import numpy as np
 from temper.common.codec import decode_tokens, encode_array, encode_floats, encode_tokens
 from temper.common.validation import (  # noqa: F401 (MAX_TOPK_LOGPROBS, MIN_TEMPERATURE: re-exported)
     MAX_TOPK_LOGPROBS, MIN_TEMPERATURE, check_last_n, check_prompt_scoring, check_sample_counts, check_sampling_params)
-from temper.services.sampler.backend import ModelDescription, SampleRequest, SampleResult, SamplingOptions
+from temper.services.sampler.backend import ModelDescription, Piece, SampleRequest, SampleResult, SamplingOptions
 from temper.common.defaults import sampling_with_defaults
 from temper.v1 import sampler_pb2, types_pb2
 
@@ -55,6 +55,29 @@ def sample_result_to_pb(result: SampleResult, topk_logprobs: int) -> types_pb2.S
         response.topk_prompt_token_ids.CopyFrom(encode_array(result.topk_prompt_ids, "int32"))
         response.topk_prompt_logprobs.CopyFrom(encode_array(result.topk_prompt_logprobs, "float32"))
     return response
+
+
+def pieces_to_pb(pieces: list[Piece], topk_logprobs: int) -> types_pb2.SampleStreamChunk:
+    chunk = types_pb2.SampleStreamChunk()
+    for p in pieces:
+        out = chunk.pieces.add(index=p.sequence, tokens=encode_tokens(p.tokens), logprobs=encode_floats(p.logprobs),
+                               stop_reason=_STOP_REASONS[p.stop_reason] if p.stop_reason else types_pb2.STOP_REASON_UNSPECIFIED)
+        if p.topk_ids is not None:
+            out.topk = topk_logprobs
+            out.topk_token_ids = encode_tokens([t for row in p.topk_ids for t in row])
+            out.topk_logprobs = encode_floats([x for row in p.topk_logprobs for x in row])
+    return chunk
+
+
+def stream_end_to_pb(result: SampleResult) -> types_pb2.SampleStreamChunk:
+    """The done message of a stream: the prompt's scores, as Sample answers them (the tokens went before)."""
+    whole = sample_result_to_pb(SampleResult([], result.prompt_logprobs, result.topk_prompt_ids,
+                                             result.topk_prompt_logprobs), 0)
+    chunk = types_pb2.SampleStreamChunk(done=True)
+    for name in ("prompt_logprobs", "topk_prompt_token_ids", "topk_prompt_logprobs"):
+        if whole.HasField(name):
+            getattr(chunk, name).CopyFrom(getattr(whole, name))
+    return chunk
 
 
 def logprobs_request_from_pb(request: sampler_pb2.SamplerLogprobsRequest) -> tuple[str | None, np.ndarray, int | None]:

@@ -154,13 +154,35 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         metrics.SAMPLE_SECONDS.observe(time.perf_counter() - start)
         return convert.sample_result_to_pb(result, request.topk_logprobs)
 
+    async def SampleStream(self, request, context):
+        """Sample, batched the same way, with each decode step's pieces sent as they come (backend.py)."""
+        start = time.perf_counter()
+        sample = convert.sample_request_from_pb(request, self.backend.describe().vocab_size, self.max_num_samples)
+        stream = _Stream(asyncio.get_running_loop())
+        sample.progress = stream
+        with self._pinned(sample.checkpoint_key):
+            future = self._enqueue(sample)
+            future.add_done_callback(lambda _: stream.queue.put_nowait(None))
+            try:
+                # the pieces reach this loop before the answer does (both by call_soon_threadsafe, in order)
+                while (pieces := await stream.queue.get()) is not None:
+                    yield convert.pieces_to_pb(pieces, request.topk_logprobs)
+                result = future.result()
+            finally:
+                future.cancel()  # a caller gone before its batch began: never decoded (_drain skips it)
+        metrics.SAMPLE_SECONDS.observe(time.perf_counter() - start)
+        yield convert.stream_end_to_pb(result)
+
     async def _submit(self, request: SampleRequest) -> SampleResult:
+        return await self._enqueue(request)
+
+    def _enqueue(self, request: SampleRequest) -> asyncio.Future:
         """Queue a request; requests that arrive while a batch decodes go together into the next."""
         future = asyncio.get_running_loop().create_future()
         self._pending.append((request, future))
         if self._batcher is None or self._batcher.done():
             self._batcher = asyncio.create_task(self._drain())
-        return await future
+        return future
 
     async def _drain(self) -> None:
         while self._pending:
@@ -175,13 +197,16 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
                 continue
             try:
                 results = await self._sample([r for r, _ in batch])
-            except Exception:  # noqa: BLE001 - retry alone so one bad request fails only itself
-                results = None
+            except Exception as exc:  # noqa: BLE001 - retry alone so one bad request fails only itself
+                results, failure = None, exc
             for k, (request, future) in enumerate(batch):
                 if future.done():
                     continue
                 if results is not None:
                     future.set_result(results[k])
+                    continue
+                if isinstance(request.progress, _Stream) and request.progress.sent:
+                    future.set_exception(failure)  # its caller has pieces of this attempt: never a second one
                     continue
                 try:
                     future.set_result((await self._sample([request]))[0])
@@ -198,3 +223,17 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         checkpoint_key, prompt, last_n = convert.logprobs_request_from_pb(request)
         with self._pinned(checkpoint_key):
             return convert.logprobs_to_pb(await self._run(self.backend.compute_logprobs, checkpoint_key, prompt, last_n))
+
+
+class _Stream:
+    """A streamed request's progress: the backend's pieces, handed from the compute thread to the
+    request's own loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.sent = False
+
+    def __call__(self, pieces) -> None:
+        self.sent = True
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, pieces)

@@ -51,6 +51,7 @@ from temper.services.sampler.sglang_requests import (
     ENGINE_ENV,
     Batch,
     ModelFacts,
+    StreamedBatch,
     build_batch,
     check_output,
     generate_error,
@@ -290,7 +291,30 @@ class SGLangSamplerBackend(SamplerBackend):
             self._check_prompt(r.prompt, r.options.max_tokens)
         names = [self._lora_name(r.checkpoint_key) for r in requests]
         batch = build_batch(requests, names, self.facts)
-        return parse_results(requests, batch, self._generate(batch))
+        if not any(r.progress is not None for r in requests):
+            return parse_results(requests, batch, self._generate(batch))
+        # a batch with a streamed request is generated streaming: SGLang yields each item's output as it
+        # grows (the same decode), told to the requests that stream (sglang_requests.StreamedBatch)
+        streamed = StreamedBatch(requests, batch)
+        names_used = {i.lora_name for i in batch.items if i.lora_name}
+        try:
+            self._call(self._run_generate_stream, {**batch.request_fields(), "stream": True}, streamed.take)
+        except Exception as exc:  # noqa: BLE001 - mapped to the status it means
+            raise generate_error(exc, names_used) from exc
+        return parse_results(requests, batch, streamed.outputs())
+
+    def _run_generate_stream(self, fields: dict, take) -> None:
+        """``_run_generate`` streaming: every output SGLang yields goes to ``take``, on the engine's thread."""
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        engine = self._engine
+        generator = engine.tokenizer_manager.generate_request(GenerateReqInput(**fields), None)
+        while True:
+            try:
+                out = engine.loop.run_until_complete(generator.__anext__())
+            except StopAsyncIteration:
+                return
+            take(out)
 
     def compute_logprobs(self, checkpoint_key: str | None, prompt: np.ndarray, last_n: int | None = None) -> np.ndarray:
         self._check_prompt(prompt)

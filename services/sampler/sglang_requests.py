@@ -54,7 +54,7 @@ import numpy as np
 
 from temper.common.errors import AdapterNotLoaded, Internal, InvalidArgument, ResourceExhausted, TemperError, Unavailable
 from temper.common.validation import TOPK_MASK_LOGPROB
-from temper.services.sampler.backend import GeneratedSequence, SampleRequest, SampleResult, SamplingOptions
+from temper.services.sampler.backend import GeneratedSequence, Piece, SampleRequest, SampleResult, SamplingOptions
 
 # Set in the sampler's environment before sglang is imported (its subprocesses inherit it).
 ENGINE_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
@@ -260,3 +260,48 @@ def _fill_prompt(result: SampleResult, request: SampleRequest, item: Item, meta:
                 ids[pos, :len(row[:k])] = [int(t) for _, t, _ in row[:k]]
                 lps[pos, :len(row[:k])] = [float(lp) for lp, _, _ in row[:k]]
         result.topk_prompt_ids, result.topk_prompt_logprobs = ids, lps
+
+
+class StreamedBatch:
+    """The outputs of a streaming ``generate`` of a batch, as they come: each is one item's output so far,
+    named by its ``index`` in the batch. SGLang's default (not ``incremental_streaming_output``) sends an
+    item's whole output each time; anything else is refused (Internal) rather than misread. The new
+    tokens of an item go to its request's ``progress``; the last output of each item is the answer."""
+
+    def __init__(self, requests: list[SampleRequest], batch: Batch):
+        self.requests, self.batch = requests, batch
+        self._last: list[dict | None] = [None] * len(batch.items)
+        self._sent = [0] * len(batch.items)
+
+    def take(self, out: dict | list) -> None:
+        for one in out if isinstance(out, list) else [out]:
+            index = one.get("index", 0 if len(self.batch.items) == 1 else None)
+            if not isinstance(index, int) or not 0 <= index < len(self.batch.items):
+                raise Internal(f"sglang: a streamed output names no item of the batch (index {index!r})")
+            self._take(index, one)
+
+    def _take(self, index: int, out: dict) -> None:
+        check_output(out)
+        item, before = self.batch.items[index], self._last[index]
+        request = self.requests[item.request]
+        tokens = [int(t) for t in out["output_ids"]]
+        had = [int(t) for t in before["output_ids"]] if before is not None else []
+        if had != tokens[:len(had)]:
+            raise Internal("sglang: a streamed output does not extend the one before (incremental streaming output?)")
+        self._last[index] = out
+        if request.progress is None:
+            return
+        finished = (out.get("meta_info") or {}).get("finish_reason") is not None
+        if len(tokens) == self._sent[index] and not finished:
+            return
+        whole = _sequence(request, item, out, out["meta_info"])
+        start, self._sent[index] = self._sent[index], len(tokens)
+        topk = whole.topk_ids is not None
+        request.progress([Piece(item.sample, whole.tokens[start:], whole.logprobs[start:],
+                                whole.stop_reason if finished else None,
+                                whole.topk_ids[start:] if topk else None, whole.topk_logprobs[start:] if topk else None)])
+
+    def outputs(self) -> list[dict]:
+        if any(o is None for o in self._last):
+            raise Internal("sglang: a streamed batch ended with an item that never answered")
+        return self._last  # type: ignore[return-value]

@@ -18,6 +18,7 @@ from temper.services.models.loading import LoadedModel
 from temper.services.sampler.backend import (
     GeneratedSequence,
     ModelDescription,
+    Piece,
     SampleRequest,
     SampleResult,
     SamplerBackend,
@@ -183,6 +184,7 @@ class TorchSamplerBackend(SamplerBackend):
                 k_max = max(s.request.topk_logprobs for s in live)
                 top = raw.topk(k_max, dim=-1) if k_max > 0 else None
                 for state in live:
+                    grew = [] if state.request.progress is not None else None
                     for k, row in enumerate(state.rows):
                         if not state.alive[k]:
                             continue
@@ -197,6 +199,10 @@ class TorchSamplerBackend(SamplerBackend):
                             state.alive[k], state.reasons[k] = False, "stop"
                         elif len(state.tokens[k]) >= state.request.options.max_tokens:
                             state.alive[k] = False
+                        if grew is not None:
+                            grew.append(k)
+                    if grew:
+                        state.request.progress([_last_piece(state, k) for k in grew])
                 if not any(any(s.alive) for s in live):
                     break
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
@@ -223,6 +229,13 @@ class TorchSamplerBackend(SamplerBackend):
         # Only the tail can complete a stop string; decode enough of it to cover the longest one.
         tail = self.loaded.tokenizer.decode(tokens[-(max(len(s) for s in stop_strings) + 8):])
         return any(s in tail for s in stop_strings)
+
+
+def _last_piece(state: _Live, k: int) -> Piece:
+    """What sequence ``k`` gained in this step: its last token (and, once it ended, why)."""
+    topk = bool(state.request.topk_logprobs)
+    return Piece(k, state.tokens[k][-1:], state.logprobs[k][-1:], None if state.alive[k] else state.reasons[k],
+                 state.topk_ids[k][-1:] if topk else None, state.topk_logprobs[k][-1:] if topk else None)
 
 
 PROMPT_CHUNK = 512  # prompt positions scored per log_softmax: bounds the (positions, vocab) float32 temporary

@@ -81,6 +81,7 @@ class GenerateReqInput:
     lora_path: list | str | None = None
     return_sampling_mask: list | bool | None = None
     sampling_logprobs_mode: list | str | None = None
+    stream: bool = False
 
 
 def _env_flag(name: str) -> bool:
@@ -92,7 +93,23 @@ class _TokenizerManager:
         self.engine = engine
 
     async def generate_request(self, obj: GenerateReqInput, request=None):
-        yield self.engine._generate(obj)
+        outputs = self.engine._generate(obj)
+        if not obj.stream:
+            yield outputs
+            return
+        # srt/managers/tokenizer_manager.py::_handle_batch_request with stream: each item's output as it
+        # grows, one dict at a time, tagged with the item's "index"; without incremental_streaming_output
+        # (the default) output_ids and the output-side meta_info lists are the whole output so far, and
+        # finish_reason is None until the item's last one
+        longest = max((len(o["output_ids"]) for o in outputs), default=0)
+        for step in range(1, longest + 1):
+            for index, out in enumerate(outputs):
+                n = len(out["output_ids"])
+                if step <= n:
+                    yield _output_so_far(out, step, index, last=step == n)
+        for index, out in enumerate(outputs):
+            if not out["output_ids"]:
+                yield {**out, "index": index}
 
 
 class Engine:
@@ -278,6 +295,17 @@ class Engine:
             if k:
                 meta["input_top_logprobs"] = [None] + [top(raw[p - 1]) for p in range(start + 1, n)]
         return meta
+
+
+_OUTPUT_LISTS = ("output_token_logprobs", "output_top_logprobs", "output_token_sampling_logprobs",
+                 "output_token_sampling_mask")
+
+
+def _output_so_far(out: dict, n: int, index: int, last: bool) -> dict:
+    meta = {k: (v[:n] if k in _OUTPUT_LISTS else v) for k, v in out["meta_info"].items()}
+    if not last:
+        meta["finish_reason"] = None
+    return {"output_ids": out["output_ids"][:n], "meta_info": meta, "index": index}
 
 
 def install(monkeypatch) -> types.ModuleType:
