@@ -19,6 +19,7 @@ from temper.scheduler.db.store import Store, upgrade_schema
 from temper.scheduler.planning.loop import SchedulerLoop
 from temper.scheduler.workers.membership import Membership
 from temper.scheduler.planning.policy import FairShare
+from temper.scheduler.planning.records import prune_forever
 from temper.scheduler.workers.registry import start_registry
 from temper.scheduler.planning.runs import RunRegistry
 from temper.scheduler.api.servicer import TemperServicer
@@ -71,6 +72,9 @@ class SchedulerApp:
         stopped = asyncio.create_task(self.server.wait_for_termination(), name="scheduler-server")
         collecting = asyncio.create_task(self.collector.run_forever(), name="scheduler-checkpoint-collector")
         sweeping = asyncio.create_task(self.membership.run_forever(), name="scheduler-membership")
+        pruning = asyncio.create_task(prune_forever(self.store, self.settings.metrics_retention_seconds,
+                                                    self.settings.metrics_max_rows_per_run,
+                                                    self.settings.metrics_prune_interval_seconds), name="scheduler-records-prune")
         try:
             await asyncio.wait([loop_task, stopped], return_when=asyncio.FIRST_COMPLETED)
             if loop_task.done():
@@ -81,7 +85,7 @@ class SchedulerApp:
                 return EXIT_LOOP_FAILED
             return 0
         finally:
-            for task in (connecting, loop_task, stopped, collecting, sweeping):
+            for task in (connecting, loop_task, stopped, collecting, sweeping, pruning):
                 task.cancel()
             if self.registry is not None:
                 await self.registry.stop(grace=None)

@@ -126,6 +126,13 @@ class SchedulerSettings(ProcessSettings, InternalTokenSettings):
         600.0, description="An ephemeral sampler snapshot (save_weights_and_get_sampling_client) no sampling client used for "
                            "this long, and not its run's newest, is deleted.")
     checkpoint_gc_interval_seconds: float = Field(30.0, description="How often expired checkpoints and idle snapshots are collected.")
+    # records kept after the answer (run_metrics, sampling_records: scheduler/db/records.py)
+    metrics_retention_seconds: float = Field(
+        30 * 86400.0, ge=0, description="Per-request run metrics and sampling records older than this are deleted; 0: kept "
+                                        "until metrics_max_rows_per_run.")
+    metrics_max_rows_per_run: int = Field(
+        100_000, ge=0, description="A run's newest this many metric rows are kept; older ones are deleted; 0: no cap.")
+    metrics_prune_interval_seconds: float = Field(300.0, gt=0, description="How often the records past their retention are deleted.")
 
     @field_validator("trainer_addresses", "sampler_addresses", mode="before")
     @classmethod

@@ -24,6 +24,8 @@ from temper.common.validation import (check_last_n, check_prompt_scoring, check_
 from temper.scheduler import metrics
 from temper.scheduler.tenancy.auth import caller
 from temper.scheduler.db import models as m
+from temper.scheduler.db.records import SamplingRow
+from temper.scheduler.planning.records import SamplingRecorder, unix_ms
 from temper.scheduler.workers.samplers import SamplerHandle
 from temper.v1 import sampler_pb2, service_pb2, types_pb2
 
@@ -39,6 +41,7 @@ class SamplingTarget:
     tokens: np.ndarray      # the prompt
     tenant: str
     model_path: str | None = None  # the checkpoint's path; its last use is written once the request is accepted
+    session_id: str = ""           # the sampling client's session (its sampling records)
 
 
 class SamplingVerbs:
@@ -47,6 +50,7 @@ class SamplingVerbs:
     def _init_sampling(self) -> None:
         self._samplers: dict[str, tuple[m.SamplingClient, str]] = {}  # sampler id -> (row, tenant)
         self._touched: dict[str, float] = {}
+        self._sampling_records = SamplingRecorder(self.store)  # each answer's record, group-committed
 
     async def CreateSamplingClient(self, request, context):
         await self.backends.wait_ready()
@@ -110,7 +114,7 @@ class SamplingVerbs:
         check_token_range(tokens, info.vocab_size, "prompt")
         if len(tokens) > info.max_context_length:
             raise InvalidArgument(f"prompt has {len(tokens)} tokens; the context length is {info.max_context_length}")
-        return SamplingTarget(row.base_model, info, checkpoint_key, tokens, tenant, row.model_path or None)
+        return SamplingTarget(row.base_model, info, checkpoint_key, tokens, tenant, row.model_path or None, row.session_id)
 
     async def _still_readable(self, path: str, tenant: str) -> None:
         """On every call, adapter held by a sampler or not: the checkpoint is still there, unexpired and
@@ -137,6 +141,7 @@ class SamplingVerbs:
             sampler, target.checkpoint_key, target.tenant))
 
     async def Sample(self, request, context):
+        started = unix_ms()
         await self.backends.wait_ready()
         target = await self._sampling_target(request.sampler_id, request.prompt)
         # every rule the sampler applies, before any sampler is called: a refused request pushes no
@@ -162,11 +167,13 @@ class SamplingVerbs:
             sequence.sequence_id = f"{request.sampler_id}:{tag}:{i}"
         generated = sum(len(s.tokens) // 4 for s in response.sequences)
         self.admission.quotas.sampled.record(target.tenant, generated)
-        await asyncio.to_thread(self.store.add_sampled_tokens, request.sampler_id, generated)
+        await self._sampling_records.add(SamplingRow(target.session_id, request.sampler_id, "sample", request.num_samples,
+                                                     len(target.tokens), generated, started, unix_ms()))  # and the counter
         metrics.TOKENS_SAMPLED.labels(target.tenant).inc(generated)
         return response
 
     async def ComputeLogprobs(self, request, context):
+        started = unix_ms()
         await self.backends.wait_ready()
         target = await self._sampling_target(request.sampler_id, request.prompt)
         logprobs = sampler_pb2.SamplerLogprobsRequest(checkpoint_key=target.checkpoint_key,
@@ -176,4 +183,6 @@ class SamplingVerbs:
             logprobs.prompt_logprobs_last_n = request.prompt_logprobs_last_n
         await self._touch(target)
         response = await self._call_sampler(target, "ComputeLogprobs", logprobs)
+        await self._sampling_records.add(SamplingRow(target.session_id, request.sampler_id, "compute_logprobs", 0, len(target.tokens),
+                                                     0, started, unix_ms()))
         return service_pb2.ComputeLogprobsResponse(logprobs=response.logprobs)

@@ -21,6 +21,7 @@ from temper.scheduler.tenancy.auth import caller
 from temper.scheduler.workers.backends import Backends
 from temper.scheduler.api.checkpoint_verbs import CheckpointVerbs, check_ttl
 from temper.scheduler.api.import_verbs import ImportVerbs
+from temper.scheduler.api.record_verbs import RecordVerbs
 from temper.scheduler.api.lookup_verbs import CheckpointSource, LookupVerbs, check_lora, check_lora_for_model, check_user_metadata
 from temper.scheduler.db import models as m
 from temper.scheduler.tenancy.quotas import check_hard_limit
@@ -48,7 +49,8 @@ def needs_workers(method):
     return wrapper
 
 
-class TemperServicer(SamplingVerbs, CheckpointVerbs, ImportVerbs, LookupVerbs, TokenizerVerbs, service_pb2_grpc.TemperServicer):
+class TemperServicer(SamplingVerbs, CheckpointVerbs, ImportVerbs, LookupVerbs, TokenizerVerbs, RecordVerbs,
+                     service_pb2_grpc.TemperServicer):
     def __init__(self, store, backends: Backends, runs: RunRegistry, admission: Admission):
         self.store = store
         self.backends = backends

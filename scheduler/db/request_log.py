@@ -20,6 +20,7 @@ from sqlalchemy.exc import IntegrityError
 from temper.common.errors import AlreadyExists, NotFound
 from temper.scheduler.db import models as m
 from temper.scheduler.db.outage import database_errors, now
+from temper.scheduler.db.records import MetricRow, insert_run_metrics
 
 REQUESTS = m.RequestRecord.__table__
 RUNS = m.TrainingRun.__table__
@@ -157,25 +158,29 @@ class RequestLogStore:
         conn.execute(_MARK_RUNNING, {"b_keys": keys})
 
     def finish_requests(self, outcomes: Iterable[tuple[str, int, str, str | None, bytes | None]], trained_tokens: dict[str, int],
-                        steps: dict[str, int], next_seq: dict[str, int], result_window: int = 0) -> None:
+                        steps: dict[str, int], next_seq: dict[str, int], result_window: int = 0,
+                        metrics: list[MetricRow] = ()) -> None:
         """Record (run, seq, status, error, serialized result) outcomes and the runs' counters in one
         transaction; results older than each run's last ``result_window`` seqs are cleared.
 
         Safe to call again after an error whose commit may nevertheless have happened (the loop
         resends it): only requests still queued or running are recorded, and a run's counters move
-        only with them, so a resent call that finds its outcomes recorded counts nothing twice."""
+        only with them, so a resent call that finds its outcomes recorded counts nothing twice.
+        ``metrics``: the requests' rows of run_metrics (db/records.py), written with their outcomes."""
         with self.engine.begin() as conn:
-            self._finish_requests(conn, outcomes, trained_tokens, steps, next_seq, result_window)
+            self._finish_requests(conn, outcomes, trained_tokens, steps, next_seq, result_window, metrics)
 
     @staticmethod
     def _finish_requests(conn, outcomes, trained_tokens: dict[str, int], steps: dict[str, int], next_seq: dict[str, int],
-                         result_window: int = 0) -> None:
+                         result_window: int = 0, metrics: list[MetricRow] = ()) -> None:
         outcomes, at = list(outcomes), now()
         still_open = set(conn.execute(_STILL_OPEN, {"b_keys": [(run_id, seq_id) for run_id, seq_id, *_ in outcomes]}).tuples())
         rows = [dict(b_run=run_id, b_seq=seq_id, status=status, error=error, result=result, finished_at=at)
                 for run_id, seq_id, status, error, result in outcomes if (run_id, seq_id) in still_open]
         if rows:
             conn.execute(_FINISH, rows)
+        if metrics:  # their steps from the run counters, before these move
+            insert_run_metrics(conn, metrics, still_open)
         counted = {run_id for run_id, _ in still_open}
         runs = [dict(b_run=run_id, b_cut=seq - result_window, b_next=seq,
                      b_tokens=trained_tokens.get(run_id, 0) if run_id in counted else 0,

@@ -20,6 +20,7 @@ from temper.common.errors import AlreadyExists, FailedPrecondition, NotFound
 from temper.scheduler.db import models as m
 from temper.scheduler.db.access import ReadAccess
 from temper.scheduler.db.outage import database_errors, now
+from temper.scheduler.db.records import RecordsStore
 from temper.scheduler.db.request_log import RequestLogStore
 from temper.scheduler.db.catalog import CatalogStore
 from temper.scheduler.db.tenancy import TenancyStore
@@ -72,7 +73,7 @@ def upgrade_schema(url: str) -> None:
 
 
 @database_errors
-class Store(TenancyStore, RequestLogStore, CatalogStore):
+class Store(TenancyStore, RequestLogStore, CatalogStore, RecordsStore):
     def __init__(self, url: str):
         if url.startswith("sqlite:///"):
             Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,7 @@ from temper.scheduler.planning.group_commit import Running
 from temper.scheduler.planning.lanes import Lane
 from temper.scheduler.planning.policy import CyclePlan, FairShare
 from temper.scheduler.planning.recovery import Recovery, adapter_missing
+from temper.scheduler.planning.records import metric_rows, stamp
 from temper.scheduler.planning.runs import RunRegistry
 from temper.scheduler.settings import SchedulerSettings
 from temper.scheduler.db.views import KIND_NAMES, checkpoint_message
@@ -89,8 +90,10 @@ class SchedulerLoop:
                 # Recorded before anything reaches a trainer: after a crash, "running" rows are the ones
                 # that may have been applied (see Store.recover_interrupted).
                 await self._mark_running(in_pass)
+                stamp(in_pass, trainer.address, number)
                 outcome = await self._cycle_on(trainer, plan.passes, plan.optim_steps, plan)
             for work in plan.barriers:
+                stamp([work], trainer.address, number)
                 outcome = _worse(outcome, await self._barrier(trainer, work, plan))
             await self.recovery.after_cycle(trainer, plan)
         except Exception:
@@ -272,7 +275,8 @@ class SchedulerLoop:
                 tokens[w.run_id] += w.num_tokens
             if not failed and w.kind is WorkKind.OPTIM_STEP:
                 steps[w.run_id] += 1
-        await self.persist(self.store.finish_requests, rows, tokens, steps, next_seq, self.settings.durable_results_per_run)
+        await self.persist(self.store.finish_requests, rows, tokens, steps, next_seq, self.settings.durable_results_per_run,
+                           metric_rows(works, outcomes))
         for w, outcome in zip(works, outcomes):
             if isinstance(outcome, TemperError):
                 w.fail(outcome)

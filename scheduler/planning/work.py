@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class WorkKind(str, enum.Enum):
@@ -26,6 +26,14 @@ class WorkKind(str, enum.Enum):
         return self in (WorkKind.SAVE_WEIGHTS, WorkKind.LOAD_WEIGHTS)
 
 
+class Dispatch(NamedTuple):
+    """Where and when work went to a trainer (kept in its run_metrics row: planning/records.py)."""
+    trainer: str         # the trainer's address
+    cycle: int           # the loop's cycle number
+    cobatched_with: int  # other runs in that cycle
+    started_ms: int      # unix ms it was sent
+
+
 class WorkState(str, enum.Enum):
     CLAIMED = "claimed"      # holds its (run, seq) while admission checks and records it; not ready yet
     QUEUED = "queued"        # admitted: runs when its seq comes
@@ -44,6 +52,7 @@ class Work:
     state: WorkState = WorkState.QUEUED
     submitted_at: float = 0.0        # monotonic time of arrival (oldest heads are served first)
     resent: bool = False             # held and sent again after its trainer was lost (recovery.py): it may have run there
+    dispatch: Dispatch | None = None # the latest time it went to a trainer (None: never)
     future: asyncio.Future | None = field(default=None, repr=False)
 
     @property

@@ -141,7 +141,7 @@ class _Sampling(SamplingVerbs):
 
         self.store = SimpleNamespace(get_sampling_client=lambda sampler_id, tenant: (row, "alice", False),
                                      readable_checkpoint=lambda path, tenant: None, touch_checkpoint=self.touched.append,
-                                     add_sampled_tokens=lambda sampler_id, n: None,
+                                     record_sampling=lambda rows: None,
                                      read_access=SimpleNamespace(may_read=lambda path, tenant: True))
         self.backends = SimpleNamespace(wait_ready=wait_ready, served=served, sampler_info=lambda base: info,
                                         holds=lambda base, key: True, call_samplers=call_samplers)

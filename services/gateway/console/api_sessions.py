@@ -14,7 +14,7 @@ from temper.services.gateway.console.records import PAGE, TooLarge, session_reco
 from temper.services.gateway.console.series import MAX_BUCKETS, session_series
 from temper.services.gateway.console.trace_route import caller
 from temper.services.gateway.console.views import view
-from temper.v1 import service_pb2
+from temper.v1 import records_pb2, service_pb2
 
 router = APIRouter(prefix="/console/api")
 
@@ -23,7 +23,7 @@ router = APIRouter(prefix="/console/api")
 async def sessions(request: Request):
     api_key(request)
     limit, offset = query_int(request, "limit", 50, 1, MAX_PAGE), query_int(request, "offset", 0)
-    listed = await call(request, "ListSessions", service_pb2.ListSessionsRequest(limit=limit, offset=offset))
+    listed = await call(request, "ListSessions", records_pb2.ListSessionsRequest(limit=limit, offset=offset))
     return {"sessions": [view(s) for s in listed.sessions], "total_count": listed.total_count,
             "limit": limit, "offset": offset}
 
@@ -32,7 +32,7 @@ async def sessions(request: Request):
 async def session(session_id: str, request: Request):
     api_key(request)
     fields.text(session_id, "session id")
-    info = await call(request, "GetSession", service_pb2.GetSessionRequest(session_id=session_id))
+    info = await call(request, "GetSession", records_pb2.GetSessionRequest(session_id=session_id))
     runs = [view(await call(request, "GetInfo", service_pb2.GetInfoRequest(training_run_id=run_id)))
             for run_id in list(info.training_run_ids)[:MAX_PAGE]]
     return {"session": view(info), "runs": runs}
@@ -43,7 +43,7 @@ async def session_metrics(session_id: str, request: Request):
     rpc = caller(request)
     fields.text(session_id, "session id")
     buckets = query_int(request, "buckets", 120, 1, MAX_BUCKETS)
-    info = await rpc("GetSession", service_pb2.GetSessionRequest(session_id=session_id))
+    info = await rpc("GetSession", records_pb2.GetSessionRequest(session_id=session_id))
     span = session_range(request, info)
     records = await session_records(rpc, info, span.start_ms, span.end_ms, max_rows(request))
     series = session_series(records.run_rows, records.sampling, span.start_ms, span.end_ms, buckets)
@@ -60,7 +60,7 @@ async def run_metrics(run_id: str, request: Request):
     budget = max_rows(request)
     rows, token = [], ""
     while True:
-        message = service_pb2.ListRunMetricsRequest(training_run_id=run_id, from_step=from_step, page_size=PAGE,
+        message = records_pb2.ListRunMetricsRequest(training_run_id=run_id, from_step=from_step, page_size=PAGE,
                                                     page_token=token)
         if to_step not in (None, ""):
             message.to_step = query_int(request, "to_step", 0, 0, fields.INT64[1])

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from temper.services.gateway.errors import GatewayError
-from temper.v1 import records_pb2, service_pb2
+from temper.v1 import records_pb2
 
 PAGE = 1000  # the scheduler's largest page
 MAX_RUNS = 200  # a session's runs read for one answer
@@ -42,7 +42,7 @@ async def session_records(call, session: records_pb2.SessionInfo, start_ms: int,
     for run_id in list(session.training_run_ids)[:MAX_RUNS]:
         rows, token = [], ""
         while True:
-            page = await call("ListRunMetrics", service_pb2.ListRunMetricsRequest(
+            page = await call("ListRunMetrics", records_pb2.ListRunMetricsRequest(
                 training_run_id=run_id, page_size=PAGE, page_token=token))
             for row in page.metrics:
                 if in_range(row, start_ms, end_ms):
@@ -57,7 +57,7 @@ async def session_records(call, session: records_pb2.SessionInfo, start_ms: int,
     if sampling:
         token = ""
         while True:
-            page = await call("GetSessionSamplingMetrics", service_pb2.GetSessionSamplingMetricsRequest(
+            page = await call("GetSessionSamplingMetrics", records_pb2.GetSessionSamplingMetricsRequest(
                 session_id=session_id, from_unix_ms=start_ms, to_unix_ms=end_ms, page_size=PAGE, page_token=token))
             out.sampling.extend(page.records)
             kept += len(page.records)

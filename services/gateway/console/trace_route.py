@@ -15,7 +15,7 @@ from temper.services.gateway.app import api_key, gateway
 from temper.services.gateway.console.ranges import max_rows, session_range
 from temper.services.gateway.console.records import session_records
 from temper.services.gateway.console.trace import build_trace
-from temper.v1 import service_pb2
+from temper.v1 import records_pb2
 
 router = APIRouter(prefix="/api/v1")
 _FILE_SAFE = re.compile(r"[^A-Za-z0-9._-]")
@@ -33,7 +33,7 @@ def caller(request: Request):
 async def session_trace(session_id: str, request: Request):
     call = caller(request)
     fields.text(session_id, "session id")
-    session = await call("GetSession", service_pb2.GetSessionRequest(session_id=session_id))
+    session = await call("GetSession", records_pb2.GetSessionRequest(session_id=session_id))
     span = session_range(request, session)
     records = await session_records(call, session, span.start_ms, span.end_ms, max_rows(request))
     trace = build_trace(session_id, records.run_rows, records.sampling, span.start_ms, span.end_ms)

@@ -1,0 +1,93 @@
+// Draws an exported Chrome trace (trace-event JSON) as a Perfetto-style timeline on a canvas: one
+// row per track (process / thread), spans nested by depth, counters as step lines. The console's
+// own view of what GET /api/v1/sessions/{id}/trace answers (Perfetto UI opens the same file).
+import { h } from "./dom.js";
+
+const COLORS = { request: "#9fb4f5", queued: "#f2c46d", running: "#5b7ee5", cycle: "#3cae74", sampling: "#c46bd6" };
+const ROW = 18;
+const LABEL = 210;
+
+function tracks(trace) {
+  const names = new Map(); const procs = new Map();
+  for (const e of trace.traceEvents) {
+    if (e.ph === "M" && e.name === "process_name") procs.set(e.pid, e.args.name);
+    if (e.ph === "M" && e.name === "thread_name") names.set(`${e.pid}/${e.tid}`, e.args.name);
+  }
+  const spans = new Map(); const counters = new Map();
+  for (const e of trace.traceEvents) {
+    if (e.ph === "X") {
+      const k = `${e.pid}/${e.tid}`;
+      if (!spans.has(k)) spans.set(k, []);
+      spans.get(k).push(e);
+    } else if (e.ph === "C") {
+      const series = Object.keys(e.args)[0];
+      if (!counters.has(e.name)) counters.set(e.name, []);
+      counters.get(e.name).push([e.ts, e.args[series]]);
+    }
+  }
+  const out = [];
+  for (const [k, list] of [...spans.entries()].sort((a, b) => {
+    const [pa, ta] = a[0].split("/").map(Number); const [pb, tb] = b[0].split("/").map(Number);
+    return pa - pb || ta - tb;
+  })) {
+    list.sort((a, b) => a.ts - b.ts || b.dur - a.dur);
+    const stack = []; let depth = 1;
+    for (const e of list) {  // depth by nesting: a span inside the one before it goes one row down
+      while (stack.length && stack[stack.length - 1].ts + stack[stack.length - 1].dur <= e.ts) stack.pop();
+      e._depth = stack.length; stack.push(e); depth = Math.max(depth, stack.length);
+    }
+    const pid = Number(k.split("/")[0]);
+    out.push({ label: `${procs.get(pid) || pid} › ${names.get(k) || k}`, spans: list, depth });
+  }
+  for (const [name, points] of counters) out.push({ label: `counter › ${name}`, points, depth: 2 });
+  return out;
+}
+
+export function timeline(trace, width = 1200) {
+  const rows = tracks(trace);
+  let t0 = Infinity; let t1 = -Infinity;
+  for (const r of rows) {
+    for (const e of r.spans || []) { t0 = Math.min(t0, e.ts); t1 = Math.max(t1, e.ts + e.dur); }
+    for (const [ts] of r.points || []) { t0 = Math.min(t0, ts); t1 = Math.max(t1, ts); }
+  }
+  const box = h("div", { class: "timeline", id: "timeline" });
+  if (!rows.length || !(t1 > t0)) { box.append(h("p", { class: "muted" }, "nothing in this range")); return box; }
+  const height = 24 + rows.reduce((n, r) => n + r.depth * ROW + 6, 0);
+  const canvas = h("canvas", { width: width * devicePixelRatio, height: height * devicePixelRatio, style: `width:${width}px;height:${height}px` });
+  const g = canvas.getContext("2d");
+  g.scale(devicePixelRatio, devicePixelRatio);
+  g.font = "11px system-ui, sans-serif";
+  const x = (ts) => LABEL + ((ts - t0) / (t1 - t0)) * (width - LABEL - 10);
+  g.fillStyle = "#667085";
+  for (let i = 0; i <= 5; i += 1) {
+    const ts = t0 + ((t1 - t0) * i) / 5;
+    g.fillText(`+${((ts - t0) / 1e6).toFixed(2)} s`, x(ts) - 14, 12);
+    g.fillStyle = "#eef0f4"; g.fillRect(x(ts), 16, 1, height); g.fillStyle = "#667085";
+  }
+  let y = 22;
+  for (const r of rows) {
+    const h0 = r.depth * ROW;
+    g.fillStyle = "#1d2330"; g.fillText(r.label.slice(0, 34), 6, y + 12);
+    if (r.spans) {
+      for (const e of r.spans) {
+        const left = x(e.ts); const w = Math.max(1, x(e.ts + e.dur) - left);
+        g.fillStyle = COLORS[e.cat] || "#8892a6";
+        g.fillRect(left, y + e._depth * ROW, w, ROW - 2);
+        if (w > 40) { g.fillStyle = e.cat === "running" || e.cat === "cycle" ? "#fff" : "#1d2330"; g.fillText(e.name.slice(0, Math.floor(w / 6)), left + 3, y + e._depth * ROW + 12); }
+      }
+    } else {
+      const max = Math.max(1e-9, ...r.points.map((p) => p[1]));
+      g.strokeStyle = "#d9480f"; g.beginPath();
+      r.points.sort((a, b) => a[0] - b[0]).forEach(([ts, v], i) => {
+        const py = y + h0 - 2 - (v / max) * (h0 - 4);
+        if (i === 0) g.moveTo(x(ts), py); else g.lineTo(x(ts), py);
+      });
+      g.stroke(); g.fillStyle = "#667085"; g.fillText(`max ${max.toPrecision(3)}`, width - 70, y + 10);
+    }
+    y += h0 + 6;
+    g.fillStyle = "#e4e7ec"; g.fillRect(0, y - 3, width, 1);
+  }
+  box.append(canvas);
+  box.append(h("div", { class: "legend" }, Object.entries(COLORS).map(([k, c]) => h("span", {}, h("i", { style: `background:${c}` }), k))));
+  return box;
+}
