@@ -24,8 +24,7 @@ from temper.common.validation import (check_last_n, check_prompt_scoring, check_
 from temper.scheduler import metrics
 from temper.scheduler.tenancy.auth import caller
 from temper.scheduler.db import models as m
-from temper.scheduler.db.records import SamplingRow
-from temper.scheduler.planning.records import SamplingRecorder, unix_ms
+from temper.scheduler.workers.sampler_streams import stream_on_a_sampler
 from temper.scheduler.workers.samplers import SamplerHandle
 from temper.v1 import sampler_pb2, service_pb2, types_pb2
 
@@ -41,7 +40,6 @@ class SamplingTarget:
     tokens: np.ndarray      # the prompt
     tenant: str
     model_path: str | None = None  # the checkpoint's path; its last use is written once the request is accepted
-    session_id: str = ""           # the sampling client's session (its sampling records)
 
 
 class SamplingVerbs:
@@ -50,7 +48,6 @@ class SamplingVerbs:
     def _init_sampling(self) -> None:
         self._samplers: dict[str, tuple[m.SamplingClient, str]] = {}  # sampler id -> (row, tenant)
         self._touched: dict[str, float] = {}
-        self._sampling_records = SamplingRecorder(self.store)  # each answer's record, group-committed
 
     async def CreateSamplingClient(self, request, context):
         await self.backends.wait_ready()
@@ -114,7 +111,7 @@ class SamplingVerbs:
         check_token_range(tokens, info.vocab_size, "prompt")
         if len(tokens) > info.max_context_length:
             raise InvalidArgument(f"prompt has {len(tokens)} tokens; the context length is {info.max_context_length}")
-        return SamplingTarget(row.base_model, info, checkpoint_key, tokens, tenant, row.model_path or None, row.session_id)
+        return SamplingTarget(row.base_model, info, checkpoint_key, tokens, tenant, row.model_path or None)
 
     async def _still_readable(self, path: str, tenant: str) -> None:
         """On every call, adapter held by a sampler or not: the checkpoint is still there, unexpired and
@@ -141,8 +138,18 @@ class SamplingVerbs:
             sampler, target.checkpoint_key, target.tenant))
 
     async def Sample(self, request, context):
-        started = unix_ms()
         await self.backends.wait_ready()
+        target, sample, tag = await self._sample_call(request)
+        response = await self._call_sampler(target, "Sample", sample)
+        for i, sequence in enumerate(response.sequences):
+            sequence.sequence_id = f"{request.sampler_id}:{tag}:{i}"
+        generated = sum(len(s.tokens) // 4 for s in response.sequences)
+        await self._sampled(target, request, generated, int(time.time() * 1000))
+        return response
+
+    async def _sample_call(self, request) -> tuple[SamplingTarget, sampler_pb2.SamplerSampleRequest, str]:
+        """What Sample and SampleStream check, wait for and send, before any sampler is called:
+        (target, the sampler's request, the sequences' tag)."""
         target = await self._sampling_target(request.sampler_id, request.prompt)
         # every rule the sampler applies, before any sampler is called: a refused request pushes no
         # adapter (which could evict the tenant's others) and changes nothing
@@ -162,18 +169,33 @@ class SamplingVerbs:
             topk_prompt_logprobs=request.topk_prompt_logprobs)
         if last_n is not None:
             sample.prompt_logprobs_last_n = last_n
-        response = await self._call_sampler(target, "Sample", sample)
-        for i, sequence in enumerate(response.sequences):
-            sequence.sequence_id = f"{request.sampler_id}:{tag}:{i}"
-        generated = sum(len(s.tokens) // 4 for s in response.sequences)
+        return target, sample, tag
+
+    async def SampleStream(self, request, context):
+        """Sample's checks, limits and sampler choice (samplers.stream_on_a_sampler: another sampler only
+        before the first message), then the sampler's messages as they come, with sequence ids."""
+        started = int(time.time() * 1000)
+        await self.backends.wait_ready()
+        target, sample, tag = await self._sample_call(request)
+        generated = 0
+        try:
+            async for chunk in stream_on_a_sampler(self.backends, target.base_model, sample, load=lambda sampler: (
+                    self._ensure_loaded(sampler, target.checkpoint_key, target.tenant))):
+                for piece in chunk.pieces:
+                    piece.sequence_id = f"{request.sampler_id}:{tag}:{piece.index}"
+                    generated += len(piece.tokens) // 4
+                yield chunk
+        finally:  # what was sampled counts, also when the caller left midway
+            if generated:
+                await asyncio.shield(self._sampled(target, request, generated, started))
+
+    async def _sampled(self, target: SamplingTarget, request, generated: int, started: int) -> None:
+        """A Sample's tokens on the tenant's rate, the sampling client's count and the metrics."""
         self.admission.quotas.sampled.record(target.tenant, generated)
-        await self._sampling_records.add(SamplingRow(target.session_id, request.sampler_id, "sample", request.num_samples,
-                                                     len(target.tokens), generated, started, unix_ms()))  # and the counter
+        await asyncio.to_thread(self.store.add_sampled_tokens, request.sampler_id, generated)
         metrics.TOKENS_SAMPLED.labels(target.tenant).inc(generated)
-        return response
 
     async def ComputeLogprobs(self, request, context):
-        started = unix_ms()
         await self.backends.wait_ready()
         target = await self._sampling_target(request.sampler_id, request.prompt)
         logprobs = sampler_pb2.SamplerLogprobsRequest(checkpoint_key=target.checkpoint_key,
@@ -183,6 +205,4 @@ class SamplingVerbs:
             logprobs.prompt_logprobs_last_n = request.prompt_logprobs_last_n
         await self._touch(target)
         response = await self._call_sampler(target, "ComputeLogprobs", logprobs)
-        await self._sampling_records.add(SamplingRow(target.session_id, request.sampler_id, "compute_logprobs", 0, len(target.tokens),
-                                                     0, started, unix_ms()))
         return service_pb2.ComputeLogprobsResponse(logprobs=response.logprobs)
