@@ -3,7 +3,8 @@ trainer, sampler and the HTTP gateway (Tinker SDK and OpenAI-compatible routes) 
 SIGTERM, which stop every process.
 
 It prints the gRPC address (temper.client), the HTTP address (the official `tinker` SDK, the
-`openai` client) and a local API key, then the line to run a Tinker script with:
+`openai` client), the web console's URL (log in with the key) and a local API key, then the line to
+run a Tinker script with:
 
     TINKER_BASE_URL=http://127.0.0.1:8000 TINKER_API_KEY=tml-... python your_script.py
 
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from temper.localstack import LocalStack
 
-READY_LINE = "TEMPER_SERVE_READY"  # machine-readable: grpc=<host:port> http=<url> api_key=<key>
+READY_LINE = "TEMPER_SERVE_READY"  # machine-readable: grpc=<host:port> http=<url> api_key=<key> console=<url>
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,10 +66,11 @@ def _banner(stack: LocalStack, base_model: str, host: str) -> str:
         f"Temper is serving {base_model} (logs: {stack.data_dir / 'logs'}; Ctrl-C stops it)",
         f"  gRPC (temper.client)              {grpc_address}",
         f"  HTTP (tinker SDK, OpenAI /v1)     {http}",
+        f"  Console (log in with the key)     {http}/console/",
         f"  API key                           {stack.api_key}",
         "",
         f"  TINKER_BASE_URL={http} TINKER_API_KEY={stack.api_key} python your_script.py",
-        f"{READY_LINE} grpc={grpc_address} http={http} api_key={stack.api_key}",
+        f"{READY_LINE} grpc={grpc_address} http={http} api_key={stack.api_key} console={http}/console/",
     ])
 
 

@@ -64,6 +64,9 @@ def test_serve_prints_addresses_answers_and_stops_on_sigterm(tiny_model_dir, tmp
                           timeout=120)
         assert resp.status_code == 200, resp.text
         assert resp.json()["usage"]["completion_tokens"] >= 1
+        assert ready["console"] == f"{ready['http']}/console/"  # the console's URL, printed for a person too
+        page = httpx.get(ready["console"], timeout=30)
+        assert page.status_code == 200 and "Temper console" in page.text
         ports = [int(ready["grpc"].rsplit(":", 1)[1]), int(ready["http"].rsplit(":", 1)[1])]
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=90) == 0
