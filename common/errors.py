@@ -102,12 +102,17 @@ class Unauthenticated(TemperError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class PermissionDenied(TemperError):
+    """A valid key that may not do this (an operator's call with a tenant's key)."""
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class Internal(TemperError):
     code = grpc.StatusCode.INTERNAL
 
 
 _BY_CODE = {cls.code: cls for cls in (InvalidArgument, NotFound, AlreadyExists, FailedPrecondition, ResourceExhausted, Unavailable,
-                                      Unauthenticated)}
+                                      Unauthenticated, PermissionDenied)}
 
 # Who may call: awaited with (method, context) before every handler; raises Unauthenticated to refuse.
 Authenticator = Callable[[str, grpc.aio.ServicerContext], Awaitable[None]]

@@ -1,22 +1,28 @@
 """Operator commands on the scheduler's database: tenants' API keys and limits.
 
     python -m temper.scheduler.admin create-key --tenant alice     # prints the new key alone on stdout
+    python -m temper.scheduler.admin create-key --tenant ops --admin   # an operator's key (cluster status, every audit entry)
     python -m temper.scheduler.admin list-keys [--tenant alice]
     python -m temper.scheduler.admin revoke-key tml-AbCdEfGh         # by prefix, id or whole key
     python -m temper.scheduler.admin set-quota --tenant alice --max-training-runs 4 --train-tokens-per-minute 200000
     python -m temper.scheduler.admin show-quota --tenant alice
+    python -m temper.scheduler.admin audit-log [--tenant alice] [--since 2h | 2026-12-01T09:00] [--action A] [--limit 50]
 
 The database is the scheduler's (TEMPER_SCHEDULER_DATABASE_URL, or --database-url). A running
-scheduler sees a revoked key within its key cache time and new limits within seconds.
+scheduler sees a revoked key within its key cache time and new limits within seconds. Every change
+made here is in the audit log as the admin command's (actor "admin-command").
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+from datetime import datetime, timedelta, timezone
 
 from temper.common.errors import InvalidArgument
 from temper.common.strings import check_text, shown
+from temper.scheduler.db.audit import AUDIT_ACTIONS, MAX_PAGE, Actor, AuditQuery
 from temper.scheduler.db.store import Store, upgrade_schema
 from temper.scheduler.db.tenancy import LIMIT_COLUMNS
 from temper.scheduler.settings import SchedulerSettings
@@ -30,11 +36,11 @@ def open_store(database_url: str | None = None) -> Store:
     return Store(url)
 
 
-def create_key(database_url: str, tenant: str, label: str = "") -> str:
+def create_key(database_url: str, tenant: str, label: str = "", is_admin: bool = False) -> str:
     """A new API key for ``tenant`` (LocalStack and tests use this; people use the command)."""
     store = open_store(database_url)
     try:
-        return store.create_api_key(tenant, label)[0]
+        return store.create_api_key(tenant, label, is_admin, Actor.admin_command())[0]
     finally:
         store.engine.dispose()
 
@@ -46,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     create = commands.add_parser("create-key", help="create an API key; prints it (shown only this once)")
     create.add_argument("--tenant", required=True)
     create.add_argument("--label", default="", help="a note to tell keys apart")
+    create.add_argument("--admin", action="store_true", help="an operator's key: cluster status and every tenant's audit log")
     listing = commands.add_parser("list-keys", help="keys with prefix, tenant, created, last used, revoked")
     listing.add_argument("--tenant")
     revoke = commands.add_parser("revoke-key", help="revoke a key by its prefix, id or the whole key")
@@ -56,6 +63,11 @@ def _parser() -> argparse.ArgumentParser:
         quota.add_argument(f"--{name.replace('_', '-')}", dest=name, type=_limit, default=argparse.SUPPRESS)
     show = commands.add_parser("show-quota", help="a tenant's own limits (unset: the scheduler's default)")
     show.add_argument("--tenant", required=True)
+    audit = commands.add_parser("audit-log", help="audit entries, newest first (who, what, when)")
+    audit.add_argument("--tenant", help="only this tenant's entries (default: every tenant's)")
+    audit.add_argument("--since", type=_since, help="entries at or after this: an ISO time (UTC unless it says) or an age: 30m, 2h, 7d")
+    audit.add_argument("--action", choices=AUDIT_ACTIONS, help="only this action")
+    audit.add_argument("--limit", type=_page, default=100, help=f"at most this many entries (1 to {MAX_PAGE}; default 100)")
     return parser
 
 
@@ -74,6 +86,36 @@ def _limit(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"{shown(text, 40)} is not a whole number or 'default'") from None
     if not 0 <= value <= MAX_LIMIT:
         raise argparse.ArgumentTypeError(f"{value} is outside [0, {MAX_LIMIT}] (0: unlimited)")
+    return value
+
+
+AGE = re.compile(r"(\d{1,6})([smhd])")
+AGE_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
+
+
+def _since(text: str) -> datetime:
+    """An age (30m, 2h, 7d: that long ago) or an ISO 8601 time (UTC unless it names a zone)."""
+    age = AGE.fullmatch(text)
+    if age:
+        try:
+            return datetime.now(timezone.utc) - timedelta(**{AGE_UNITS[age.group(2)]: int(age.group(1))})
+        except OverflowError:
+            raise argparse.ArgumentTypeError(f"{text} reaches back before the year 1") from None
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{shown(text, 40)} is neither an age (30m, 2h, 7d) nor an ISO time "
+                                         "(2026-12-01T09:00)") from None
+    return when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)
+
+
+def _page(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{shown(text, 40)} is not a whole number") from None
+    if not 1 <= value <= MAX_PAGE:
+        raise argparse.ArgumentTypeError(f"{value} is outside [1, {MAX_PAGE}]")
     return value
 
 
@@ -105,20 +147,27 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     store = open_store(args.database_url)
     try:
+        operator = Actor.admin_command()
         if args.command == "create-key":
-            print(store.create_api_key(args.tenant, args.label)[0])
+            print(store.create_api_key(args.tenant, args.label, args.admin, operator)[0])
         elif args.command == "list-keys":
-            print(f"{'id':>4}  {'prefix':<13} {'tenant':<20} {'created':<20} {'last used':<20} {'revoked':<20} label")
+            print(f"{'id':>4}  {'prefix':<13} {'tenant':<20} {'role':<6} {'created':<20} {'last used':<20} {'revoked':<20} label")
             for row, tenant in store.list_api_keys(args.tenant):
                 times = [_when(t) for t in (row.created_at, row.last_used_at, row.revoked_at)]
-                print(f"{row.id:>4}  {row.prefix:<13} {tenant:<20} {times[0]:<20} {times[1]:<20} {times[2]:<20} {row.label}")
+                role = "admin" if row.is_admin else "tenant"
+                print(f"{row.id:>4}  {row.prefix:<13} {tenant:<20} {role:<6} {times[0]:<20} {times[1]:<20} {times[2]:<20} {row.label}")
         elif args.command == "revoke-key":
-            row = store.revoke_api_key(args.key)
+            row = store.revoke_api_key(args.key, actor=operator)
             print(f"revoked {row.prefix}… (id {row.id})", file=sys.stderr)
         elif args.command == "set-quota":
-            _print_limits(store.set_limits(args.tenant, {n: getattr(args, n) for n in LIMIT_COLUMNS if hasattr(args, n)}))
+            limits = {n: getattr(args, n) for n in LIMIT_COLUMNS if hasattr(args, n)}
+            _print_limits(store.set_limits(args.tenant, limits, operator))
         elif args.command == "show-quota":
             _print_limits(store.tenant_limits(args.tenant))
+        elif args.command == "audit-log":
+            rows, more = store.audit_entries(AuditQuery(tenant=args.tenant, since=args.since, action=args.action or "",
+                                                        limit=args.limit))
+            _print_audit(rows, more)
     except Exception as exc:  # noqa: BLE001 - a command-line tool answers with a message and a status
         message = getattr(exc, "message", None) or str(exc)
         print(f"error: {message}", file=sys.stderr)
@@ -133,8 +182,20 @@ def _print_limits(limits: dict[str, int | None]) -> None:
         print(f"{name} = {'default' if value is None else value}")
 
 
+def _print_audit(rows, more: bool) -> None:
+    print(f"{'id':>6}  {'at (UTC)':<20} {'tenant':<20} {'who':<14} {'action':<22} {'target':<40} details")
+    for row in rows:
+        who = row.key_prefix or row.actor
+        details = " ".join(f"{k}={v}" for k, v in sorted((row.details or {}).items()))
+        print(f"{row.id:>6}  {_when(row.at):<20} {row.tenant:<20} {who:<14} {row.action:<22} {row.target:<40} {details}")
+    if more:
+        print("(older entries remain: raise --limit or narrow --since)", file=sys.stderr)
+
+
 def _when(value) -> str:
-    return "-" if value is None else value.strftime("%Y-%m-%d %H:%M:%S")
+    if value is None:
+        return "-"
+    return (value.astimezone(timezone.utc) if value.tzinfo is not None else value).strftime("%Y-%m-%d %H:%M:%S")
 
 
 if __name__ == "__main__":

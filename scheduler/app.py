@@ -23,6 +23,7 @@ from temper.scheduler.planning.records import prune_forever
 from temper.scheduler.workers.registry import start_registry
 from temper.scheduler.planning.runs import RunRegistry
 from temper.scheduler.api.servicer import TemperServicer
+from temper.scheduler.api.cluster_status import ClusterSources
 from temper.scheduler.settings import SchedulerSettings
 from temper.v1 import service_pb2, service_pb2_grpc
 
@@ -43,6 +44,7 @@ class SchedulerApp:
         self.auth = ApiKeyAuth(self.store, settings.auth, settings.key_cache_seconds)
         self.collector = CheckpointCollector(self.store, self.backends, self.runs, settings)
         self.membership = Membership(self.backends, self.loop.recovery, settings)
+        self.servicer.cluster = ClusterSources(self.membership, self.loop.recovery)  # what GetClusterStatus reads
         self.server = self.health = self.registry = None
         self.port = self.metrics_port = self.registry_port = None
 

@@ -14,7 +14,7 @@ from datetime import timedelta
 
 from temper.common.checkpoints import parse_path
 from temper.common.errors import InvalidArgument
-from temper.scheduler.tenancy.auth import caller
+from temper.scheduler.tenancy.auth import caller, caller_actor
 from temper.scheduler.db import models as m
 from temper.scheduler.db.outage import now
 from temper.scheduler.db.views import checkpoint_message
@@ -50,18 +50,18 @@ class CheckpointVerbs:
 
     async def UpdateCheckpoint(self, request, context):
         path = str(parse_path(request.path))
-        expires = False
+        expires, ttl = False, None
         if request.HasField("ttl_seconds"):
             ttl = check_ttl(request.ttl_seconds)
             expires = now() + timedelta(seconds=ttl) if ttl else None
         published = request.published if request.HasField("published") else None
-        row = await asyncio.to_thread(self.store.update_checkpoint, path, caller(), published, expires)
+        row = await asyncio.to_thread(self.store.update_checkpoint, path, caller(), published, expires, caller_actor(), ttl)
         return checkpoint_message(row, await asyncio.to_thread(self.store.get_training_run, row.training_run_id))
 
     async def DeleteCheckpoint(self, request, context):
         await self.backends.wait_ready()
         row = await asyncio.to_thread(self.store.owned_checkpoint, str(parse_path(request.path)), caller())
-        freed = await remove_checkpoint(self.store, self.backends, self.runs, row)
+        freed = await remove_checkpoint(self.store, self.backends, self.runs, row, caller_actor())
         log.info("deleted checkpoint %s (%d bytes)", row.path, freed)
         return service_pb2.DeleteCheckpointResponse(freed_bytes=freed)
 

@@ -21,7 +21,7 @@ from temper.common.checkpoints import WEIGHT_FILES, CheckpointPath, check_name
 from temper.common.errors import InvalidArgument, NotFound
 from temper.common.strings import check_request_strings, shown
 from temper.common.uploads import FileAssembly
-from temper.scheduler.tenancy.auth import caller
+from temper.scheduler.tenancy.auth import caller, caller_actor
 from temper.scheduler.workers.backends import TrainerHandle
 from temper.scheduler.db import models as m
 from temper.scheduler.api.lookup_verbs import check_user_metadata
@@ -138,7 +138,7 @@ class ImportVerbs:
                               created_expert_rank(created))
             checkpoints = [m.Checkpoint(training_run_id=run_id, kind=KIND_NAMES[path.kind], name=path.name, path=str(path),
                                         size_bytes=size, user_metadata=metadata) for path, size in zip(paths, sizes)]
-            await asyncio.to_thread(self.store.add_imported_run, row, checkpoints)
+            await asyncio.to_thread(self.store.add_imported_run, row, checkpoints, tenant, caller_actor())
         except BaseException:
             keys = [path.key for path in paths] + ([snapshot] if snapshot else [])
             if await undo_creation(trainer, run_id if adapter_made else None, keys):

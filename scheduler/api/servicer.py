@@ -17,9 +17,11 @@ from temper.common.errors import AlreadyExists, FailedPrecondition, InvalidArgum
 from temper.common.logs import request_context
 from temper.common.validation import validate_adam, validate_forward_backward
 from temper.scheduler.planning.admission import Admission
-from temper.scheduler.tenancy.auth import caller
+from temper.scheduler.tenancy.auth import caller, caller_actor
 from temper.scheduler.workers.backends import Backends
+from temper.scheduler.api.audit_verbs import AuditVerbs
 from temper.scheduler.api.checkpoint_verbs import CheckpointVerbs, check_ttl
+from temper.scheduler.api.cluster_status import ClusterStatusVerbs
 from temper.scheduler.api.import_verbs import ImportVerbs
 from temper.scheduler.api.record_verbs import RecordVerbs
 from temper.scheduler.api.lookup_verbs import CheckpointSource, LookupVerbs, check_lora, check_lora_for_model, check_user_metadata
@@ -49,7 +51,7 @@ def needs_workers(method):
     return wrapper
 
 
-class TemperServicer(SamplingVerbs, CheckpointVerbs, ImportVerbs, LookupVerbs, TokenizerVerbs, RecordVerbs,
+class TemperServicer(AuditVerbs, ClusterStatusVerbs, SamplingVerbs, CheckpointVerbs, ImportVerbs, LookupVerbs, TokenizerVerbs, RecordVerbs,
                      service_pb2_grpc.TemperServicer):
     def __init__(self, store, backends: Backends, runs: RunRegistry, admission: Admission):
         self.store = store
@@ -80,7 +82,8 @@ class TemperServicer(SamplingVerbs, CheckpointVerbs, ImportVerbs, LookupVerbs, T
 
     async def CreateSession(self, request, context):
         check_user_metadata(request.user_metadata)
-        row = await asyncio.to_thread(self.store.create_session, caller(), list(request.tags), dict(request.user_metadata))
+        row = await asyncio.to_thread(self.store.create_session, caller(), list(request.tags), dict(request.user_metadata),
+                                      caller_actor())
         return service_pb2.Session(session_id=row.id)
 
     async def Heartbeat(self, request, context):
@@ -91,7 +94,7 @@ class TemperServicer(SamplingVerbs, CheckpointVerbs, ImportVerbs, LookupVerbs, T
         status = request.status or "success"
         if status not in ("success", "errored", "interrupted"):
             raise InvalidArgument(f"status must be success, errored or interrupted, got {status!r}")
-        await asyncio.to_thread(self.store.close_session, request.session_id, status, caller())
+        await asyncio.to_thread(self.store.close_session, request.session_id, status, caller(), caller_actor())
         self.runs.close_session(request.session_id)
         self._closed_sessions.add(request.session_id)
         return service_pb2.CloseSessionResponse()

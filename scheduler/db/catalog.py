@@ -12,6 +12,7 @@ from sqlalchemy import func, select, update
 
 from temper.common.errors import AlreadyExists, NotFound
 from temper.scheduler.db import models as m
+from temper.scheduler.db.audit import Actor, record
 from temper.scheduler.db.outage import database_errors
 
 
@@ -51,12 +52,17 @@ class CatalogStore:
                               .values(num_training_runs=number.previous))
             return done.rowcount == 1
 
-    def add_imported_run(self, run: m.TrainingRun, checkpoints: list[m.Checkpoint]) -> list[m.Checkpoint]:
-        """A run made by an import and its checkpoints, in one transaction: all of them or none."""
+    def add_imported_run(self, run: m.TrainingRun, checkpoints: list[m.Checkpoint], tenant: str = "",
+                         actor: Actor | None = None) -> list[m.Checkpoint]:
+        """A run made by an import and its checkpoints, in one transaction: all of them or none
+        (with its audit entry, for ``tenant``: the session's owner)."""
         with self.sessions.begin() as db:
             db.add(run)
             db.flush()  # the run's row before the checkpoints that reference it
             db.add_all(checkpoints)
+            record(db, actor, "checkpoint.import", tenant, checkpoints[0].path if checkpoints else run.id,
+                   training_run_id=run.id, paths=" ".join(c.path for c in checkpoints),
+                   size_bytes=sum(c.size_bytes or 0 for c in checkpoints))
             return checkpoints
 
     def tenant_runs(self, tenant: str, limit: int, offset: int) -> tuple[list[m.TrainingRun], int]:

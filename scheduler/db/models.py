@@ -51,6 +51,8 @@ class ApiKey(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # An operator's key (create-key --admin): GetClusterStatus and every tenant's audit log.
+    is_admin: Mapped[bool] = mapped_column(Boolean, default=False, server_default=sa_false())
 
 
 class Session(Base):
@@ -152,6 +154,23 @@ class RequestRecord(Base):
     # the request itself, serialized (state-changing verbs, recovery on): replayed onto a restored adapter;
     # cleared once the run's latest snapshot covers its seq
     payload: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+
+
+class AuditEntry(Base):
+    """Who did what to which object, and when (scheduler/db/audit.py writes it in the transaction of the
+    change itself). Append-only: no code path updates or deletes a row, and the database refuses to
+    (triggers of migration 0011)."""
+
+    __tablename__ = "audit_log"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+    tenant: Mapped[str] = mapped_column(String(128), index=True)   # whose object: the tenant it is shown to
+    key_prefix: Mapped[str] = mapped_column(String(16), default="")  # the acting key's; "" for the admin command
+    actor: Mapped[str] = mapped_column(String(16))                  # api | admin-command | scheduler
+    action: Mapped[str] = mapped_column(String(32), index=True)     # e.g. checkpoint.publish (AUDIT_ACTIONS in audit.py)
+    target: Mapped[str] = mapped_column(String(512), default="")
+    details: Mapped[dict] = mapped_column(JSON, default=dict)
 
 
 class RunMetric(Base):

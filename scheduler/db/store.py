@@ -19,6 +19,7 @@ from sqlalchemy.orm import sessionmaker
 from temper.common.errors import AlreadyExists, FailedPrecondition, NotFound
 from temper.scheduler.db import models as m
 from temper.scheduler.db.access import ReadAccess
+from temper.scheduler.db.audit import Actor, AuditStore, record
 from temper.scheduler.db.outage import database_errors, now
 from temper.scheduler.db.records import RecordsStore
 from temper.scheduler.db.request_log import RequestLogStore
@@ -73,7 +74,7 @@ def upgrade_schema(url: str) -> None:
 
 
 @database_errors
-class Store(TenancyStore, RequestLogStore, CatalogStore, RecordsStore):
+class Store(TenancyStore, RequestLogStore, CatalogStore, AuditStore, RecordsStore):
     def __init__(self, url: str):
         if url.startswith("sqlite:///"):
             Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
@@ -116,11 +117,12 @@ class Store(TenancyStore, RequestLogStore, CatalogStore, RecordsStore):
             raise NotFound(f"session {session_id!r} not found")
         return name
 
-    def create_session(self, tenant: str, tags: list[str], metadata: dict[str, str]) -> m.Session:
+    def create_session(self, tenant: str, tags: list[str], metadata: dict[str, str], actor: Actor | None = None) -> m.Session:
         tenant_id = self.ensure_tenant(tenant)
         with self.sessions.begin() as db:
             row = m.Session(id=str(uuid.uuid4()), tenant_id=tenant_id, tags=list(tags), user_metadata=dict(metadata))
             db.add(row)
+            record(db, actor, "session.open", tenant, row.id)
             return row
 
     def open_session(self, session_id: str, tenant: str | None = None) -> m.Session:
@@ -140,10 +142,14 @@ class Store(TenancyStore, RequestLogStore, CatalogStore, RecordsStore):
         with self.sessions.begin() as db:
             db.execute(update(m.Session).where(m.Session.id == session_id).values(last_heartbeat_at=_now()))
 
-    def close_session(self, session_id: str, status: str, tenant: str | None = None) -> None:
+    def close_session(self, session_id: str, status: str, tenant: str | None = None, actor: Actor | None = None) -> None:
         self.open_session(session_id, tenant)
+        owner = tenant or self.tenant_of_session(session_id)
         with self.sessions.begin() as db:
-            db.execute(update(m.Session).where(m.Session.id == session_id).values(closed_at=_now(), close_status=status))
+            closed = db.execute(update(m.Session).where(m.Session.id == session_id, m.Session.closed_at.is_(None))
+                                .values(closed_at=_now(), close_status=status)).rowcount
+            if closed:  # a close racing another: one of them closed it, and only that one is logged
+                record(db, actor, "session.close", owner, session_id, status=status)
 
     # ---- training runs ------------------------------------------------------------------------
 

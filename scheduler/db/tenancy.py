@@ -7,6 +7,7 @@ someone else's id is real.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
 from sqlalchemy import func, select, update
@@ -15,11 +16,23 @@ from temper.common.errors import InvalidArgument, NotFound, Unauthenticated
 from temper.scheduler.db import keys
 from temper.scheduler.db import models as m
 from temper.scheduler.db.access import ReadAccess, ReadFacts
+from temper.scheduler.db.audit import Actor, record
 from temper.scheduler.db.outage import database_errors, now
 
 LIMIT_COLUMNS = ("max_training_runs", "max_resident_adapters", "max_queued_requests", "train_tokens_per_minute",
                  "sample_tokens_per_minute", "max_storage_bytes")
 LAST_USED_RESOLUTION = timedelta(seconds=60)  # last_used_at is written at most this often per key
+MAX_KEY_ID = 2**31 - 1  # api_keys.id is an INTEGER
+
+
+@dataclass(frozen=True)
+class KeyIdentity:
+    """Who a valid key is: its tenant, id, prefix and role."""
+
+    tenant: str
+    key_id: int
+    prefix: str
+    is_admin: bool
 
 
 @database_errors
@@ -29,13 +42,17 @@ class TenancyStore:
 
     # ---- API keys -----------------------------------------------------------------------------
 
-    def create_api_key(self, tenant: str, label: str = "") -> tuple[str, m.ApiKey]:
+    def create_api_key(self, tenant: str, label: str = "", is_admin: bool = False,
+                       actor: Actor | None = None) -> tuple[str, m.ApiKey]:
         """A new key for ``tenant`` (created if new). The key itself is returned once and never stored."""
         tenant_id = self.ensure_tenant(tenant)
         key = keys.new_key()
         with self.sessions.begin() as db:
-            row = m.ApiKey(tenant_id=tenant_id, prefix=keys.prefix(key), key_sha256=keys.digest(key), label=label)
+            row = m.ApiKey(tenant_id=tenant_id, prefix=keys.prefix(key), key_sha256=keys.digest(key), label=label,
+                           is_admin=is_admin)
             db.add(row)
+            db.flush()
+            record(db, actor, "api_key.create", tenant, row.prefix, key_id=row.id, label=label, is_admin=is_admin)
         return key, row
 
     def list_api_keys(self, tenant: str | None = None) -> list[tuple[m.ApiKey, str]]:
@@ -45,25 +62,39 @@ class TenancyStore:
                 query = query.where(m.Tenant.name == tenant)
             return [(row, name) for row, name in db.execute(query).all()]
 
-    def revoke_api_key(self, key_ref: str) -> m.ApiKey:
-        """Revoke by the key's id or its prefix (as list-keys shows them), or by the whole key."""
+    def revoke_api_key(self, key_ref: str, tenant: str | None = None, actor: Actor | None = None) -> m.ApiKey:
+        """Revoke by the key's id or its prefix (as list-keys shows them), or by the whole key; with
+        ``tenant``, only that tenant's keys (another's: the same NotFound as none). Revoking a revoked
+        key changes nothing (and is not logged again)."""
         with self.sessions.begin() as db:
+            query = select(m.ApiKey, m.Tenant.name).join(m.Tenant, m.Tenant.id == m.ApiKey.tenant_id)
             if key_ref.isdigit():
-                rows = [db.get(m.ApiKey, int(key_ref))]
+                if int(key_ref) > MAX_KEY_ID:
+                    raise NotFound(f"no API key {key_ref[:keys.PREFIX_LENGTH + 4]!r}")
+                query = query.where(m.ApiKey.id == int(key_ref))
             elif key_ref.startswith(keys.PREFIX) and len(key_ref) > keys.PREFIX_LENGTH:
-                rows = list(db.scalars(select(m.ApiKey).where(m.ApiKey.key_sha256 == keys.digest(key_ref))))
+                query = query.where(m.ApiKey.key_sha256 == keys.digest(key_ref))
             else:
-                rows = list(db.scalars(select(m.ApiKey).where(m.ApiKey.prefix == key_ref)))
-            rows = [r for r in rows if r is not None]
+                query = query.where(m.ApiKey.prefix == key_ref)
+            if tenant is not None:
+                query = query.where(m.Tenant.name == tenant)
+            rows = db.execute(query).all()
             if not rows:
-                raise NotFound(f"no API key {key_ref!r}")
+                raise NotFound(f"no API key {key_ref[:keys.PREFIX_LENGTH + 4]!r}")
             if len(rows) > 1:
                 raise InvalidArgument(f"{len(rows)} keys have the prefix {key_ref!r}; revoke by id")
-            rows[0].revoked_at = rows[0].revoked_at or now()
-            return rows[0]
+            row, owner = rows[0]
+            if row.revoked_at is None:
+                row.revoked_at = now()
+                record(db, actor, "api_key.revoke", owner, row.prefix, key_id=row.id)
+            return row
 
     def tenant_for_key(self, key: str) -> str:
         """The tenant of a valid key (and its last use recorded); Unauthenticated otherwise."""
+        return self.key_identity(key).tenant
+
+    def key_identity(self, key: str) -> KeyIdentity:
+        """Who a valid key is (and its last use recorded); Unauthenticated otherwise."""
         with self.sessions.begin() as db:
             found = db.execute(select(m.ApiKey, m.Tenant.name).join(m.Tenant, m.Tenant.id == m.ApiKey.tenant_id)
                                .where(m.ApiKey.key_sha256 == keys.digest(key))).first()
@@ -74,11 +105,11 @@ class TenancyStore:
                 raise Unauthenticated(f"API key {row.prefix}… was revoked")
             if row.last_used_at is None or now() - _aware(row.last_used_at) > LAST_USED_RESOLUTION:
                 row.last_used_at = now()
-            return tenant
+            return KeyIdentity(tenant, row.id, row.prefix, bool(row.is_admin))
 
     # ---- limits -------------------------------------------------------------------------------
 
-    def set_limits(self, tenant: str, limits: dict[str, int | None]) -> dict[str, int | None]:
+    def set_limits(self, tenant: str, limits: dict[str, int | None], actor: Actor | None = None) -> dict[str, int | None]:
         """Set (an int, 0 = unlimited) or reset to the scheduler's default (None) some of a tenant's limits."""
         unknown = set(limits) - set(LIMIT_COLUMNS)
         if unknown:
@@ -87,7 +118,9 @@ class TenancyStore:
             raise InvalidArgument("limits are >= 0 (0: unlimited)")
         self.ensure_tenant(tenant)
         with self.sessions.begin() as db:
-            db.execute(update(m.Tenant).where(m.Tenant.name == tenant).values(**limits))
+            if limits:
+                db.execute(update(m.Tenant).where(m.Tenant.name == tenant).values(**limits))
+                record(db, actor, "quota.set", tenant, tenant, **{k: "default" if v is None else v for k, v in limits.items()})
         return self.tenant_limits(tenant)
 
     def tenant_limits(self, tenant: str) -> dict[str, int | None]:
@@ -149,8 +182,9 @@ class TenancyStore:
 
     # ---- checkpoint lifecycle -----------------------------------------------------------------
 
-    def update_checkpoint(self, path: str, tenant: str, published: bool | None, expires_at: datetime | None | bool) -> m.Checkpoint:
-        """``expires_at``: a time, None to clear, False to leave as it is."""
+    def update_checkpoint(self, path: str, tenant: str, published: bool | None, expires_at: datetime | None | bool,
+                          actor: Actor | None = None, ttl_seconds: int | None = None) -> m.Checkpoint:
+        """``expires_at``: a time, None to clear, False to leave as it is (``ttl_seconds``: what was asked, for the log)."""
         row = self.owned_checkpoint(path, tenant)
         values = {}
         if published is not None:
@@ -160,13 +194,24 @@ class TenancyStore:
         if values:
             with self.sessions.begin() as db:
                 db.execute(update(m.Checkpoint).where(m.Checkpoint.id == row.id).values(**values))
+                if published is not None:
+                    record(db, actor, "checkpoint.publish" if published else "checkpoint.unpublish", tenant, path)
+                if expires_at is not False:
+                    record(db, actor, "checkpoint.ttl", tenant, path, ttl_seconds=ttl_seconds, expires_at=expires_at)
             self.read_access.forget(path)  # committed: the next call reads the new facts
         return self.owned_checkpoint(path, tenant)
 
-    def delete_checkpoint_row(self, checkpoint_id: int) -> None:
+    def delete_checkpoint_row(self, checkpoint_id: int, actor: Actor | None = None, reason: str = "") -> None:
+        """The row goes with its audit entry (but for an unlisted snapshot the scheduler collects)."""
         with self.sessions.begin() as db:
             row = db.get(m.Checkpoint, checkpoint_id)
             if row is not None:
+                if actor is not None or not row.ephemeral:
+                    owner = db.scalar(select(m.Tenant.name).join(m.Session, m.Session.tenant_id == m.Tenant.id)
+                                      .join(m.TrainingRun, m.TrainingRun.session_id == m.Session.id)
+                                      .where(m.TrainingRun.id == row.training_run_id))
+                    record(db, actor, "checkpoint.delete", owner or "", row.path, size_bytes=row.size_bytes,
+                           **({"reason": reason} if reason else {}))
                 db.delete(row)
         if row is not None:
             self.read_access.forget(row.path)  # committed: no call reads it from memory any more

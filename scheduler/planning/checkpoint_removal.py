@@ -10,11 +10,12 @@ from temper.common.checkpoints import parse_path
 from temper.scheduler.db import models as m
 
 
-async def remove_checkpoint(store, backends, runs, row: m.Checkpoint) -> int:
-    """Files, sampler copies, row — in that order, so a failure leaves a row that can be deleted again."""
+async def remove_checkpoint(store, backends, runs, row: m.Checkpoint, actor=None) -> int:
+    """Files, sampler copies, row — in that order, so a failure leaves a row that can be deleted again.
+    ``actor``: who deletes it, for the audit log (None: the collector, for an expired TTL)."""
     run = await runs.get(row.training_run_id)
     key = parse_path(row.path).key
     freed = await backends.trainer_for(run.base_model, run.run_id).delete_checkpoint(key)
     await backends.forget_checkpoint(key)
-    await asyncio.to_thread(store.delete_checkpoint_row, row.id)
+    await asyncio.to_thread(store.delete_checkpoint_row, row.id, actor, "" if actor is not None else "ttl expired")
     return freed

@@ -43,6 +43,7 @@ from temper.scheduler.planning.cycles import build_cycle, cycle_outcomes
 from temper.scheduler.planning.runs import RunRegistry
 from temper.scheduler.settings import SchedulerSettings
 from temper.scheduler.workers.backends import Backends, TrainerHandle
+from temper.scheduler.workers.events import cluster_event
 from temper.scheduler.db.request_log import LoggedRequest
 from temper.scheduler.planning.policy import CyclePlan
 from temper.scheduler.planning.work import Work, WorkKind
@@ -209,6 +210,8 @@ class Recovery:
             self.moved[dead.address].add(run_id)
             self._mark(run_id, f"trainer {dead.address} stopped answering; moved to {target.address}")
         log.warning("trainer %s does not answer: its %d runs move to %s", dead.address, len(moved), [t.address for t in alive])
+        cluster_event("recovery", f"trainer {dead.address} does not answer: its {len(moved)} runs moved to "
+                      f"{', '.join(t.address for t in alive)}", dead.address)
         self.loop.abandon(dead)  # a call still waiting there (a frozen trainer): its work is held for the new trainer
         if dead.address not in self._watchers:
             self._watchers[dead.address] = asyncio.create_task(self._watch(dead), name=f"watch {dead.address}")
@@ -242,6 +245,7 @@ class Recovery:
     def _mark(self, run_id: str, why: str) -> None:
         if run_id not in self.pending:
             metrics.RUNS_RESTORED.labels("lost").inc()
+            cluster_event("failure", f"{run_id} must be restored: {why}", run_id=run_id)
         self.pending[run_id] = why
 
     async def _restore_reachable(self, trainer: TrainerHandle, run_id: str, upto: int) -> None:
@@ -289,6 +293,7 @@ class Recovery:
         self.restores[run_id] += 1
         why = self.pending.pop(run_id, "")
         metrics.RUNS_RESTORED.labels("restored").inc()
+        cluster_event("recovery", f"{run_id} restored on trainer {trainer.address} ({why})", trainer.address, run_id)
         metrics.RESTORE_SECONDS.observe(time.monotonic() - started)
         log.warning("restored %s on trainer %s (%s): %s, then %d requests replayed (seq %d-%d), in %.0f ms", run_id,
                     trainer.address, why, f"snapshot {row.snapshot_key}" if row.snapshot_key else "a fresh adapter",
@@ -300,6 +305,7 @@ class Recovery:
             f"the adapter of {run_id} was lost with its trainer and cannot be restored exactly: {why}; its last durable "
             f"state is {'its snapshot after seq ' + str(base) if base else 'its creation'}; load a saved checkpoint into a new run")
         metrics.RUNS_RESTORED.labels("failed").inc()
+        cluster_event("failure", f"{run_id} cannot be restored: {why}", run_id=run_id)
         log.error("%s", exc.message)
         raise exc
 
@@ -346,6 +352,7 @@ class Recovery:
         self.loop.backends.mark_up(trainer.address)
         self._watchers.pop(trainer.address, None)
         log.info("trainer %s answers again: new runs may be placed there", trainer.address)
+        cluster_event("recovery", f"trainer {trainer.address} answers again", trainer.address)
 
 
 def _batches(replay: list[LoggedRequest], token_budget: int) -> list[list[LoggedRequest]]:

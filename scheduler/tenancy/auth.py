@@ -1,7 +1,9 @@
 """Who is calling the public API: the tenant of the call's API key, and nothing the caller claims.
 
 ``ApiKeyAuth`` is the server's authenticate hook (common/errors.py runs it before every handler);
-the handler reads the result with ``caller()``. Keys are looked up in the database and remembered
+the handler reads the result with ``caller()`` (the tenant), ``caller_identity()`` (the key: id,
+prefix, role) or ``caller_actor()`` (who, for the audit log); ``require_admin()`` refuses a tenant's
+key with PERMISSION_DENIED. With auth disabled the one caller is an admin (a single-user laptop). Keys are looked up in the database and remembered
 for ``cache_seconds``, so a revoked key stops working within that time on a running scheduler.
 """
 
@@ -15,8 +17,10 @@ from typing import Literal
 import grpc
 
 from temper.common.auth import bearer_token, is_open_method
-from temper.common.errors import Unauthenticated
+from temper.common.errors import PermissionDenied, Unauthenticated
 from temper.scheduler.db import keys
+from temper.scheduler.db.audit import Actor
+from temper.scheduler.db.tenancy import KeyIdentity
 
 AuthMode = Literal["api_key", "disabled"]
 LOCAL_TENANT = "default"  # the one tenant of a scheduler with auth disabled
@@ -24,6 +28,7 @@ MAX_CACHED_KEYS = 10_000
 UNKNOWN_KEY_SECONDS = 1.0  # unknown keys are remembered briefly too: guessing costs no database queries
 
 _caller: ContextVar[str] = ContextVar("temper_caller")
+_identity: ContextVar[KeyIdentity] = ContextVar("temper_caller_key")
 
 
 def caller() -> str:
@@ -34,8 +39,31 @@ def caller() -> str:
         raise Unauthenticated("the call was not authenticated") from None
 
 
-def set_caller(tenant: str):
+def caller_identity() -> KeyIdentity:
+    """The calling key (an in-process caller set with set_caller alone: key 0, not an admin)."""
+    tenant = caller()
+    identity = _identity.get(None)
+    return identity if identity is not None and identity.tenant == tenant else KeyIdentity(tenant, 0, "", False)
+
+
+def caller_actor() -> Actor:
+    """Who the audit log names for this call: the key's prefix and tenant."""
+    identity = caller_identity()
+    return Actor.api(identity.prefix, identity.tenant)
+
+
+def require_admin(what: str) -> KeyIdentity:
+    identity = caller_identity()
+    if not identity.is_admin:
+        raise PermissionDenied(f"{what} needs an admin key (python -m temper.scheduler.admin create-key --admin); "
+                               f"key {identity.prefix or '?'}… is not one")
+    return identity
+
+
+def set_caller(tenant: str, identity: KeyIdentity | None = None):
     """For in-process callers and tests; returns the token reset_caller takes."""
+    if identity is not None:
+        _identity.set(identity)
     return _caller.set(tenant)
 
 
@@ -48,28 +76,34 @@ class ApiKeyAuth:
         self.store = store
         self.mode = mode
         self.cache_seconds = cache_seconds
-        self._cache: dict[str, tuple[float, str | Unauthenticated]] = {}  # key digest -> (until, tenant or refusal)
+        self._cache: dict[str, tuple[float, KeyIdentity | Unauthenticated]] = {}  # key digest -> (until, key or refusal)
 
     async def __call__(self, method: str, context: grpc.aio.ServicerContext) -> None:
         if is_open_method(method):
             return
         if self.mode == "disabled":
+            _identity.set(KeyIdentity(LOCAL_TENANT, 0, "", True))
             _caller.set(LOCAL_TENANT)
             return
         key = bearer_token(context)
         if key is None:
             raise Unauthenticated("no API key: send `authorization: Bearer <key>` metadata "
                                   "(a key comes from `python -m temper.scheduler.admin create-key --tenant <name>`)")
-        _caller.set(await self.tenant(key))
+        identity = await self.identity(key)
+        _identity.set(identity)
+        _caller.set(identity.tenant)
 
     async def tenant(self, key: str) -> str:
+        return (await self.identity(key)).tenant
+
+    async def identity(self, key: str) -> KeyIdentity:
         if not key.startswith(keys.PREFIX):
             raise Unauthenticated(f"API keys start with {keys.PREFIX!r}")
         digest = keys.digest(key)
         cached = self._cache.get(digest)
         if cached is None or cached[0] < time.monotonic():
             try:
-                cached = (time.monotonic() + self.cache_seconds, await asyncio.to_thread(self.store.tenant_for_key, key))
+                cached = (time.monotonic() + self.cache_seconds, await asyncio.to_thread(self.store.key_identity, key))
             except Unauthenticated as refusal:
                 cached = (time.monotonic() + UNKNOWN_KEY_SECONDS, refusal)
             if len(self._cache) >= MAX_CACHED_KEYS:

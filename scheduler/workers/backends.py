@@ -19,6 +19,7 @@ from temper.common.uploads import file_chunks
 from temper.scheduler import metrics
 from temper.scheduler.workers.abandon import Calls
 from temper.scheduler.workers.downstream import UNKNOWN_OUTCOME_CODES, downstream
+from temper.scheduler.workers.events import CycleRate
 from temper.scheduler.workers.presence import ModelPresence
 from temper.scheduler.workers.samplers import SamplerHandle, SamplerRouting
 from temper.scheduler.settings import SchedulerSettings
@@ -35,9 +36,11 @@ class TrainerHandle:
     info: trainer_pb2.ModelInfo
     settings: SchedulerSettings
     calls: Calls = field(init=False, repr=False, compare=False)  # waiting now: given up by abandon()
+    cycles: CycleRate = field(init=False, repr=False, compare=False)  # answered cycles (GetClusterStatus)
 
     def __post_init__(self):
         self.calls = Calls(f"trainer {self.address}")
+        self.cycles = CycleRate()
 
     def abandon(self) -> int:
         """Give up every call waiting on this trainer now (its runs moved: Recovery.fail_over); each
@@ -46,7 +49,9 @@ class TrainerHandle:
 
     async def run_cycle(self, request: trainer_pb2.CycleRequest) -> trainer_pb2.CycleResponse:
         async with downstream(f"trainer {self.address}"):
-            return await self.calls.run(self.stub.RunCycle(request, timeout=self.settings.cycle_timeout_seconds))
+            response = await self.calls.run(self.stub.RunCycle(request, timeout=self.settings.cycle_timeout_seconds))
+        self.cycles.ran()
+        return response
 
     async def ping(self, timeout: float = 2.0) -> bool:
         """Whether the trainer answers GetModelInfo within ``timeout`` (a hung one does not). Not

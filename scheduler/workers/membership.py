@@ -33,6 +33,7 @@ from temper.common.errors import FailedPrecondition, InvalidArgument, NotFound, 
 from temper.scheduler import metrics
 from temper.scheduler.workers.backends import Backends, TrainerHandle
 from temper.scheduler.workers.downstream import downstream
+from temper.scheduler.workers.events import cluster_event
 from temper.scheduler.workers.samplers import SamplerHandle
 from temper.scheduler.settings import SchedulerSettings
 from temper.v1 import registry_pb2, sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
@@ -105,6 +106,8 @@ class Membership:
             member.down = True
             metrics.MEMBERSHIP_EVENTS.labels(member.role, "down").inc()
             log.warning("%s %s sent no heartbeat for %.1f s: down", member.role, member.address, now - member.last_seen)
+            cluster_event("failure", f"{member.role} {member.address} sent no heartbeat for {now - member.last_seen:.1f} s: down",
+                          member.address)
             if member.role == "trainer":
                 await self._trainer_silent(self.backends.trainer_at(member.address))
             else:
@@ -129,6 +132,8 @@ class Membership:
         if before and before != incarnation:
             metrics.MEMBERSHIP_EVENTS.labels("trainer", "restarted").inc()
             runs = self.recovery.trainer_restarted(handle)
+            cluster_event("failure", f"trainer {address} restarted (incarnation {before} -> {incarnation}): "
+                          f"{len(runs)} runs to restore", address)
             log.warning("trainer %s restarted (incarnation %s -> %s): its %d runs are restored before their next cycle",
                         address, before, incarnation, len(runs))
 
@@ -140,6 +145,7 @@ class Membership:
             return
         if handle.info.incarnation != incarnation:
             metrics.MEMBERSHIP_EVENTS.labels("sampler", "restarted").inc()
+            cluster_event("failure", f"sampler {address} restarted: the adapters pushed before are gone", address)
         handle.adopt(info)  # a new incarnation forgets the adapters pushed before
         handle.recheck, handle.suspect_until = False, 0.0
 
@@ -170,6 +176,7 @@ class Membership:
         member.down = False
         metrics.MEMBERSHIP_EVENTS.labels(member.role, "back").inc()
         log.info("%s %s is heard again", member.role, member.address)
+        cluster_event("recovery", f"{member.role} {member.address} is heard again", member.address)
         if member.role == "trainer":
             self.backends.mark_up(member.address)  # new runs may go there again
         else:

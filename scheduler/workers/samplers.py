@@ -32,6 +32,7 @@ from temper.common.errors import AdapterNotLoaded, TemperError, Unavailable
 from temper.common.retry import retry
 from temper.scheduler import metrics
 from temper.scheduler.workers.downstream import downstream
+from temper.scheduler.workers.events import cluster_event
 from temper.scheduler.settings import SchedulerSettings
 from temper.v1 import sampler_pb2, sampler_pb2_grpc
 
@@ -186,6 +187,7 @@ class SamplerRouting:
                 except SamplerUnavailable as exc:
                     sampler.failed()
                     failures.append(exc.message)
+                    cluster_event("failure", exc.message, sampler.address)
                     log.warning("%s; %s", exc.message, "trying another sampler" if len(tried) < len(candidates) else "no sampler left")
                     continue
             sampler.suspect_until = 0.0

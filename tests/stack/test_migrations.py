@@ -22,7 +22,8 @@ from sqlalchemy.pool import NullPool
 from temper.scheduler.db import models
 
 REPO = Path(__file__).resolve().parents[2]
-EXPECTED_TABLES = {"tenants", "sessions", "training_runs", "checkpoints", "sampling_clients", "requests", "api_keys"}
+EXPECTED_TABLES = {"tenants", "sessions", "training_runs", "checkpoints", "sampling_clients", "requests", "api_keys",
+                   "run_metrics", "sampling_records", "audit_log"}
 
 
 def alembic_config() -> Config:

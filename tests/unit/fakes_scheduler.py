@@ -76,6 +76,10 @@ class FakeStore:
             raise Unauthenticated("unknown API key")
         return tenant
 
+    def key_identity(self, key):
+        from temper.scheduler.db.tenancy import KeyIdentity
+        return KeyIdentity(self.tenant_for_key(key), 0, key[:12], False)
+
     def tenant_limits(self, tenant):
         self._check()
         return self.limits.get(tenant, {})

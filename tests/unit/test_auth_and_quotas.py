@@ -37,6 +37,10 @@ class KeyStore:
             raise Unauthenticated("unknown API key")
         return self.valid[key]
 
+    def key_identity(self, key):
+        from temper.scheduler.db.tenancy import KeyIdentity
+        return KeyIdentity(self.tenant_for_key(key), 0, key[:12], False)
+
 
 def authenticate(auth: ApiKeyAuth, metadata, method="/temper.v1.Temper/GetUsage") -> str:
     async def main():

@@ -83,7 +83,7 @@ class Store:
     def storage_bytes(self, tenant):
         return 0
 
-    def add_imported_run(self, row, checkpoints):
+    def add_imported_run(self, row, checkpoints, tenant="", actor=None):
         if self.fail:
             raise Unavailable("the database did not answer")
         self.added.append((row, checkpoints))

@@ -53,7 +53,7 @@ class StorageStore(FakeStore):
             raise NotFound(f"checkpoint {path} not found")
         return self.checkpoints[path]
 
-    def delete_checkpoint_row(self, checkpoint_id):
+    def delete_checkpoint_row(self, checkpoint_id, actor=None, reason=""):
         self.checkpoints = {p: c for p, c in self.checkpoints.items() if c.id != checkpoint_id}
 
     def add_or_get_checkpoint(self, run_id, kind, name, path, size, ephemeral, ttl_seconds, user_metadata):

@@ -1,0 +1,90 @@
+"""GetClusterStatus: what an operator sees (admin keys only), read from what the scheduler already
+holds in memory: the worker handles and their registrations (membership), the runs waiting for a
+restore (recovery), each trainer's answered cycles, admission's queues, the tenants' fair-share
+weights, and the ring of recent failures and recoveries (workers/events.py). It changes nothing and
+asks no worker anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from temper.scheduler.tenancy.auth import require_admin
+from temper.scheduler.workers.events import EVENTS
+from temper.v1 import service_pb2
+
+
+@dataclass
+class ClusterSources:
+    """What the servicer does not hold itself (app.py sets it): None parts are shown as unknown."""
+
+    membership: Any = None  # workers.membership.Membership: last heard, down
+    recovery: Any = None    # planning.recovery.Recovery: runs whose adapter is being rebuilt
+
+
+class ClusterStatusVerbs:
+    """Mixed into TemperServicer (store, backends, admission come from it; ``cluster`` from app.py)."""
+
+    cluster: ClusterSources = ClusterSources()
+
+    async def GetClusterStatus(self, request, context):
+        require_admin("GetClusterStatus")
+        status = service_pb2.ClusterStatus(at_unix_ms=int(time.time() * 1000))
+        status.workers.extend(self._worker_statuses())
+        status.lanes.extend(self._lane_statuses())
+        status.fair_share.extend(await self._fair_share())
+        for event in EVENTS.newest_first():
+            status.events.add(at_unix_ms=int(event.at * 1000), kind=event.kind, what=event.what, worker=event.worker,
+                              training_run_id=event.run_id)
+        return status
+
+    def _worker_statuses(self) -> list[service_pb2.WorkerStatus]:
+        members = getattr(self.cluster.membership, "members", {}) or {}
+        clock = getattr(self.cluster.membership, "clock", time.monotonic)
+        pending = set(getattr(self.cluster.recovery, "pending", {}) or {})
+        placed = Counter(self.backends.placements.values())
+        restoring = {self.backends.placements.get(run_id) for run_id in pending}
+        statuses = []
+        for trainer in self.backends.trainers:
+            member = members.get(("trainer", trainer.address))
+            down = trainer.address in self.backends.down or bool(member and member.down)
+            state = "down" if down else "restoring" if trainer.address in restoring else "up"
+            statuses.append(service_pb2.WorkerStatus(
+                role="trainer", address=trainer.address, base_model=trainer.info.base_model, state=state,
+                incarnation=trainer.info.incarnation, runs_placed=placed.get(trainer.address, 0),
+                memory_capacity_bytes=sum(trainer.info.device_memory_bytes), device=trainer.info.device,
+                seconds_since_heard=clock() - member.last_seen if member else -1.0))
+        now = time.monotonic()
+        for sampler in self.backends.samplers:
+            member = members.get(("sampler", sampler.address))
+            down = bool(member and member.down) or sampler.suspect_until == float("inf")
+            statuses.append(service_pb2.WorkerStatus(
+                role="sampler", address=sampler.address, base_model=sampler.info.base_model,
+                state="down" if down else "restoring" if sampler.suspect(now) else "up",
+                incarnation=sampler.info.incarnation, runs_placed=len(sampler.loaded), device=sampler.info.backend,
+                seconds_since_heard=clock() - member.last_seen if member else -1.0))
+        return statuses
+
+    def _lane_statuses(self) -> list[service_pb2.LaneStatus]:
+        depth: Counter[str] = Counter()
+        for run_id, queue in self.admission.queues.items():
+            address = self.backends.placements.get(run_id)
+            if address is not None:
+                depth[address] += len(queue)
+        return [service_pb2.LaneStatus(trainer_address=t.address, queue_depth=depth.get(t.address, 0),
+                                       cycles_per_minute=float(t.cycles.last_minute()), cycles_total=t.cycles.total)
+                for t in self.backends.trainers]
+
+    async def _fair_share(self) -> list[service_pb2.TenantShare]:
+        weights = await asyncio.to_thread(self.store.tenant_weights)
+        queued = {tenant: held for tenant, (held, _) in self.admission.depth_by_tenant().items() if held}
+        busy = sum(weights.get(tenant, 1.0) for tenant in queued) or 0.0
+        trained = self.admission.quotas.trained
+        return [service_pb2.TenantShare(tenant=tenant, weight=weights.get(tenant, 1.0), queued_requests=queued.get(tenant, 0),
+                                        share=weights.get(tenant, 1.0) / busy if tenant in queued else 0.0,
+                                        train_tokens_last_minute=float(trained.used(tenant)))
+                for tenant in sorted(set(weights) | set(queued))]
