@@ -1,6 +1,7 @@
 """The gateway's HTTP application: the Tinker SDK's protocol under /api/v1, answered by calls to the
 scheduler's public gRPC API. Routes live in routes_session.py, routes_training.py,
-routes_sampling.py and routes_rest.py, OpenAI-compatible sampling under /v1 in routes_openai.py;
+routes_sampling.py and routes_rest.py, OpenAI-compatible sampling under /v1 in routes_openai.py
+(Anthropic's /v1/messages in routes_anthropic.py; errors under /v1 in those APIs' shapes);
 this module holds what they share (``Gateway``) and the error handling. Routes the gateway does not
 serve answer 404 with a message (never a hang, never a 5xx, which the SDK would resend for minutes).
 """
@@ -115,14 +116,36 @@ async def fingerprint(request: Request) -> str:
     return digest.hexdigest()
 
 
-def error_response(error: GatewayError) -> JSONResponse:
-    status = http_status(error)
-    return JSONResponse(error_body(error), status_code=status, headers=http_headers(status))
+OPENAI_PREFIXES = ("/v1", "/oai/api/v1")
+
+
+def api_family(path: str) -> str:
+    """Whose clients call ``path``: "anthropic" (/v1/messages), "openai" (the rest of /v1 and
+    /oai/api/v1) or "tinker"; errors are answered in that family's shape."""
+    for prefix in OPENAI_PREFIXES:
+        if path == prefix or path.startswith(prefix + "/"):
+            rest = path[len(prefix):]
+            return "anthropic" if rest == "/messages" or rest.startswith("/messages/") else "openai"
+    return "tinker"
+
+
+def error_response(error: GatewayError, path: str = "") -> JSONResponse:
+    from temper.services.gateway import anthropic_convert, openai_convert
+
+    family = api_family(path)
+    if family == "anthropic":
+        status, body = anthropic_convert.error_body(error)
+    elif family == "openai":
+        status, body = openai_convert.error_body(error)
+    else:
+        status, body = http_status(error), error_body(error)
+    return JSONResponse(body, status_code=status, headers=http_headers(status))
 
 
 def create_app(scheduler: Scheduler, long_poll_seconds: float = 25.0, future_keep_seconds: float = 3600.0,
                json_body_limit: int = JSON_LIMIT, protobuf_body_limit: int = PROTOBUF_LIMIT) -> FastAPI:
-    from temper.services.gateway import console, routes_openai, routes_rest, routes_sampling, routes_session, routes_training
+    from temper.services.gateway import (console, routes_anthropic, routes_openai, routes_rest, routes_sampling, routes_session,
+                                         routes_training)
 
     state = Gateway(scheduler, Futures(future_keep_seconds), long_poll_seconds)
 
@@ -143,7 +166,7 @@ def create_app(scheduler: Scheduler, long_poll_seconds: float = 25.0, future_kee
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError):
         log.info("%s %s -> %s", request.method, request.url.path, exc)
-        return error_response(exc)
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(TemperError)  # raised by shared checks (parse_path, encode_tokens)
     async def _temper_error(request: Request, exc: TemperError):
@@ -163,15 +186,16 @@ def create_app(scheduler: Scheduler, long_poll_seconds: float = 25.0, future_kee
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        return error_response(invalid(f"bad request: {exc.errors()}"))
+        return error_response(invalid(f"bad request: {exc.errors()}"), request.url.path)
 
-    for module in (routes_session, routes_training, routes_sampling, routes_rest, routes_openai):
+    for module in (routes_session, routes_training, routes_sampling, routes_rest, routes_openai, routes_anthropic):
         app.include_router(module.router)
     console.install(app)  # the web console at /console (and /api/v1/sessions/{id}/trace)
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
     async def _not_served(path: str, request: Request):
         return error_response(GatewayError(grpc.StatusCode.UNIMPLEMENTED,
-                                           f"{request.method} /{path} is not served by Temper's Tinker gateway"))
+                                           f"{request.method} /{path} is not served by Temper's Tinker gateway"),
+                              request.url.path)
 
     return app

@@ -7,8 +7,10 @@ Bearer tml-…``, forwarded to the scheduler with every call. Each prompt become
 with ``num_samples=n`` (openai_targets.py resolves the model, openai_convert.py the shapes), so with a
 ``seed`` the answer is the one temper.client's ``sample`` gives for the same tokens. Chat renders
 ``messages`` with the model's chat template. Logprobs are log p(token) under the raw model
-(temperature 1), as in Temper's Sample. ``stream=true`` is served as server-sent events, but all
-at once when sampling ends (no token-by-token streaming). Errors use OpenAI's JSON shape.
+(temperature 1), as in Temper's Sample. ``stream=true`` is served as server-sent events sent as the
+tokens are decoded (SampleStream; openai_stream.py), except with ``echo``, whose prompt logprobs come
+with the end. ``GET /v1/models/{id}`` is models.retrieve. Errors use OpenAI's JSON shape, on every
+/v1 path (app.py answers the ones no route reaches the same way).
 """
 
 from __future__ import annotations
@@ -19,14 +21,17 @@ import logging
 import time
 import uuid
 
+import grpc
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from temper.common.codec import encode_tokens
 from temper.services.gateway import openai_convert as oc
 from temper.services.gateway.app import api_key, gateway, json_body
-from temper.services.gateway.errors import http_headers, invalid, request_error
+from temper.services.gateway.errors import GatewayError, http_headers, invalid, request_error
+from temper.services.gateway.openai_stream import SSE_HEADERS, chat_events, completion_events
 from temper.services.gateway.openai_targets import ModelNotFound, Target, Targets
+from temper.services.gateway.sample_stream import open_deltas
 from temper.v1 import service_pb2, types_pb2
 
 log = logging.getLogger("temper.gateway")
@@ -73,7 +78,8 @@ async def _sample(request: Request, gen: oc.Generation, build) -> tuple[Target, 
     return await targets(request).call(gen.model, key, use)
 
 
-async def _sample_one(scheduler, key: str, target: Target, gen: oc.Generation, prompt: list[int]):
+def sample_request(target: Target, gen: oc.Generation, prompt: list[int]) -> tuple[service_pb2.SampleRequest, int]:
+    """The Sample call for one prompt (Sample and SampleStream alike), and its max_tokens."""
     room = target.max_context_length - len(prompt)
     max_tokens = gen.max_tokens if gen.max_tokens is not None else room
     if max_tokens > room or room < 1:
@@ -85,12 +91,48 @@ async def _sample_one(scheduler, key: str, target: Target, gen: oc.Generation, p
             encoded_text=types_pb2.EncodedTextChunk(tokens=encode_tokens(prompt)))]),
         num_samples=gen.n, sampling_params=oc.sampling_params(gen, max(max_tokens, 1), eos),
         include_prompt_logprobs=gen.echo and gen.logprobs is not None, topk_logprobs=gen.logprobs or 0)
+    return sample, max_tokens
+
+
+async def _sample_one(scheduler, key: str, target: Target, gen: oc.Generation, prompt: list[int]):
+    sample, max_tokens = sample_request(target, gen, prompt)
     resp = await scheduler.verb("Sample", sample, key)
     if max_tokens == 0:  # echo only (scoring a prompt): the one token sampled to get there is dropped
         for s in resp.sequences:
             s.tokens, s.logprobs, s.topk, s.topk_token_ids, s.topk_logprobs = b"", b"", 0, b"", b""
             s.stop_reason = types_pb2.STOP_REASON_LENGTH
     return prompt, resp
+
+
+async def _streams(request: Request, gen: oc.Generation, build) -> tuple[Target, list[list[int]], list]:
+    """``stream: true``: one SampleStream per prompt, each opened (its first message come) before the
+    answer starts, so a refused request is an HTTP error; returns the target, the prompts and their
+    delta streams (sample_stream.py)."""
+    scheduler, key = gateway(request).scheduler, api_key(request)
+
+    async def use(target: Target):
+        prompts = build(target)
+        opened = []
+        try:
+            for prompt in prompts:
+                sample, _ = sample_request(target, gen, prompt)
+                opened.append(await open_deltas(scheduler, key, sample, target.tokenizer, gen.stop))
+        except BaseException:
+            for stream in opened:
+                await stream.aclose()
+            raise
+        return prompts, opened
+
+    target, (prompts, streams) = await targets(request).call(gen.model, key, use)
+    return target, prompts, streams
+
+
+def _event_stream(events) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def _head(prefix: str, model: str) -> dict:
+    return {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model, "system_fingerprint": None}
 
 
 def _respond(body: dict, gen: oc.Generation, chat: bool):
@@ -108,6 +150,10 @@ async def completions(request: Request):
     def build(target: Target) -> list[list[int]]:
         return [p if isinstance(p, list) else target.tokenizer.encode(p) for p in prompts]
 
+    if gen.stream and not gen.echo:  # echo's prompt logprobs come last: echo streams as one answer
+        target, tokens, streams = await _streams(request, gen, build)
+        return _event_stream(completion_events(streams, gen, _head("cmpl", gen.model), target.tokenizer,
+                                               sum(len(t) for t in tokens)))
     target, results = await _sample(request, gen, build)
     choices, generated = [], 0
     for i, (tokens, resp) in enumerate(results):
@@ -137,6 +183,9 @@ async def chat_completions(request: Request):
         text = target.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return [target.tokenizer.encode(text, add_special_tokens=False)]
 
+    if gen.stream:
+        target, [tokens], [stream] = await _streams(request, gen, build)
+        return _event_stream(chat_events(stream, gen, _head("chatcmpl", gen.model), target.tokenizer, len(tokens)))
     target, [(tokens, resp)] = await _sample(request, gen, build)
     choices = oc.choices_of(resp, target.tokenizer, gen.stop)
     out = [oc.chat_choice(j, c, oc.chat_logprobs(target.tokenizer, c, gen.logprobs) if gen.logprobs is not None else None)
@@ -145,16 +194,48 @@ async def chat_completions(request: Request):
     return _respond(oc.chat_body(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), gen.model, out, use), gen, True)
 
 
-@openai_errors
-async def models(request: Request):
+def _model(model_id: str, max_context_length: int, owned_by: str = "temper", **extra) -> dict:
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": owned_by, "max_context_length": max_context_length,
+            **extra}
+
+
+async def _base_models(request: Request) -> dict[str, dict]:
     caps = await gateway(request).scheduler.call("GetServerCapabilities", service_pb2.GetServerCapabilitiesRequest(),
                                                  api_key(request))
-    return {"object": "list", "data": [{"id": m.model_name, "object": "model", "created": 0, "owned_by": "temper",
-                                        "max_context_length": m.max_context_length}
-                                       for m in caps.supported_models if m.sampleable]}
+    return {m.model_name: _model(m.model_name, m.max_context_length) for m in caps.supported_models if m.sampleable}
+
+
+@openai_errors
+async def models(request: Request):
+    return {"object": "list", "data": list((await _base_models(request)).values())}
+
+
+@openai_errors
+async def model(request: Request):
+    """OpenAI's models.retrieve: a base model, or a sampler checkpoint the caller may read (its own or
+    a published one, as a tinker:// path or Tinker's ``<base model>;<path>``)."""
+    model_id = request.path_params["model_id"]
+    found = (await _base_models(request)).get(model_id)
+    if found is not None:
+        return found
+    kind, value, expected_base = oc.model_source(model_id)
+    if kind != "model_path":
+        raise ModelNotFound(model_id, GatewayError(grpc.StatusCode.NOT_FOUND, "not a base model served here"))
+    try:
+        checkpoint = await gateway(request).scheduler.call("GetCheckpoint", service_pb2.GetCheckpointRequest(path=value),
+                                                           api_key(request))
+    except GatewayError as error:
+        if error.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+            raise ModelNotFound(model_id, error) from None
+        raise
+    if checkpoint.kind != types_pb2.CHECKPOINT_KIND_SAMPLER or expected_base not in (None, checkpoint.base_model):
+        raise ModelNotFound(model_id, GatewayError(grpc.StatusCode.NOT_FOUND, "not a sampler checkpoint of that base model"))
+    base = (await _base_models(request)).get(checkpoint.base_model, {})
+    return _model(model_id, base.get("max_context_length", 0), parent=checkpoint.base_model)
 
 
 for prefix in ("/v1", "/oai/api/v1"):
     router.add_api_route(f"{prefix}/completions", completions, methods=["POST"])
     router.add_api_route(f"{prefix}/chat/completions", chat_completions, methods=["POST"])
     router.add_api_route(f"{prefix}/models", models, methods=["GET"])
+    router.add_api_route(f"{prefix}/models/{{model_id:path}}", model, methods=["GET"])

@@ -6,7 +6,7 @@ it and takes the tenant from it, so the gateway never decides who anyone is.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, AsyncIterator
 
 import grpc
 
@@ -82,11 +82,47 @@ class Scheduler:
 
         return await retry(while_reachable, seconds=None, retryable=_backpressure, first_delay=0.05, max_delay=2.0, jitter=1.0)
 
+    async def open_stream(self, method: str, request: Any, key: str | None) -> AsyncIterator[Any]:
+        """A server-streaming verb (SampleStream), opened as ``verb`` sends a verb: resent on
+        backpressure and while unreachable, but only until its first message has come, which is
+        awaited here (so a refused request raises GatewayError now, before any answer is started).
+        Returns the messages, the first included; closing the iterator cancels the call."""
+        async def once():
+            call = getattr(self.stub, method)(request, metadata=_metadata(key))
+            try:
+                first = await call.read()
+            except grpc.aio.AioRpcError as err:
+                raise GatewayError.of(err) from None
+            if first is grpc.aio.EOF:
+                raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"{method} ended before its first message")
+            return call, first
+
+        async def while_reachable():
+            return await retry(once, seconds=self.unavailable_seconds, retryable=_unreachable, from_first_failure=True,
+                               first_delay=0.05, max_delay=2.0, jitter=1.0)
+
+        call, first = await retry(while_reachable, seconds=None, retryable=_backpressure, first_delay=0.05, max_delay=2.0,
+                                  jitter=1.0)
+        return _messages(call, first)
+
     async def stream(self, method: str, request: Any, key: str | None) -> list:
         try:
             return [item async for item in getattr(self.stub, method)(request, metadata=_metadata(key), timeout=self.timeout)]
         except grpc.aio.AioRpcError as err:
             raise GatewayError.of(err) from None
+
+
+async def _messages(call, first) -> AsyncIterator[Any]:
+    try:
+        message = first
+        while message is not grpc.aio.EOF:
+            yield message
+            try:
+                message = await call.read()
+            except grpc.aio.AioRpcError as err:
+                raise GatewayError.of(err) from None
+    finally:
+        call.cancel()
 
 
 def _unreachable(exc: BaseException) -> bool:
