@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from temper.scheduler.tenancy.auth import require_admin
-from temper.scheduler.workers.events import EVENTS
+from temper.scheduler.workers import events
 from temper.v1 import service_pb2
 
 
@@ -37,7 +37,7 @@ class ClusterStatusVerbs:
         status.workers.extend(self._worker_statuses())
         status.lanes.extend(self._lane_statuses())
         status.fair_share.extend(await self._fair_share())
-        for event in EVENTS.newest_first():
+        for event in events.EVENTS.newest_first():
             status.events.add(at_unix_ms=int(event.at * 1000), kind=event.kind, what=event.what, worker=event.worker,
                               training_run_id=event.run_id)
         return status

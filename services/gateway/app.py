@@ -190,6 +190,8 @@ def create_app(scheduler: Scheduler, long_poll_seconds: float = 25.0, future_kee
 
     for module in (routes_session, routes_training, routes_sampling, routes_rest, routes_openai, routes_anthropic):
         app.include_router(module.router)
+    from temper.services.gateway import routes_audit  # the SDK's AdminClient.get_audit_log (GET /api/v1/audit)
+    app.include_router(routes_audit.router)
     console.install(app)  # the web console at /console (and /api/v1/sessions/{id}/trace)
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
