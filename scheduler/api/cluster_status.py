@@ -1,8 +1,9 @@
 """GetClusterStatus: what an operator sees (admin keys only), read from what the scheduler already
 holds in memory: the worker handles and their registrations (membership), the runs waiting for a
 restore (recovery), each trainer's answered cycles, admission's queues, the tenants' fair-share
-weights, and the ring of recent failures and recoveries (workers/events.py). It changes nothing and
-asks no worker anything.
+weights, and the ring of recent failures and recoveries (workers/events.py). It changes nothing; the
+one question it asks is each trainer's memory in use now (GetModelInfo, MEMORY_ASK_SECONDS at most,
+all at once; a trainer that does not answer shows 0).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 from temper.scheduler.tenancy.auth import require_admin
 from temper.scheduler.workers import events
 from temper.v1 import service_pb2
+
+MEMORY_ASK_SECONDS = 1.0
 
 
 @dataclass
@@ -34,7 +37,7 @@ class ClusterStatusVerbs:
     async def GetClusterStatus(self, request, context):
         require_admin("GetClusterStatus")
         status = service_pb2.ClusterStatus(at_unix_ms=int(time.time() * 1000))
-        status.workers.extend(self._worker_statuses())
+        status.workers.extend(self._worker_statuses(await self._memory_used()))
         status.lanes.extend(self._lane_statuses())
         status.fair_share.extend(await self._fair_share())
         for event in events.EVENTS.newest_first():
@@ -42,7 +45,12 @@ class ClusterStatusVerbs:
                               training_run_id=event.run_id)
         return status
 
-    def _worker_statuses(self) -> list[service_pb2.WorkerStatus]:
+    async def _memory_used(self) -> dict[str, int]:
+        up = [t for t in self.backends.trainers if t.address not in self.backends.down]
+        used = await asyncio.gather(*(t.memory_used(MEMORY_ASK_SECONDS) for t in up))
+        return {t.address: n for t, n in zip(up, used)}
+
+    def _worker_statuses(self, memory_used: dict[str, int]) -> list[service_pb2.WorkerStatus]:
         members = getattr(self.cluster.membership, "members", {}) or {}
         clock = getattr(self.cluster.membership, "clock", time.monotonic)
         pending = set(getattr(self.cluster.recovery, "pending", {}) or {})
@@ -57,6 +65,7 @@ class ClusterStatusVerbs:
                 role="trainer", address=trainer.address, base_model=trainer.info.base_model, state=state,
                 incarnation=trainer.info.incarnation, runs_placed=placed.get(trainer.address, 0),
                 memory_capacity_bytes=sum(trainer.info.device_memory_bytes), device=trainer.info.device,
+                memory_used_bytes=memory_used.get(trainer.address, 0),
                 seconds_since_heard=clock() - member.last_seen if member else -1.0))
         now = time.monotonic()
         for sampler in self.backends.samplers:

@@ -63,6 +63,16 @@ class TrainerHandle:
         except TemperError:
             return False
 
+    async def memory_used(self, timeout: float = 1.0) -> int:
+        """The device memory in use there now (GetModelInfo's device_memory_used_bytes); 0 if it does
+        not answer within ``timeout`` or does not say. For the operator's status only."""
+        try:
+            async with downstream(f"trainer {self.address}"):
+                info = await self.stub.GetModelInfo(trainer_pb2.GetModelInfoRequest(), timeout=timeout)
+            return info.device_memory_used_bytes
+        except TemperError:
+            return 0
+
     async def call(self, method: str, request):
         """A unary trainer call other than RunCycle (CreateAdapter, SaveAdapter, LoadAdapter, ...)."""
         async with downstream(f"trainer {self.address}"):

@@ -289,6 +289,19 @@ def device_memory_bytes(device: torch.device) -> int:
         return 0
 
 
+def device_memory_used_bytes(device: torch.device) -> int:
+    """Memory in use now: a GPU's (total - free, whoever holds it), this process's resident set on CPU;
+    0 if unknown. What GetModelInfo answers for the operator's status."""
+    try:
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            return int(total - free)
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, RuntimeError, ValueError, IndexError):
+        return 0
+
+
 def activation_budget_bytes(device: torch.device, budget_mib: int, fraction: float) -> int | None:
     """``budget_mib`` when set, else ``fraction`` of the memory available now; None: unknown."""
     if budget_mib > 0:

@@ -30,10 +30,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     async def GetModelInfo(self, request, context):
         # a trainer group (group.GroupEngine) is one trainer of world_size ranks
-        return convert.model_info_to_pb(self.engine.loaded, self.engine.settings.device, self.engine.settings.dtype,
+        from temper.services.trainer.memory import device_memory_used_bytes
+        info = convert.model_info_to_pb(self.engine.loaded, self.engine.settings.device, self.engine.settings.dtype,
                                         self.incarnation, getattr(self.engine, "world_size", 1),
                                         getattr(self.engine, "devices", None),
                                         getattr(self.engine, "device_memory", None) or [self._device_memory()])
+        info.device_memory_used_bytes = device_memory_used_bytes(self.engine.device)
+        return info
 
     def _device_memory(self) -> int:
         from temper.services.trainer.memory import device_memory_bytes

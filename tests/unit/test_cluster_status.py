@@ -25,7 +25,11 @@ def trainer(address: str, cycles: int = 0):
     for _ in range(cycles):
         rate.ran()
     info = trainer_pb2.ModelInfo(base_model="m", incarnation=f"inc-{address}", device="cpu", device_memory_bytes=[100, 28])
-    return SimpleNamespace(address=address, info=info, cycles=rate)
+    async def memory_used(timeout):
+        assert timeout == 1.0
+        return 64 if address == "t1" else 32
+
+    return SimpleNamespace(address=address, info=info, cycles=rate, memory_used=memory_used)
 
 
 def sampler(address: str, loaded: int, suspect_until: float = 0.0):
@@ -63,6 +67,7 @@ def test_workers_lanes_and_fair_share(monkeypatch):
     assert {a: w.state for a, w in workers.items()} == {"t1": "up", "t2": "down", "t3": "restoring", "s1": "up", "s2": "down"}
     assert (workers["t1"].runs_placed, workers["t3"].runs_placed, workers["s1"].runs_placed) == (2, 1, 2)
     assert workers["t1"].memory_capacity_bytes == 128 and workers["t1"].incarnation == "inc-t1"
+    assert (workers["t1"].memory_used_bytes, workers["t2"].memory_used_bytes, workers["t3"].memory_used_bytes) == (64, 0, 32)
     assert workers["t1"].seconds_since_heard == pytest.approx(0.5) and workers["t2"].seconds_since_heard == -1.0
     assert [(lane.trainer_address, lane.queue_depth, lane.cycles_total) for lane in status.lanes] == [("t1", 3, 3), ("t2", 0, 0),
                                                                                                    ("t3", 0, 0)]
