@@ -42,6 +42,7 @@ class SchedulerApp:
         self.loop = SchedulerLoop(self.admission, self.backends, self.store, self.runs, settings)
         self.servicer = TemperServicer(self.store, self.backends, self.runs, self.admission)
         self.auth = ApiKeyAuth(self.store, settings.auth, settings.key_cache_seconds)
+        self.servicer.forget_key = self.auth.forget  # a key revoked through the API stops at once here
         self.collector = CheckpointCollector(self.store, self.backends, self.runs, settings)
         self.membership = Membership(self.backends, self.loop.recovery, settings)
         self.servicer.cluster = ClusterSources(self.membership, self.loop.recovery)  # what GetClusterStatus reads

@@ -66,7 +66,9 @@ def _time(ms: int) -> datetime | None:
 
 
 class AuditVerbs:
-    """Mixed into TemperServicer (``store`` comes from it)."""
+    """Mixed into TemperServicer (``store`` comes from it; ``forget_key``, the auth cache's, from app.py)."""
+
+    forget_key = None  # called with a revoked key's SHA-256: this scheduler refuses it from its next call
 
     async def GetAuditLog(self, request, context):
         identity = caller_identity()
@@ -104,4 +106,6 @@ class AuditVerbs:
             raise InvalidArgument(f"key is {len(ref)} characters long (at most {MAX_KEY_REF_CHARS})")
         check_text(ref, "key", identifier=True)
         row = await asyncio.to_thread(self.store.revoke_api_key, ref, identity.tenant, caller_actor())
+        if self.forget_key is not None:
+            self.forget_key(row.key_sha256)
         return key_message(row, identity.tenant)

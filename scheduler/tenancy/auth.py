@@ -93,6 +93,10 @@ class ApiKeyAuth:
         _identity.set(identity)
         _caller.set(identity.tenant)
 
+    def forget(self, key_sha256: str) -> None:
+        """Drop a key from the cache (it was just revoked here): its next call is looked up again."""
+        self._cache.pop(key_sha256, None)
+
     async def tenant(self, key: str) -> str:
         return (await self.identity(key)).tenant
 
