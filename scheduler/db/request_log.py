@@ -159,9 +159,11 @@ class RequestLogStore:
 
     def finish_requests(self, outcomes: Iterable[tuple[str, int, str, str | None, bytes | None]], trained_tokens: dict[str, int],
                         steps: dict[str, int], next_seq: dict[str, int], result_window: int = 0,
-                        metrics: list[MetricRow] = ()) -> None:
+                        metrics: list[MetricRow] = (), running: list[tuple[str, int]] = ()) -> None:
         """Record (run, seq, status, error, serialized result) outcomes and the runs' counters in one
-        transaction; results older than each run's last ``result_window`` seqs are cleared.
+        transaction; results older than each run's last ``result_window`` seqs are cleared. ``running``:
+        requests marked running in the same transaction (the lane's next cycle, ``mark_running``), so
+        that cycle needs no transaction of its own before it goes to the trainer.
 
         Safe to call again after an error whose commit may nevertheless have happened (the loop
         resends it): only requests still queued or running are recorded, and a run's counters move
@@ -169,16 +171,21 @@ class RequestLogStore:
         ``metrics``: the requests' rows of run_metrics (db/records.py), written with their outcomes."""
         with self.engine.begin() as conn:
             self._finish_requests(conn, outcomes, trained_tokens, steps, next_seq, result_window, metrics)
+            if running:
+                self._mark_running(conn, list(running))
 
     @staticmethod
     def _finish_requests(conn, outcomes, trained_tokens: dict[str, int], steps: dict[str, int], next_seq: dict[str, int],
                          result_window: int = 0, metrics: list[MetricRow] = ()) -> None:
         outcomes, at = list(outcomes), now()
-        still_open = set(conn.execute(_STILL_OPEN, {"b_keys": [(run_id, seq_id) for run_id, seq_id, *_ in outcomes]}).tuples())
-        rows = [dict(b_run=run_id, b_seq=seq_id, status=status, error=error, result=result, finished_at=at)
-                for run_id, seq_id, status, error, result in outcomes if (run_id, seq_id) in still_open]
-        if rows:
-            conn.execute(_FINISH, rows)
+        if conn.dialect.name == "postgresql" and conn.dialect.driver == "psycopg2":
+            still_open = _finish_open_postgres(conn, outcomes, at)
+        else:
+            still_open = set(conn.execute(_STILL_OPEN, {"b_keys": [(run_id, seq_id) for run_id, seq_id, *_ in outcomes]}).tuples())
+            rows = [dict(b_run=run_id, b_seq=seq_id, status=status, error=error, result=result, finished_at=at)
+                    for run_id, seq_id, status, error, result in outcomes if (run_id, seq_id) in still_open]
+            if rows:
+                conn.execute(_FINISH, rows)
         if metrics:  # their steps from the run counters, before these move
             insert_run_metrics(conn, metrics, still_open)
         counted = {run_id for run_id, _ in still_open}
@@ -219,3 +226,25 @@ class RequestLogStore:
         """The run's adapter now lives on ``trainer`` (restored there after its trainer died)."""
         with self.sessions.begin() as db:
             db.execute(update(m.TrainingRun).where(m.TrainingRun.id == run_id).values(trainer=trainer))
+
+
+# One round trip for a cycle's outcomes on PostgreSQL: an UPDATE over a VALUES list that returns the
+# rows it recorded (still queued or running), where the portable path asks which are open first.
+_FINISH_OPEN_SQL = (
+    "UPDATE requests AS r SET status = v.status, error = v.error, result = v.result, finished_at = v.at "
+    "FROM (VALUES %s) AS v(run, seq, status, error, result, at) "
+    "WHERE r.training_run_id = v.run AND r.seq_id = v.seq AND r.status IN ('queued', 'running') "
+    "RETURNING r.training_run_id, r.seq_id")
+_FINISH_OPEN_ROW = "(%s, %s::bigint, %s, %s::text, %s::bytea, %s::timestamptz)"
+
+
+def _finish_open_postgres(conn, outcomes: list, at) -> set[tuple[str, int]]:
+    from psycopg2.extras import execute_values
+
+    cursor = conn.connection.dbapi_connection.cursor()
+    try:
+        rows = execute_values(cursor, _FINISH_OPEN_SQL, [(*outcome, at) for outcome in outcomes], template=_FINISH_OPEN_ROW,
+                              page_size=max(len(outcomes), 1), fetch=True)
+    finally:
+        cursor.close()
+    return {(run, seq) for run, seq in rows}

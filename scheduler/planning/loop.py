@@ -21,6 +21,7 @@ import time
 from collections import defaultdict
 
 from temper.common.checkpoints import CheckpointPath, parse_path
+from temper.common.cycles import ITEMS_PER_RUN_PER_CYCLE
 from temper.common.errors import Abandoned, AlreadyExists, FailedPrecondition, Internal, NotFound, TemperError, Unavailable, from_status_number
 from temper.common.retry import retry
 from temper.scheduler import metrics
@@ -89,7 +90,7 @@ class SchedulerLoop:
             if in_pass:
                 # Recorded before anything reaches a trainer: after a crash, "running" rows are the ones
                 # that may have been applied (see Store.recover_interrupted).
-                await self._mark_running(in_pass)
+                await self._mark_running([w for w in in_pass if not w.marked])
                 stamp(in_pass, trainer.address, number)
                 outcome = await self._cycle_on(trainer, plan.passes, plan.optim_steps, plan)
             for work in plan.barriers:
@@ -110,7 +111,7 @@ class SchedulerLoop:
             metrics.CYCLES.labels(outcome).inc()
             metrics.CYCLE_SECONDS.observe(elapsed)
             metrics.CYCLE_TOKENS.observe(tokens)
-        log.info("cycle %d on trainer %s %s: %d runs, %d tenants, %d tokens, %d passes, %d steps, %d barriers, %.0f ms",
+        log.debug("cycle %d on trainer %s %s: %d runs, %d tenants, %d tokens, %d passes, %d steps, %d barriers, %.0f ms",
                  number, trainer.address, outcome,
                  len({w.run_id for w in plan.all_work()}), len({w.tenant for w in plan.all_work()}), tokens, len(plan.passes),
                  len(plan.optim_steps), len(plan.barriers), elapsed * 1000)
@@ -275,8 +276,11 @@ class SchedulerLoop:
                 tokens[w.run_id] += w.num_tokens
             if not failed and w.kind is WorkKind.OPTIM_STEP:
                 steps[w.run_id] += 1
+        ahead = self._next_passes(next_seq)
         await self.persist(self.store.finish_requests, rows, tokens, steps, next_seq, self.settings.durable_results_per_run,
-                           metric_rows(works, outcomes))
+                           metric_rows(works, outcomes), [(w.run_id, w.seq_id) for w in ahead])
+        for work in ahead:
+            work.marked = True
         for w, outcome in zip(works, outcomes):
             if isinstance(outcome, TemperError):
                 w.fail(outcome)
@@ -285,10 +289,31 @@ class SchedulerLoop:
                     metrics.TOKENS_TRAINED.labels(w.tenant).inc(w.num_tokens)
                 w.resolve(outcome)
 
+    def _next_passes(self, runs) -> list[Work]:
+        """The queued work that most likely makes ``runs``' next cycle (per run, as policy.py takes it:
+        passes up to a cycle's items, then one optim step; a barrier ends it): marked running with
+        this cycle's outcomes, so the next cycle goes to its trainer without a transaction of its own.
+        Marked early, a request is "running" a little before it is sent: after a crash it is treated
+        as maybe applied (its resend is answered from the trainer's memory or applied once), never
+        the other way round."""
+        ahead = []
+        for run_id in runs:
+            queue = self.admission.queues.get(run_id)
+            for work in queue.ready()[:ITEMS_PER_RUN_PER_CYCLE] if queue is not None else ():
+                if work.kind.is_barrier:
+                    break
+                if not work.marked:
+                    ahead.append(work)
+                if work.kind is WorkKind.OPTIM_STEP:
+                    break
+        return ahead
+
     async def _mark_running(self, works: list[Work]) -> None:
         """Store.mark_running, in the request writer's next group commit (with the rows admitted
         meanwhile: no transaction or thread hop of its own); retried while the database is
         unavailable, as persist does."""
+        if not works:
+            return
         running = Running([(w.run_id, w.seq_id) for w in works])
         return await retry(lambda: self.admission.writer.add(running), seconds=None, first_delay=0.1,
                            what="the database is unavailable, retrying mark_running")

@@ -53,6 +53,7 @@ class Work:
     submitted_at: float = 0.0        # monotonic time of arrival (oldest heads are served first)
     resent: bool = False             # held and sent again after its trainer was lost (recovery.py): it may have run there
     dispatch: Dispatch | None = None # the latest time it went to a trainer (None: never)
+    marked: bool = False             # its row says "running" already (marked ahead with its run's previous cycle: loop.py)
     future: asyncio.Future | None = field(default=None, repr=False)
 
     @property

@@ -35,6 +35,7 @@ class FakeStore:
         self.limits: dict[str, dict[str, int]] = {}  # tenant -> its own limits (tenant_limits)
         self.lock = threading.Lock()
         self.lookups: list[tuple[str, int]] = []  # get_request calls
+        self.marked_ahead: list[tuple[str, int]] = []  # keys finish_requests marked running for the next cycle
 
     def _check(self):
         if self.down:
@@ -146,11 +147,14 @@ class FakeStore:
         for key in keys:
             self.requests[key].status = "running"
 
-    def finish_requests(self, outcomes, tokens, steps, next_seq, window=0, metrics=()):
+    def finish_requests(self, outcomes, tokens, steps, next_seq, window=0, metrics=(), running=()):
         self._check()
         for run_id, seq_id, status, error, result in outcomes:
             record = self.requests[(run_id, seq_id)]
             record.status, record.error, record.result = status, error, result
+        self.marked_ahead.extend(running)
+        for key in running:  # the next cycle's requests, marked in the same transaction (loop.py)
+            self.requests[key].status = "running"
 
     def skip_request(self, run_id, seq_id, queued_too):
         self._check()

@@ -167,3 +167,32 @@ def test_cycle_outcomes_map_each_status_to_its_item():
     assert all(not isinstance(o, Exception) for o in cycle_outcomes(response, 2, 1))
     with pytest.raises(Exception, match="answered a cycle of 3 passes"):
         cycle_outcomes(response, 3, 1)
+
+
+def test_the_next_cycle_is_marked_running_with_the_previous_ones_outcomes():
+    """A run's queued work that makes its next cycle is marked running in the transaction that records
+    the cycle before (finish_requests' ``running``), so that cycle sends no mark of its own; work that
+    arrives later is marked as before. Every request is marked exactly once, before it is answered."""
+    async def main():
+        s, hung, _ = two_trainers({"a": "alice"})
+        marked: list[tuple[str, int]] = []
+        mark = s.store.mark_running
+        s.store.mark_running = lambda keys: (marked.extend(keys), mark(keys))
+        api = servicer_of(s)
+        loop = asyncio.create_task(s.loop.run_forever())
+        first = asyncio.create_task(api.ForwardBackward(fb("a", 1), None))
+        await until(lambda: hung.waiting == 1)  # cycle 1 (seq 1) is on the trainer
+        queued = [asyncio.create_task(api.OptimStep(optim("a", 2), None)), asyncio.create_task(api.ForwardBackward(fb("a", 3), None))]
+        await until(lambda: s.store.statuses("a").get(3) == "queued")
+        hung.gate.set()
+        await asyncio.wait_for(asyncio.gather(first, *queued), 10)
+        last = await asyncio.wait_for(api.OptimStep(optim("a", 4), None), 10)  # arrives with nothing of its run queued
+        assert last.metrics["step:max"] == 4.0
+        # seq 2 (the optim step that ends the run's next cycle) was marked with cycle 1's outcomes
+        assert s.store.marked_ahead[0] == ("a", 2)
+        assert sorted(marked + s.store.marked_ahead) == [("a", 1), ("a", 2), ("a", 3), ("a", 4)]
+        assert hung.applied == [("a", 1), ("a", 2), ("a", 3), ("a", 4)]
+        assert s.store.statuses("a") == {1: "done", 2: "done", 3: "done", 4: "done"}
+        loop.cancel()
+
+    asyncio.run(main())

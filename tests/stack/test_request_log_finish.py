@@ -1,0 +1,71 @@
+"""A cycle's outcomes on a real Postgres (request_log.finish_requests): its one-statement path records
+only the requests still open, moves counters only with them, clears results out of the window, and
+marks the next cycle's requests running in the same transaction; the portable path (SQLite) agrees."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from temper.scheduler.db import models as m
+from temper.scheduler.db.store import Store, upgrade_schema
+
+
+def _store_with_run(url: str) -> tuple[Store, str]:
+    upgrade_schema(url)
+    store = Store(url)
+    session = store.create_session("t", [], {})
+    run_id = store.next_run_id(session.id)
+    store.add_training_run(m.TrainingRun(id=run_id, session_id=session.id, base_model="tiny", lora_rank=4, lora_alpha=8.0,
+                                         lora_dropout=0.0, train_attn=True, train_mlp=True, train_unembed=True, user_metadata={},
+                                         next_seq_id=1))
+    for seq, kind in enumerate(("forward_backward", "optim_step", "forward_backward", "optim_step", "forward_backward"), 1):
+        store.add_request(run_id, seq, kind, f"sha{seq}", "queued", 6 if kind == "forward_backward" else 0)
+    return store, run_id
+
+
+def _rows(url: str, run_id: str) -> dict[int, tuple]:
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        rows = conn.execute(text("select seq_id, status, error, result, finished_at is not null from requests "
+                                 "where training_run_id = :r order by seq_id"), {"r": run_id}).all()
+        counters = conn.execute(text("select tokens_trained, steps, next_seq_id from training_runs where id = :r"),
+                                {"r": run_id}).one()
+    engine.dispose()
+    return {seq: (status, error, bytes(result) if result is not None else None, finished) for seq, status, error, result, finished in rows}, tuple(counters)
+
+
+def _finish_two_cycles(store: Store, run_id: str) -> None:
+    store.mark_running([(run_id, 1), (run_id, 2)])
+    # cycle 1: seq 1 done, seq 2 refused; seqs 3 and 4 (its next cycle) marked running with it
+    store.finish_requests([(run_id, 1, "done", None, b"fb1"), (run_id, 2, "failed", "bad 'step' \\ %s", None)],
+                          {run_id: 6}, {}, {run_id: 3}, result_window=1, running=[(run_id, 3), (run_id, 4)])
+    # the same outcomes resent (a commit whose answer was lost), with seq 3's: only seq 3 is still open
+    store.finish_requests([(run_id, 1, "done", None, b"other"), (run_id, 3, "done", None, b"\x00fb3\xff")],
+                          {run_id: 12}, {}, {run_id: 4}, result_window=1)
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "sqlite"])
+def test_finish_records_open_requests_once_and_marks_the_next_cycle(backend, new_postgres_database, tmp_path):
+    url = new_postgres_database("temper_finish") if backend == "postgresql" else f"sqlite:///{tmp_path / 'finish.db'}"
+    store, run_id = _store_with_run(url)
+    _finish_two_cycles(store, run_id)
+    rows, counters = _rows(url, run_id)
+    assert rows[1] == ("done", None, None, True)  # cleared: out of the 1-result window once seq 3 finished
+    assert rows[2] == ("failed", "bad 'step' \\ %s", None, True)
+    assert rows[3] == ("done", None, b"\x00fb3\xff", True)  # the second call's answer, bytes as sent
+    assert rows[4] == ("running", None, None, False)  # marked ahead with cycle 1, not yet answered
+    assert rows[5] == ("queued", None, None, False)
+    # tokens: 6 from the first call, 12 from the second (it recorded seq 3); steps: none succeeded
+    assert counters == (18, 0, 4)
+    store.engine.dispose()
+
+
+def test_finish_with_nothing_open_counts_nothing(new_postgres_database):
+    url = new_postgres_database("temper_finish")
+    store, run_id = _store_with_run(url)
+    store.finish_requests([(run_id, 1, "done", None, b"a")], {run_id: 6}, {run_id: 0}, {run_id: 2}, result_window=8)
+    store.finish_requests([(run_id, 1, "done", None, b"b")], {run_id: 6}, {run_id: 0}, {run_id: 2}, result_window=8)
+    rows, counters = _rows(url, run_id)
+    assert rows[1][2] == b"a" and counters == (6, 0, 2)
+    store.engine.dispose()
