@@ -45,11 +45,11 @@ function tracks(trace) {
 
 export function timeline(trace, width = 1200) {
   const rows = tracks(trace);
+  // the time axis spans the spans (counters' per-second buckets run to the range's end; they are clipped)
   let t0 = Infinity; let t1 = -Infinity;
-  for (const r of rows) {
-    for (const e of r.spans || []) { t0 = Math.min(t0, e.ts); t1 = Math.max(t1, e.ts + e.dur); }
-    for (const [ts] of r.points || []) { t0 = Math.min(t0, ts); t1 = Math.max(t1, ts); }
-  }
+  for (const r of rows) for (const e of r.spans || []) { t0 = Math.min(t0, e.ts); t1 = Math.max(t1, e.ts + e.dur); }
+  if (!(t1 > t0)) for (const r of rows) for (const [ts] of r.points || []) { t0 = Math.min(t0, ts); t1 = Math.max(t1, ts); }
+  const pad = (t1 - t0) * 0.02; t0 -= pad; t1 += pad;
   const box = h("div", { class: "timeline", id: "timeline" });
   if (!rows.length || !(t1 > t0)) { box.append(h("p", { class: "muted" }, "nothing in this range")); return box; }
   const height = 24 + rows.reduce((n, r) => n + r.depth * ROW + 6, 0);
@@ -76,12 +76,18 @@ export function timeline(trace, width = 1200) {
         if (w > 40) { g.fillStyle = e.cat === "running" || e.cat === "cycle" ? "#fff" : "#1d2330"; g.fillText(e.name.slice(0, Math.floor(w / 6)), left + 3, y + e._depth * ROW + 12); }
       }
     } else {
-      const max = Math.max(1e-9, ...r.points.map((p) => p[1]));
-      g.strokeStyle = "#d9480f"; g.beginPath();
-      r.points.sort((a, b) => a[0] - b[0]).forEach(([ts, v], i) => {
-        const py = y + h0 - 2 - (v / max) * (h0 - 4);
-        if (i === 0) g.moveTo(x(ts), py); else g.lineTo(x(ts), py);
+      const sorted = r.points.slice().sort((a, b) => a[0] - b[0]);
+      const before = sorted.filter(([ts]) => ts < t0);
+      const shown = [...(before.length ? [[t0, before[before.length - 1][1]]] : []),
+        ...sorted.filter(([ts]) => ts >= t0 && ts <= t1)];  // the value in force at t0, then its changes
+      const max = Math.max(1e-9, ...shown.map((p) => p[1]));
+      const py = (v) => y + h0 - 2 - (v / max) * (h0 - 4);
+      g.fillStyle = "rgba(217, 72, 15, 0.18)"; g.strokeStyle = "#d9480f"; g.beginPath();
+      shown.forEach(([ts, v], i) => {  // a counter holds its value until its next change: steps
+        if (i === 0) g.moveTo(x(ts), py(v));
+        else { g.lineTo(x(ts), py(shown[i - 1][1])); g.lineTo(x(ts), py(v)); }
       });
+      if (shown.length) g.lineTo(x(t1), py(shown[shown.length - 1][1]));
       g.stroke(); g.fillStyle = "#667085"; g.fillText(`max ${max.toPrecision(3)}`, width - 70, y + 10);
     }
     y += h0 + 6;

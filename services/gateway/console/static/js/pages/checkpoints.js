@@ -1,12 +1,16 @@
 import { post, get } from "../api.js";
 import { errorBox, fmt, h, runLink, table } from "../dom.js";
 
-// Every change is a POST with a JSON body (the server validates it); the row is redrawn from the answer.
+// Every change is a POST with a JSON body (the server validates it); then the page is drawn again,
+// with what was done shown above the table.
+let flash = null;
+
 export function checkpointTable(checkpoints, redraw) {
-  const status = h("p", { class: "muted", id: "checkpoint-status" });
+  const status = h("p", { class: flash ? "ok" : "muted", id: "checkpoint-status" }, flash || "");
+  flash = null;
   const act = async (button, path, body, done) => {
     button.disabled = true;
-    try { await post(path, body); status.className = "ok"; status.textContent = done; await redraw(); }
+    try { await post(path, body); flash = done; await redraw(); }
     catch (err) { status.className = "error"; status.textContent = err.message; button.disabled = false; }
   };
   const actions = (c) => {

@@ -18,7 +18,7 @@ export async function render(page) {
       { label: "runs placed", num: true, cell: (w) => fmt.num(w.runs_placed) },
       { label: "memory", num: true, cell: mem },
       { label: "device", cell: (w) => w.device },
-      { label: "heard", num: true, cell: (w) => `${fmt.num(w.seconds_since_heard, 2)} s ago` },
+      { label: "heard", num: true, cell: (w) => (w.seconds_since_heard >= 0 ? `${fmt.num(w.seconds_since_heard, 2)} s ago` : "—") },
     ], c.workers, { id: "workers-table" }),
     h("h2", {}, "Trainer lanes"),
     table([
