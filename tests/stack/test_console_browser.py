@@ -21,7 +21,8 @@ pytest.importorskip("selenium")  # the dev extra (make venv installs it)
 from selenium.webdriver.common.by import By  # noqa: E402
 
 LORA = types_pb2.LoraConfig(rank=4, alpha=8.0, seed=3, train_attn=True, train_mlp=True, train_unembed=False)
-STEPS = 5
+STEPS = 10
+PATTERN = [7, 19, 42, 101, 250, 33, 77, 5, 310, 64, 128, 12]  # the same example each step: the loss falls
 
 
 def _train(stub, model: str, steps: int, name: str) -> tuple[str, str, str]:
@@ -30,10 +31,9 @@ def _train(stub, model: str, steps: int, name: str) -> tuple[str, str, str]:
     session_id = stub.CreateSession(service_pb2.CreateSessionRequest()).session_id
     run = stub.CreateTrainingRun(service_pb2.CreateTrainingRunRequest(session_id=session_id, base_model=model, lora_config=LORA))
     seq = 1
-    for i in range(steps):
-        tokens = [5 + (i * 7 + j * 3) % 90 for j in range(12)]
+    for _ in range(steps):
         stub.ForwardBackward(service_pb2.ForwardBackwardRequest(
-            training_run_id=run.training_run_id, seq_id=seq, data=[convert.datum_to_proto(sft_datum(tokens))],
+            training_run_id=run.training_run_id, seq_id=seq, data=[convert.datum_to_proto(sft_datum(PATTERN))],
             loss_fn="cross_entropy"))
         stub.OptimStep(service_pb2.OptimStepRequest(training_run_id=run.training_run_id, seq_id=seq + 1,
                                                     adam_params=convert.adam_to_proto(AdamParams(learning_rate=2e-2))))
