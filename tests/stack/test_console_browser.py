@@ -182,6 +182,27 @@ def test_read_the_audit_log(console, world):
     console.screenshot("audit")
 
 
+def test_create_and_revoke_a_key(console, world):
+    console.login(world["keys"]["alice"])
+    console.open("keys", "keys")
+    console.driver.find_element(By.ID, "key-label").send_keys("made in the console")
+    console.driver.find_element(By.CSS_SELECTOR, "#create-key button[type=submit]").click()
+    made = console.wait(lambda: console.driver.find_element(By.ID, "new-key").text, what="the new key")
+    assert made.startswith("tml-")
+    row = console.wait(lambda: console.driver.find_element(By.XPATH, "//tr[td[text()='made in the console']]"))
+    row.find_element(By.CSS_SELECTOR, "button.revoke").click()
+    console.wait(lambda: "revoked" in console.driver.find_element(By.XPATH, "//tr[td[text()='made in the console']]").text,
+                 what="the key revoked")
+    [info] = [k for k in world["alice"].ListApiKeys(service_pb2.ListApiKeysRequest()).keys if k.label == "made in the console"]
+    assert info.revoked_unix_ms > 0 and made.startswith(info.prefix)
+    console.driver.execute_script("sessionStorage.clear()")
+    console.driver.refresh()
+    console.driver.find_element(By.ID, "login-key").send_keys(made)
+    console.driver.find_element(By.CSS_SELECTOR, "#login button[type=submit]").click()
+    console.wait(lambda: console.driver.find_element(By.ID, "login-error").text, what="the refusal")
+    assert console.driver.find_element(By.ID, "login").is_displayed()
+
+
 def test_one_tenant_sees_nothing_of_another(console, world):
     console.login(world["keys"]["bob"])
     for page in ("runs", "checkpoints", "sessions", "usage", "audit", "keys"):

@@ -136,6 +136,19 @@ def test_a_range_over_the_row_budget_is_refused(client, fake):
         assert client.get(f"/api/v1/sessions/s/trace?{bad}", headers=KEY).status_code == 400, bad
 
 
+def test_runs_carry_their_sessions_state(client, fake):
+    fake_runs = service_pb2.ListTrainingRunsResponse(training_runs=[
+        service_pb2.TrainingRunInfo(training_run_id="s1:train:0"), service_pb2.TrainingRunInfo(training_run_id="s1:train:1"),
+        service_pb2.TrainingRunInfo(training_run_id="s2:train:0")], total_count=3)
+    ANSWERS["ListTrainingRuns"] = lambda: fake_runs
+    try:
+        runs = client.get("/console/api/runs", headers=KEY).json()["runs"]
+    finally:
+        ANSWERS["ListTrainingRuns"] = service_pb2.ListTrainingRunsResponse
+    assert [r["status"] for r in runs] == ["closed (unknown)", "closed (unknown)", "closed (unknown)"]
+    assert sorted(r.session_id for m, r, _ in fake.calls if m == "GetSession") == ["s1", "s2"]  # once per session
+
+
 def test_the_trace_is_an_attachment_of_the_sessions_range(client, fake):
     fake.metric_pages = 1
     resp = client.get("/api/v1/sessions/s/trace", headers=KEY)

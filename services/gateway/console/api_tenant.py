@@ -11,7 +11,7 @@ from temper.services.gateway.app import api_key, gateway
 from temper.services.gateway.console import forms
 from temper.services.gateway.console.views import view
 from temper.services.gateway.errors import invalid
-from temper.v1 import service_pb2
+from temper.v1 import records_pb2, service_pb2
 
 router = APIRouter(prefix="/console/api")
 MAX_PAGE = 200
@@ -52,8 +52,23 @@ async def runs(request: Request):
     limit, offset = query_int(request, "limit", 50, 1, MAX_PAGE), query_int(request, "offset", 0)
     listed = await call(request, "ListTrainingRuns", service_pb2.ListTrainingRunsRequest(limit=limit, offset=offset))
     steps = _run_usage(await call(request, "GetUsage", service_pb2.GetUsageRequest()))
-    return {"runs": [_run_json(info, steps) for info in listed.training_runs], "total_count": listed.total_count,
-            "limit": limit, "offset": offset}
+    states = await _session_states(request, {session_of(i.training_run_id) for i in listed.training_runs})
+    runs = [{**_run_json(info, steps), "status": states.get(session_of(info.training_run_id), "")}
+            for info in listed.training_runs]
+    return {"runs": runs, "total_count": listed.total_count, "limit": limit, "offset": offset}
+
+
+def session_of(run_id: str) -> str:
+    return run_id.rsplit(":train:", 1)[0]
+
+
+async def _session_states(request: Request, session_ids: set[str]) -> dict[str, str]:
+    """A run's status is its session's: "open" (heartbeats keep it) or "closed (<status>)"."""
+    states = {}
+    for session_id in sorted(session_ids):
+        info = await call(request, "GetSession", records_pb2.GetSessionRequest(session_id=session_id))
+        states[session_id] = f"closed ({info.close_status or 'unknown'})" if info.closed else "open"
+    return states
 
 
 @router.get("/runs/{run_id}")
