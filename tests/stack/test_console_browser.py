@@ -15,10 +15,8 @@ from fixtures_browser import Console, start_browser
 from fixtures_stack import raw_stub, sft_datum
 from temper.client import AdamParams, ModelInput, SamplingParams, convert
 from temper.localstack import LocalStack
+from selenium.webdriver.common.by import By  # the dev extra (make venv installs it): missing fails, never skips
 from temper.v1 import records_pb2, service_pb2, types_pb2
-
-pytest.importorskip("selenium")  # the dev extra (make venv installs it)
-from selenium.webdriver.common.by import By  # noqa: E402
 
 LORA = types_pb2.LoraConfig(rank=4, alpha=8.0, seed=3, train_attn=True, train_mlp=True, train_unembed=False)
 STEPS = 10
