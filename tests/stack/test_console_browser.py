@@ -16,6 +16,7 @@ from fixtures_stack import raw_stub, sft_datum
 from temper.client import AdamParams, ModelInput, SamplingParams, convert
 from temper.localstack import LocalStack
 from selenium.webdriver.common.by import By  # the dev extra (make venv installs it): missing fails, never skips
+from selenium.webdriver.support.ui import Select
 from temper.v1 import records_pb2, service_pb2, types_pb2
 
 LORA = types_pb2.LoraConfig(rank=4, alpha=8.0, seed=3, train_attn=True, train_mlp=True, train_unembed=False)
@@ -100,6 +101,13 @@ def test_log_in_and_open_a_run_with_curves(console, world):
     assert console.driver.find_elements(By.CSS_SELECTOR, "[data-chart='grad norm'] canvas")
     assert console.driver.find_elements(By.CSS_SELECTOR, "[data-chart='learning rate'] canvas")
     console.screenshot("run_curves")
+    Select(console.driver.find_element(By.ID, "curve-axis")).select_by_value("time")
+    over_time = console.wait(lambda: console.driver.execute_script(
+        "const c = document.querySelector(\"#run-charts [data-chart='loss (sum)']\");"
+        "return c && c.plot.data[0][0] > 1e9 ? Array.from(c.plot.data[0]) : null"), what="the curves over time")
+    rows = [r for r in world["alice"].ListRunMetrics(records_pb2.ListRunMetricsRequest(
+        training_run_id=world["a_run"], page_size=1000)).metrics if r.kind == "forward_backward"]
+    assert over_time == [r.answered_unix_ms / 1000 for r in rows]  # x: when each was answered
 
 
 def test_publish_a_checkpoint(console, world):
@@ -113,6 +121,13 @@ def test_publish_a_checkpoint(console, world):
     assert checkpoint.published
     console.wait(lambda: console.driver.find_element(
         By.XPATH, f"//tr[td/code[text()='{world['a_path']}']]//button[contains(@class,'publish')]").text == "Unpublish")
+    row = console.driver.find_element(By.XPATH, f"//tr[td/code[text()='{world['a_path']}']]")
+    row.find_element(By.CSS_SELECTOR, "input.ttl").send_keys("3600")
+    before = time.time() * 1000
+    row.find_element(By.XPATH, ".//button[text()='Set TTL']").click()
+    console.wait(lambda: "TTL set" in console.driver.find_element(By.ID, "checkpoint-status").text, what="the TTL")
+    expires = world["alice"].GetCheckpoint(service_pb2.GetCheckpointRequest(path=world["a_path"])).expires_unix_ms
+    assert before + 3600 * 1000 <= expires <= time.time() * 1000 + 3600 * 1000
     console.screenshot("checkpoints")
 
 
