@@ -15,6 +15,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from sqlalchemy import bindparam, delete, func, insert, select, update
+from sqlalchemy.dialects.postgresql import insert as postgresql_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from temper.common.errors import NotFound
 from temper.scheduler.db import models as m
@@ -24,6 +26,12 @@ METRICS = m.RunMetric.__table__
 SAMPLING = m.SamplingRecord.__table__
 RUNS = m.TrainingRun.__table__
 _INSERT_METRICS = insert(METRICS)
+# A request recorded again (its answer re-sent after a crash left its row open, or an operator reset
+# it) keeps its first metrics row: the answer is the same, and a duplicate must not stop the loop.
+_INSERT_METRICS_ONCE = {
+    "postgresql": postgresql_insert(METRICS).on_conflict_do_nothing(index_elements=["training_run_id", "seq_id"]),
+    "sqlite": sqlite_insert(METRICS).on_conflict_do_nothing(index_elements=["training_run_id", "seq_id"]),
+}
 _INSERT_SAMPLING = insert(SAMPLING)
 _RUN_STEPS = select(RUNS.c.id, RUNS.c.steps).where(RUNS.c.id.in_(bindparam("b_runs", expanding=True)))
 _ADD_SAMPLED = update(m.SamplingClient.__table__).where(m.SamplingClient.__table__.c.id == bindparam("b_id")).values(
@@ -97,7 +105,7 @@ def insert_run_metrics(conn, rows: list[MetricRow], still_open: set[tuple[str, i
                            trainer_seconds=max(0, r.answered_ms - r.started_ms) / 1000, cobatched_with=r.cobatched_with,
                            trainer=r.trainer, cycle=r.cycle, created_ms=r.created_ms, started_ms=r.started_ms,
                            answered_ms=r.answered_ms))
-    conn.execute(_INSERT_METRICS, values)
+    conn.execute(_INSERT_METRICS_ONCE.get(conn.dialect.name, _INSERT_METRICS), values)
 
 
 @database_errors
