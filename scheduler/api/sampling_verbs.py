@@ -24,6 +24,8 @@ from temper.common.validation import (check_last_n, check_prompt_scoring, check_
 from temper.scheduler import metrics
 from temper.scheduler.tenancy.auth import caller
 from temper.scheduler.db import models as m
+from temper.scheduler.db.records import SamplingRow
+from temper.scheduler.planning.records import SamplingRecorder, unix_ms
 from temper.scheduler.workers.sampler_streams import stream_on_a_sampler
 from temper.scheduler.workers.samplers import SamplerHandle
 from temper.v1 import sampler_pb2, service_pb2, types_pb2
@@ -40,6 +42,7 @@ class SamplingTarget:
     tokens: np.ndarray      # the prompt
     tenant: str
     model_path: str | None = None  # the checkpoint's path; its last use is written once the request is accepted
+    session_id: str = ""           # the sampling client's session (its sampling records)
 
 
 class SamplingVerbs:
@@ -48,6 +51,7 @@ class SamplingVerbs:
     def _init_sampling(self) -> None:
         self._samplers: dict[str, tuple[m.SamplingClient, str]] = {}  # sampler id -> (row, tenant)
         self._touched: dict[str, float] = {}
+        self._sampling_records = SamplingRecorder(self.store)  # each answer's record, group-committed
 
     async def CreateSamplingClient(self, request, context):
         await self.backends.wait_ready()
@@ -111,7 +115,7 @@ class SamplingVerbs:
         check_token_range(tokens, info.vocab_size, "prompt")
         if len(tokens) > info.max_context_length:
             raise InvalidArgument(f"prompt has {len(tokens)} tokens; the context length is {info.max_context_length}")
-        return SamplingTarget(row.base_model, info, checkpoint_key, tokens, tenant, row.model_path or None)
+        return SamplingTarget(row.base_model, info, checkpoint_key, tokens, tenant, row.model_path or None, row.session_id)
 
     async def _still_readable(self, path: str, tenant: str) -> None:
         """On every call, adapter held by a sampler or not: the checkpoint is still there, unexpired and
@@ -138,13 +142,14 @@ class SamplingVerbs:
             sampler, target.checkpoint_key, target.tenant))
 
     async def Sample(self, request, context):
+        started = unix_ms()
         await self.backends.wait_ready()
         target, sample, tag = await self._sample_call(request)
         response = await self._call_sampler(target, "Sample", sample)
         for i, sequence in enumerate(response.sequences):
             sequence.sequence_id = f"{request.sampler_id}:{tag}:{i}"
         generated = sum(len(s.tokens) // 4 for s in response.sequences)
-        await self._sampled(target, request, generated, int(time.time() * 1000))
+        await self._sampled(target, request, generated, started)
         return response
 
     async def _sample_call(self, request) -> tuple[SamplingTarget, sampler_pb2.SamplerSampleRequest, str]:
@@ -174,7 +179,7 @@ class SamplingVerbs:
     async def SampleStream(self, request, context):
         """Sample's checks, limits and sampler choice (samplers.stream_on_a_sampler: another sampler only
         before the first message), then the sampler's messages as they come, with sequence ids."""
-        started = int(time.time() * 1000)
+        started = unix_ms()
         await self.backends.wait_ready()
         target, sample, tag = await self._sample_call(request)
         generated = 0
@@ -192,10 +197,12 @@ class SamplingVerbs:
     async def _sampled(self, target: SamplingTarget, request, generated: int, started: int) -> None:
         """A Sample's tokens on the tenant's rate, the sampling client's count and the metrics."""
         self.admission.quotas.sampled.record(target.tenant, generated)
-        await asyncio.to_thread(self.store.add_sampled_tokens, request.sampler_id, generated)
+        await self._sampling_records.add(SamplingRow(target.session_id, request.sampler_id, "sample", request.num_samples,
+                                                     len(target.tokens), generated, started, unix_ms()))  # and the counter
         metrics.TOKENS_SAMPLED.labels(target.tenant).inc(generated)
 
     async def ComputeLogprobs(self, request, context):
+        started = unix_ms()
         await self.backends.wait_ready()
         target = await self._sampling_target(request.sampler_id, request.prompt)
         logprobs = sampler_pb2.SamplerLogprobsRequest(checkpoint_key=target.checkpoint_key,
@@ -205,4 +212,6 @@ class SamplingVerbs:
             logprobs.prompt_logprobs_last_n = request.prompt_logprobs_last_n
         await self._touch(target)
         response = await self._call_sampler(target, "ComputeLogprobs", logprobs)
+        await self._sampling_records.add(SamplingRow(target.session_id, request.sampler_id, "compute_logprobs", 0, len(target.tokens),
+                                                     0, started, unix_ms()))
         return service_pb2.ComputeLogprobsResponse(logprobs=response.logprobs)
