@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from temper.services.lora import deterministic
+
 
 @dataclass
 class Routing:
@@ -257,6 +259,8 @@ class MultiLoraLinear(nn.Module):
         return self.base.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if deterministic.active():  # batch-invariant primitives (services/lora/deterministic.py)
+            return deterministic.lora_linear(self, x)
         out = self.base(x)
         routing = self.router.current
         if routing is None or not self.adapters:

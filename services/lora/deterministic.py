@@ -1,0 +1,173 @@
+"""Batch-invariant compute: a token's numbers do not depend on the other rows of its pass, on padding,
+or on whether its keys come from a KV cache (``docs/deterministic.md``).
+
+Inside ``deterministic(model)``:
+- every LoRA-wrapped linear (base weight and adapter factors) is ``linear``: rows padded to at least
+  ``MIN_ROWS`` (MKL takes another, differently-reducing path below 16 rows) and computed with one
+  intra-op thread (with more, MKL splits the reduction differently for different row counts:
+  measured, K=1536 N=576 rows differ between M=16 and M=100..128 on 2 threads, none differ on 1);
+- attention is ``attention`` (registered with transformers as ``ATTENTION``): keys reduced in blocks
+  of ``KEY_BLOCK`` aligned on their positions, fully masked blocks add exact zeros, blocks summed left
+  to right, so a query sees the same additions whether its keys come from a cache of t+1 keys or a
+  causally masked row of T; the mask is derived from ``position_ids`` (a key at slot j is seen by a
+  query at position p iff j <= p), so keys must sit at their positions (``DecodeCache``);
+- ``target_logprobs`` is the one log p(target) = logit - logsumexp both trainer and sampler use.
+
+Families: dense llama and qwen3/qwen2 (``unsupported`` names what refuses the others).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+import torch.nn.functional as F
+
+MIN_ROWS = 16
+KEY_BLOCK = 64
+ATTENTION = "temper_deterministic"
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen3", "qwen2")
+
+_state = threading.local()
+
+
+def active() -> bool:
+    return getattr(_state, "on", False)
+
+
+def unsupported(model) -> str:
+    """Why ``model`` cannot compute deterministically; "" when it can."""
+    config = getattr(model.config, "text_config", None) or model.config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return (f"deterministic mode covers the dense families {list(SUPPORTED_MODEL_TYPES)}; {model_type!r} "
+                f"(mixture-of-experts routing, MLA or attention sinks) has no batch-invariant kernels here")
+    if getattr(config, "use_sliding_window", False) or getattr(config, "layer_types", None) and any(
+            t != "full_attention" for t in config.layer_types):
+        return f"deterministic mode has no sliding-window attention ({model_type} with sliding-window layers)"
+    if getattr(config, "final_logit_softcapping", None):
+        return "deterministic mode has no logit soft-capping"
+    return ""
+
+
+@contextlib.contextmanager
+def deterministic(model, cache: "DecodeCache | None" = None):
+    """Run ``model``'s forward (and backward) passes with the batch-invariant primitives."""
+    _register()
+    config = model.config
+    previous = (getattr(_state, "on", False), getattr(_state, "cache", None), config._attn_implementation,
+                torch.get_num_threads())
+    _state.on, _state.cache = True, cache
+    config._attn_implementation = ATTENTION
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        _state.on, _state.cache = previous[0], previous[1]
+        config._attn_implementation = previous[2]
+        torch.set_num_threads(previous[3])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` whose every row is the same whatever the other rows (one thread, >= MIN_ROWS rows)."""
+    flat = x.reshape(-1, x.shape[-1])
+    rows = flat.shape[0]
+    if rows < MIN_ROWS:
+        flat = torch.cat([flat, flat.new_zeros(MIN_ROWS - rows, flat.shape[1])])
+    out = F.linear(flat, weight, bias)[:rows]
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(N, V) float32 logits, (N, K) targets -> log p: the formula of the trainer's target_logprobs."""
+    return logits.gather(-1, targets) - torch.logsumexp(logits, dim=-1, keepdim=True)
+
+
+class DecodeCache:
+    """Keys and values of a decode, each row's at the slot of its position (not left-padded), so its
+    blocks line up with a full forward's. ``capacity``: slots per row (a multiple of KEY_BLOCK)."""
+
+    def __init__(self, rows: int, capacity: int):
+        self.rows = rows
+        self.capacity = -(-capacity // KEY_BLOCK) * KEY_BLOCK
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, layer: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor):
+        """Write (B, H, M, d) keys/values at ``positions`` (B, M); returns the filled slots."""
+        if layer not in self.layers:
+            shape = (key.shape[0], key.shape[1], self.capacity, key.shape[-1])
+            self.layers[layer] = (key.new_zeros(shape), value.new_zeros(shape[:-1] + (value.shape[-1],)))
+        keys, values = self.layers[layer]
+        index = positions[:, None, :, None]
+        keys.scatter_(2, index.expand_as(key), key)
+        values.scatter_(2, index.expand_as(value), value)
+        used = int(positions.max()) + 1
+        return keys[:, :, :used], values[:, :, :used]
+
+
+def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+              position_ids: torch.Tensor | None = None, **kwargs):
+    """Causal attention by position, keys reduced in aligned blocks; returns (B, M, H, d), None."""
+    if dropout:
+        raise RuntimeError("deterministic attention has no dropout")
+    batch, heads, rows, dim = query.shape
+    if position_ids is None:
+        position_ids = torch.arange(rows, device=query.device)[None].expand(batch, rows)
+    position_ids = position_ids.expand(batch, rows)
+    cache = getattr(_state, "cache", None)
+    if cache is not None:
+        key, value = cache.update(module.layer_idx, key, value, position_ids)
+    groups = heads // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    keys = key.shape[2]
+    padded = -(-keys // KEY_BLOCK) * KEY_BLOCK
+    if padded != keys:
+        key = torch.cat([key, key.new_zeros(batch, heads, padded - keys, dim)], 2)
+        value = torch.cat([value, value.new_zeros(batch, heads, padded - keys, value.shape[-1])], 2)
+    positions = position_ids
+    if rows < MIN_ROWS:  # matmuls of fewer rows reduce differently
+        query = torch.cat([query, query.new_zeros(batch, heads, MIN_ROWS - rows, dim)], 2)
+        positions = torch.cat([positions, positions[:, -1:].expand(batch, MIN_ROWS - rows)], 1)
+    scale = dim ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale                     # (B, H, M', Np)
+    seen = torch.arange(padded, device=query.device)[None, None, None, :] <= positions[:, None, :, None]
+    scores = scores.masked_fill(~seen, float("-inf"))
+    weights = (scores - scores.amax(-1, keepdim=True)).exp()                        # masked: exactly 0
+    blocks = padded // KEY_BLOCK
+    tiles = weights.unflatten(-1, (blocks, KEY_BLOCK))                               # (B, H, M', nb, 64)
+    denominator = tiles.sum(-1).cumsum(-1)[..., -1:]                                 # blocks left to right
+    partial = torch.matmul(tiles.transpose(2, 3), value.unflatten(2, (blocks, KEY_BLOCK)))  # (B, H, nb, M', d)
+    numerator = partial.cumsum(2)[:, :, -1]                                          # (B, H, M', d)
+    out = (numerator / denominator)[:, :, :rows]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    if getattr(_register, "done", False):
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, attention)
+    _register.done = True
+
+
+def lora_linear(layer, x: torch.Tensor) -> torch.Tensor:
+    """A ``MultiLoraLinear``'s forward from ``linear`` only: base, then each routed adapter's rows
+    ``(x A^T) B^T * scale`` added to them (one addition per element, as ``out + delta``)."""
+    out = linear(x, layer.base.weight, layer.base.bias)
+    routing = layer.router.current
+    if routing is None or not layer.adapters:
+        return out
+    for key, index in routing.groups:
+        weights = layer.adapters.get(key)
+        if weights is None:
+            continue
+        if weights.dropout > 0:
+            raise RuntimeError(f"adapter {key} has LoRA dropout {weights.dropout}: no deterministic mode with dropout")
+        dtype = layer.router.compute_dtype(x)
+        rows = x if index is None else x.index_select(0, index)
+        delta = (linear(linear(rows.to(dtype), weights.lora_A.to(dtype)), weights.lora_B.to(dtype)) * weights.scale).to(out.dtype)
+        out = out + delta if index is None else out.index_add(0, index, delta)
+    return out
