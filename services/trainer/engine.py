@@ -23,6 +23,7 @@ import torch
 from temper.common.cycles import ITEMS_PER_RUN_PER_CYCLE
 from temper.common.errors import FailedPrecondition, Internal, InvalidArgument, TemperError, shown
 from temper.common.optim import AdamParams
+from temper.services.lora import deterministic
 from temper.services.lora.model import AdapterSpec, LoraModel
 from temper.services.models.loading import LoadedModel
 from temper.services.trainer import imports, metrics, numerics, snapshots
@@ -53,6 +54,7 @@ class ForwardBackwardItem:
     loss_config: dict[str, float] = field(default_factory=dict)   # every key the loss reads, defaults filled in
     forward_only: bool = False
     seq_id: int = 0   # the run's seq id; 0: none (never answered from memory)
+    deterministic: bool = False   # the run's deterministic mode (docs/deterministic.md)
 
 
 @dataclass
@@ -204,6 +206,8 @@ class TrainerEngine:
             return answer
         if isinstance(item, ForwardBackwardItem):
             _check_forward_backward(item)
+            if item.deterministic and (missing := deterministic.unsupported(self.lora.model)):
+                raise FailedPrecondition(f"run {item.run_id} asks for deterministic mode: {missing}")
         return None
 
     def _optim_step_or_error(self, item: OptimStepItem) -> dict[str, float] | TemperError:
@@ -223,7 +227,7 @@ class TrainerEngine:
         adapters = {item.run_id: self.host.get(item.run_id) for item in items}
         training = {run_id: adapters[run_id] for run_id in dict.fromkeys(i.run_id for i in items if not i.forward_only)}
         snapshots = {run_id: adapter.grads_snapshot() for run_id, adapter in training.items()}
-        groups = [LossGroup(i.run_id, i.data, i.loss_fn, i.loss_config, i.forward_only) for i in items]
+        groups = [LossGroup(i.run_id, i.data, i.loss_fn, i.loss_config, i.forward_only, i.deterministic) for i in items]
         failed: dict[str, TemperError] = {}
         try:
             results = self.passes(groups, self.pass_options) if items else []

@@ -10,6 +10,7 @@ caller's business.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from temper.services.lora.deterministic import deterministic
 from temper.services.lora.model import LoraModel
 from temper.services.trainer.losses import LOSS_FNS, loss_positions
 from temper.services.trainer.memory import ActivationModel
@@ -41,6 +43,9 @@ class LossGroup:
     loss_fn: str                        # a key of LOSS_FNS
     config: dict[str, float] = field(default_factory=dict)
     forward_only: bool = False
+    # each datum in a pass of its own at its true length, batch-invariant primitives, gradients added
+    # in datum order: its numbers do not depend on who shares the call (docs/deterministic.md)
+    deterministic: bool = False
 
 
 @dataclass
@@ -129,9 +134,13 @@ def _passes(lora, groups, options, device, on_pass, adapter_rank, logprobs, loss
     for grad in (True, False):
         rows = [Row(i, j, d) for i, g in enumerate(groups) if g.forward_only != grad for j, d in enumerate(g.data)]
         rows.sort(key=lambda row: adapter_rank[groups[row.group].adapter])  # stable
-        for batch, checkpointed in plan_passes(rows, options, grad):
+        alone = [[row] for row in rows if groups[row.group].deterministic]
+        shared = [row for row in rows if not groups[row.group].deterministic]
+        planned = [*plan_passes(shared, options, grad), *((batch, False) for batch in alone)]
+        for batch, checkpointed in planned:
             start = time.perf_counter()
-            with torch.set_grad_enabled(grad):
+            scope = deterministic(lora.model) if groups[batch[0].group].deterministic else contextlib.nullcontext()
+            with torch.set_grad_enabled(grad), scope:
                 lp, elementwise, stats = run_pass(lora, groups, batch, options, device, checkpointed)
                 if grad:
                     elementwise.sum().backward()
