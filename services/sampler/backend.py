@@ -76,6 +76,7 @@ class SampleRequest:
     topk_prompt_logprobs: int = 0
     prompt_logprobs_last_n: int | None = None   # score only the last n prompt positions
     progress: Progress | None = None            # streaming: told each decode step's pieces (module docstring)
+    deterministic: bool = False                 # batch-invariant decode (docs/deterministic.md; torch backend)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from temper.common.errors import AdapterNotLoaded, InvalidArgument
 from temper.common.prompt_scoring import TOPK_MASK_LOGPROB, check_last_n, check_prompt_scoring
 from temper.services.lora.model import LoraModel
 from temper.services.models.loading import LoadedModel
+from temper.services.sampler import deterministic_decode
 from temper.services.sampler.backend import (
     GeneratedSequence,
     ModelDescription,
@@ -136,6 +137,12 @@ class TorchSamplerBackend(SamplerBackend):
                     f"prompt ({len(r.prompt)}) + max_tokens ({r.options.max_tokens}) exceeds the context length "
                     f"{self.loaded.max_context_length}"
                 )
+        if any(r.deterministic for r in requests):  # decoded apart, with the batch-invariant primitives
+            exact = [r for r in requests if r.deterministic]
+            answers = dict(zip(map(id, exact), deterministic_decode.sample(self, exact, _choose)))
+            rest = [r for r in requests if not r.deterministic]
+            answers.update(zip(map(id, rest), self.sample_batch(rest) if rest else []))
+            return [answers[id(r)] for r in requests]
         width = max(len(r.prompt) for r in requests)
         live, prompts = [], []
         for r in requests:

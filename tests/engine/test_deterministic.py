@@ -151,3 +151,36 @@ def test_family_without_batch_invariant_kernels_refused(family_dirs, tmp_path, o
     adapter = engine.host.get("moe")
     assert all(p.grad is None for p in adapter.params.values())
     assert all(torch.equal(before[n], p) for n, p in adapter.params.items())
+
+
+def test_torch_sampler_deterministic_logprobs_are_the_trainers(tiny_model_dir, tmp_path, one_torch_thread):
+    from temper.services.sampler.backend import SampleRequest, SamplingOptions
+    from temper.services.sampler.torch_backend import TorchSamplerBackend
+
+    engine = engine_for(tiny_model_dir, tmp_path, ["run"])
+    with torch.no_grad():
+        for name, p in engine.host.get("run").params.items():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    engine.save("run", "t/run/ckpt-1", include_optimizer=False)
+    sampler = TorchSamplerBackend(load_model(tiny_model_dir))
+    sampler.load_adapter("ckpt-1", engine.store.existing("t/run/ckpt-1"))
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 512, n) for n in (5, 40, 90)]
+    options = SamplingOptions(max_tokens=20, seed=7, stop_disabled=True)
+
+    def request(prompt, n=2):
+        return SampleRequest("ckpt-1", prompt, n, options, deterministic=True)
+
+    batched = sampler.sample_batch([request(p) for p in prompts] + [SampleRequest(None, prompts[0], 1, options)])
+    for prompt, result in zip(prompts, batched):
+        alone = sampler.sample_batch([request(prompt)])[0]
+        for seq, solo in zip(result.sequences, alone.sequences):
+            assert seq.tokens == solo.tokens and seq.logprobs == solo.logprobs  # batch-invariant, seeded
+            tokens = prompt.tolist() + seq.tokens
+            item = fb("run", [sft(tokens, np.ones(len(tokens) - 1, np.float32))], forward_only=True, deterministic=True)
+            trained, _ = engine.run_cycle([item], [])
+            assert torch.equal(torch.tensor(seq.logprobs, dtype=torch.float32),
+                               torch.from_numpy(trained[0].logprobs[0][len(prompt) - 1:]))
+    again = sampler.sample_batch([request(p) for p in prompts])
+    assert [[s.tokens for s in r.sequences] for r in again] == [[s.tokens for s in r.sequences] for r in batched[:3]]
