@@ -226,7 +226,7 @@ def test_errors_reach_the_sdk(sdk, tiny_model_dir):
         sdk.create_lora_training_client("no/such-model", rank=4).result()
     started = time.monotonic()
     with pytest.raises(tinker.NotFoundError, match="not found"):  # a missing session: at once, not retried
-        tinker.RestClient().get_session("no-such-session").result()
+        sdk.create_rest_client().get_session("no-such-session").result()
     assert time.monotonic() - started < 10
 
 
@@ -234,7 +234,7 @@ def test_run_metadata_listing_overwrite_and_published_resume(sdk, gw_stack, tiny
     """Run metadata and owner, runs listed newest first, save_state(overwrite=True, user_metadata=...),
     runs from a checkpoint in a row (ids and seq ids as the SDK computes them), GET /samplers/{id},
     and another tenant's published checkpoint: weights info and a training client from it."""
-    rest = tinker.RestClient()
+    rest = sdk.create_rest_client()
     tc = sdk.create_lora_training_client(tiny_model_dir, rank=4, seed=8, user_metadata={"renderer": "llama3"}).result()
     run = rest.get_training_run(tc.model_id).result()
     assert run.user_metadata == {"renderer": "llama3"} and run.model_owner == "local"
@@ -321,7 +321,7 @@ def test_search_checkpoints_base_model_and_sessions_not_served(sdk, ours, gw_sta
     assert "no projects" in str(search({"project_ids": ["p1"]}, status=400))
     assert "limit" in str(search({"limit": 500}, status=400))
     # another tenant never sees them, published or not
-    rest = tinker.RestClient()
+    rest = sdk.create_rest_client()
     rest.publish_checkpoint_from_tinker_path(saved[0]).result()
     other = search({"user_metadata": {"search": tag}, "owner": {"type": "accessible"}}, key=gw_stack.key_for("sdk-other"))
     assert other == {"checkpoints": [], "next_cursor": None}
