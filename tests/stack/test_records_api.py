@@ -184,7 +184,7 @@ def test_sdk_session_storage_and_whoami_routes(gw, tiny_model_dir, monkeypatch):
         tc.save_weights_for_sampler("rec-sampler").result()
         tc.save_state("rec-state").result()
         session_id = tc.model_id.rsplit(":train:", 1)[0]
-        rest = tinker.RestClient()
+        rest = tinker.RestClient(base_url=gw.gateway_url, api_key=gw.api_key)  # explicit: the SDK caches bare RestClient() holders process-wide
         assert session_id in rest.list_sessions(limit=1000).result().sessions
         got = rest.get_session(session_id).result()
         assert tc.model_id in got.training_run_ids and len(got.sampler_ids) >= 1 and sc is not None
@@ -199,7 +199,7 @@ def test_sdk_session_storage_and_whoami_routes(gw, tiny_model_dir, monkeypatch):
         for params in ({"limit": "1001"}, {"limit": "-1"}, {"offset": "x"}, {"access_scope": "everyone"}):
             assert httpx.get(f"{gw.gateway_url}/api/v1/sessions", params=params, headers=headers, timeout=30).status_code == 400
 
-        usage = tinker.AdminClient().get_current_checkpoint_storage_usage().result()
+        usage = tinker.AdminClient(base_url=gw.gateway_url, api_key=gw.api_key).get_current_checkpoint_storage_usage().result()
         ours = service_pb2_grpc.TemperStub(keyed_channel(gw, "local"))
         scheduler_usage = ours.GetUsage(service_pb2.GetUsageRequest())
         listed = ours.ListCheckpoints(service_pb2.ListCheckpointsRequest()).checkpoints

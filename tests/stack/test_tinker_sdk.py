@@ -37,6 +37,13 @@ def sdk(gw_stack, monkeypatch):
     client.close("success")
 
 
+def sdk_rest(stack, api_key=None):
+    """A RestClient naming its gateway and key: the SDK keeps one session-less holder per
+    (base_url, api_key) for the process, so a bare RestClient() would reuse whichever gateway the
+    environment named first (another module's, stopped by now)."""
+    return tinker.RestClient(base_url=stack.gateway_url, api_key=api_key or stack.api_key)
+
+
 @pytest.fixture
 def ours(gw_stack):
     client = gw_stack.client()
@@ -55,7 +62,7 @@ def assert_same_outputs(sdk_out, our_out):
         np.testing.assert_array_equal(a["logprobs"].to_numpy(), b["logprobs"].to_numpy())
 
 
-def test_sft_loop_checkpoints_and_resume(sdk, ours, tiny_model_dir):
+def test_sft_loop_checkpoints_and_resume(sdk, ours, gw_stack, tiny_model_dir):
     tc = sdk.create_lora_training_client(tiny_model_dir, rank=4, seed=3).result()
     mine = ours.create_lora_training_client(tiny_model_dir, rank=4, seed=3)
     for _ in range(2):  # submitted before waiting, as the SDK's docs do
@@ -78,7 +85,7 @@ def test_sft_loop_checkpoints_and_resume(sdk, ours, tiny_model_dir):
     resumed.load_state(state).result()  # back to step 2, on the run itself
     assert resumed.forward([sdk_datum(t) for t in TOKENS], "cross_entropy").result().metrics["loss:sum"] == a.metrics["loss:sum"]
 
-    rest = tinker.RestClient() if hasattr(tinker, "RestClient") else sdk.create_rest_client()  # 0.38 / older
+    rest = sdk_rest(gw_stack)
     ids = [c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints]
     assert ids == ["weights/step2"]
     run = rest.get_training_run(tc.model_id).result()
@@ -209,7 +216,7 @@ def _our_datum(tokens, inputs):
     return Datum(model_input=ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
 
 
-def test_errors_reach_the_sdk(sdk, tiny_model_dir):
+def test_errors_reach_the_sdk(sdk, gw_stack, tiny_model_dir):
     tc = sdk.create_lora_training_client(tiny_model_dir, rank=4, seed=6).result()
     bad = sdk_datum(TOKENS[0], target_tokens=np.asarray([10**6] * 6, np.int64), weights=np.ones(6, np.float32))
     with pytest.raises(tinker.RequestFailedError, match="INVALID_ARGUMENT"):
@@ -226,7 +233,7 @@ def test_errors_reach_the_sdk(sdk, tiny_model_dir):
         sdk.create_lora_training_client("no/such-model", rank=4).result()
     started = time.monotonic()
     with pytest.raises(tinker.NotFoundError, match="not found"):  # a missing session: at once, not retried
-        sdk.create_rest_client().get_session("no-such-session").result()
+        sdk_rest(gw_stack).get_session("no-such-session").result()
     assert time.monotonic() - started < 10
 
 
@@ -234,7 +241,7 @@ def test_run_metadata_listing_overwrite_and_published_resume(sdk, gw_stack, tiny
     """Run metadata and owner, runs listed newest first, save_state(overwrite=True, user_metadata=...),
     runs from a checkpoint in a row (ids and seq ids as the SDK computes them), GET /samplers/{id},
     and another tenant's published checkpoint: weights info and a training client from it."""
-    rest = sdk.create_rest_client()
+    rest = sdk_rest(gw_stack)
     tc = sdk.create_lora_training_client(tiny_model_dir, rank=4, seed=8, user_metadata={"renderer": "llama3"}).result()
     run = rest.get_training_run(tc.model_id).result()
     assert run.user_metadata == {"renderer": "llama3"} and run.model_owner == "local"
@@ -262,7 +269,7 @@ def test_run_metadata_listing_overwrite_and_published_resume(sdk, gw_stack, tiny
     monkeypatch.setenv("TINKER_API_KEY", gw_stack.key_for("sdk-other"))
     other = tinker.ServiceClient()
     try:
-        other_rest = tinker.RestClient(api_key=gw_stack.key_for("sdk-other"))
+        other_rest = sdk_rest(gw_stack, gw_stack.key_for("sdk-other"))
         with pytest.raises(tinker.NotFoundError):
             other_rest.get_weights_info_by_tinker_path(state).result()
         rest.publish_checkpoint_from_tinker_path(state).result()
@@ -321,7 +328,7 @@ def test_search_checkpoints_base_model_and_sessions_not_served(sdk, ours, gw_sta
     assert "no projects" in str(search({"project_ids": ["p1"]}, status=400))
     assert "limit" in str(search({"limit": 500}, status=400))
     # another tenant never sees them, published or not
-    rest = sdk.create_rest_client()
+    rest = sdk_rest(gw_stack)
     rest.publish_checkpoint_from_tinker_path(saved[0]).result()
     other = search({"user_metadata": {"search": tag}, "owner": {"type": "accessible"}}, key=gw_stack.key_for("sdk-other"))
     assert other == {"checkpoints": [], "next_cursor": None}
