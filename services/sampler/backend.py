@@ -86,6 +86,8 @@ class ModelDescription:
     vocab_size: int
     max_context_length: int
     loaded_checkpoints: list[str] = field(default_factory=list)   # checkpoint keys
+    # why this backend cannot serve deterministic requests (docs/deterministic.md); "": it can
+    deterministic_unsupported: str = "this sampler backend has no deterministic mode"
 
 
 class SamplerBackend(abc.ABC):
@@ -123,9 +125,12 @@ class SamplerBackend(abc.ABC):
         return results
 
     @abc.abstractmethod
-    def compute_logprobs(self, checkpoint_key: str | None, prompt: np.ndarray, last_n: int | None = None) -> np.ndarray:
+    def compute_logprobs(self, checkpoint_key: str | None, prompt: np.ndarray, last_n: int | None = None,
+                         deterministic: bool = False) -> np.ndarray:
         """float32 log p(prompt[i] | prompt[:i]) for each position, NaN at position 0 (and before the
-        last ``last_n`` positions when given)."""
+        last ``last_n`` positions when given). ``deterministic``: the prompt scored alone with the
+        batch-invariant primitives, as the trainer's forward scores it (FailedPrecondition where the
+        backend cannot: ``describe().deterministic_unsupported``)."""
 
 
 def whole_pieces(result: SampleResult) -> list[Piece]:

@@ -36,7 +36,8 @@ def sample_request_from_pb(request: sampler_pb2.SamplerSampleRequest, vocab_size
     last_n = request.prompt_logprobs_last_n if request.HasField("prompt_logprobs_last_n") else None
     check_prompt_scoring(len(prompt), request.include_prompt_logprobs, request.topk_prompt_logprobs, last_n)
     return SampleRequest(request.checkpoint_key or None, prompt, request.num_samples, options,
-                         request.include_prompt_logprobs, request.topk_logprobs, request.topk_prompt_logprobs, last_n)
+                         request.include_prompt_logprobs, request.topk_logprobs, request.topk_prompt_logprobs, last_n,
+                         deterministic=request.deterministic)
 
 
 def sample_result_to_pb(result: SampleResult, topk_logprobs: int) -> types_pb2.SampleResponse:
@@ -80,13 +81,14 @@ def stream_end_to_pb(result: SampleResult) -> types_pb2.SampleStreamChunk:
     return chunk
 
 
-def logprobs_request_from_pb(request: sampler_pb2.SamplerLogprobsRequest) -> tuple[str | None, np.ndarray, int | None]:
-    """(checkpoint key or None for the base model, prompt tokens, last n positions to score or None)."""
+def logprobs_request_from_pb(request: sampler_pb2.SamplerLogprobsRequest) -> tuple[str | None, np.ndarray, int | None, bool]:
+    """(checkpoint key or None for the base model, prompt tokens, last n positions to score or None,
+    deterministic)."""
     prompt = decode_tokens(request.prompt_tokens)
     last_n = request.prompt_logprobs_last_n if request.HasField("prompt_logprobs_last_n") else None
     if last_n is not None:
         check_last_n(len(prompt), last_n)
-    return request.checkpoint_key or None, prompt, last_n
+    return request.checkpoint_key or None, prompt, last_n, request.deterministic
 
 
 def logprobs_to_pb(logprobs: np.ndarray) -> sampler_pb2.ComputeLogprobsResponseInternal:
@@ -98,4 +100,5 @@ def model_info_to_pb(description: ModelDescription, backend: str, incarnation: s
     return sampler_pb2.SamplerModelInfo(
         base_model=d.base_model, tokenizer_id=d.tokenizer_id, vocab_size=d.vocab_size, max_context_length=d.max_context_length,
         backend=backend, loaded_adapters=d.loaded_checkpoints, incarnation=incarnation,
+        deterministic_unsupported=d.deterministic_unsupported,
     )

@@ -1,8 +1,15 @@
-"""The torch sampler's deterministic decode (docs/deterministic.md): the batch-invariant primitives
-and a ``DecodeCache`` whose rows hold their keys at their positions, so each sampled token's logprob
-is ``torch.equal`` to the trainer's forward on the same tokens, alone or batched. Draws are the
-usual ``_choose`` with each request's seeded generator. Prompt scoring, top-k alternatives, stop
-strings and streaming are not part of it yet: such a request is refused, never answered approximately."""
+"""The torch sampler's deterministic mode (docs/deterministic.md): the batch-invariant primitives and
+a ``DecodeCache`` whose rows hold their keys at their positions, so each sampled token's logprob is
+``torch.equal`` to the trainer's forward on the same tokens, alone or batched. Draws are the usual
+``_choose`` with each request's seeded generator, on that request's rows only.
+
+Prompt scoring (``score_prompt``: compute_logprobs, a sample request's prompt logprobs and top-k
+prompt logprobs) runs each prompt's forward alone at its true length inside the deterministic scope
+and takes log p(target) with ``deterministic.target_logprobs``, as the trainer scores a deterministic
+datum, so the numbers are ``torch.equal`` to its forward logprobs on the same tokens. Top-k
+alternatives are the same formula at the k largest logits' ids; processed logprobs come from the
+request's own rows (batch-invariant, but the processed distribution, not the trainer's); stop strings
+and streaming are the default decode's rules. A family without batch-invariant kernels is refused."""
 
 from __future__ import annotations
 
@@ -10,29 +17,60 @@ import numpy as np
 import torch
 
 from temper.common.errors import FailedPrecondition
+from temper.common.prompt_scoring import TOPK_MASK_LOGPROB
 from temper.services.lora import deterministic as det
-from temper.services.sampler.backend import GeneratedSequence, SampleRequest, SampleResult
+from temper.services.sampler.backend import GeneratedSequence, Piece, SampleRequest, SampleResult
+
+PROMPT_CHUNK = 512  # prompt positions per logsumexp: bounds the float32 temporaries (rows are independent)
 
 
-def check(request: SampleRequest, model) -> None:
+def check(model, what: str = "sampling") -> None:
     missing = det.unsupported(model)
-    extras = [name for name, on in (("prompt logprobs", request.prompt_logprobs or request.topk_prompt_logprobs),
-                                    ("top-k logprobs", request.topk_logprobs), ("stop strings", request.options.stop_strings),
-                                    ("processed_logprobs", request.options.processed_logprobs),
-                                    ("streaming", request.progress is not None)) if on]
-    if missing or extras:
-        raise FailedPrecondition(f"deterministic sampling: {missing or 'not with ' + ', '.join(extras) + ' yet'}")
+    if missing:
+        raise FailedPrecondition(f"deterministic {what}: {missing}")
+
+
+@torch.no_grad()
+def score_prompt(backend, checkpoint_key: str | None, prompt: np.ndarray, last_n: int | None = None,
+                 topk: int = 0) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """log p(prompt[i] | prompt[:i]) for positions [n - last_n, n) (all but 0 by default), NaN elsewhere,
+    and with ``topk`` the k most likely tokens there (unscored rows: id 0 and TOPK_MASK_LOGPROB): the
+    prompt's forward alone, at its true length, with the batch-invariant primitives."""
+    model, device = backend.loaded.model, backend.device
+    check(model, "prompt scoring")
+    n = len(prompt)
+    first = 1 if last_n is None else max(n - last_n, 1)
+    out = np.full(n, np.nan, dtype=np.float32)
+    top_ids = np.zeros((n, topk), dtype=np.int32) if topk else None
+    top_lps = np.full((n, topk), TOPK_MASK_LOGPROB, dtype=np.float32) if topk else None
+    if first >= n:
+        return out, top_ids, top_lps
+    ids = torch.from_numpy(prompt.astype(np.int64)).to(device)
+    with det.deterministic(model), backend.lora.route([(checkpoint_key, None)]):
+        logits = model(input_ids=ids[None], position_ids=torch.arange(n, device=device)[None]).logits[0]
+        for start in range(first, n, PROMPT_CHUNK):
+            stop = min(start + PROMPT_CHUNK, n)
+            rows = logits[start - 1:stop - 1].float()
+            out[start:stop] = det.target_logprobs(rows, ids[start:stop, None])[:, 0].cpu().numpy()
+            if topk:
+                indices = rows.topk(topk, dim=-1).indices
+                top_ids[start:stop] = indices.cpu().numpy()
+                top_lps[start:stop] = det.target_logprobs(rows, indices).cpu().numpy()
+    return out, top_ids, top_lps
 
 
 @torch.no_grad()
 def sample(backend, requests: list[SampleRequest], choose) -> list[SampleResult]:
     """Every sequence of ``requests`` decoded together, right-padded, in deterministic mode."""
     model, device = backend.loaded.model, backend.device
-    prompts, owners = [], []
+    check(model)
+    scored = [score_prompt(backend, r.checkpoint_key, r.prompt, r.prompt_logprobs_last_n, r.topk_prompt_logprobs)
+              if r.prompt_logprobs or r.topk_prompt_logprobs else (None, None, None) for r in requests]
+    prompts, owners, index = [], [], []
     for n, r in enumerate(requests):
-        check(r, model)
         prompts += [r.prompt] * r.num_samples
         owners += [n] * r.num_samples
+        index += range(r.num_samples)
     rows, width = len(prompts), max(len(p) for p in prompts)
     steps = max(r.options.max_tokens for r in requests)
     lengths = torch.tensor([len(p) for p in prompts], device=device)
@@ -48,8 +86,11 @@ def sample(backend, requests: list[SampleRequest], choose) -> list[SampleResult]
     for row, n in enumerate(owners):
         groups.setdefault(requests[n].checkpoint_key, []).append(row)
     routing = [(key, torch.tensor(rs, device=device)) for key, rs in groups.items()]
+    mine = [torch.tensor([row for row, o in enumerate(owners) if o == n], device=device) for n in range(len(requests))]
     stops = [backend._stop_ids(r.options) for r in requests]
+    k_max = max(r.topk_logprobs for r in requests)
     tokens, logprobs = [[] for _ in prompts], [[] for _ in prompts]
+    top_ids, top_lps = [[] for _ in prompts], [[] for _ in prompts]
     reasons, alive = ["length"] * rows, [True] * rows
     cache = det.DecodeCache(rows, width + steps)
     with det.deterministic(model, cache), backend.lora.route(routing):
@@ -57,23 +98,49 @@ def sample(backend, requests: list[SampleRequest], choose) -> list[SampleResult]
         logits = logits[torch.arange(rows, device=device), lengths - 1].float()
         for step in range(steps):
             chosen = torch.zeros(rows, dtype=torch.long, device=device)
+            processed_lp = {}
             for n, r in enumerate(requests):
-                mine = torch.tensor([row for row, o in enumerate(owners) if o == n], device=device)
-                chosen[mine] = choose(logits.index_select(0, mine), r.options, generators[n])[0]
-            lp = det.target_logprobs(logits, chosen[:, None])[:, 0].tolist()
+                picked, processed = choose(logits.index_select(0, mine[n]), r.options, generators[n])
+                chosen[mine[n]] = picked
+                if r.options.processed_logprobs:  # from the request's own rows: batch-invariant too
+                    processed_lp[n] = processed.gather(-1, picked[:, None])[:, 0]
+            reported = det.target_logprobs(logits, chosen[:, None])[:, 0]
+            for n, values in processed_lp.items():
+                reported[mine[n]] = values
+            reported = reported.tolist()
+            if k_max:
+                top = logits.topk(k_max, dim=-1).indices
+                top_values = det.target_logprobs(logits, top)
+                top, top_values = top.tolist(), top_values.tolist()
+            grew: dict[int, list[int]] = {}
             for row, tok in enumerate(chosen.tolist()):
                 if not alive[row]:
                     continue
+                r = requests[owners[row]]
                 tokens[row].append(tok)
-                logprobs[row].append(lp[row])
-                if tok in stops[owners[row]]:
+                logprobs[row].append(reported[row])
+                if r.topk_logprobs:
+                    top_ids[row].append(top[row][:r.topk_logprobs])
+                    top_lps[row].append(top_values[row][:r.topk_logprobs])
+                if tok in stops[owners[row]] or backend._hits_stop_string(tokens[row], r.options.stop_strings):
                     alive[row], reasons[row] = False, "stop"
-                elif len(tokens[row]) >= requests[owners[row]].options.max_tokens:
+                elif len(tokens[row]) >= r.options.max_tokens:
                     alive[row] = False
+                if r.progress is not None:
+                    grew.setdefault(owners[row], []).append(row)
+            for n, grown in grew.items():
+                topk = bool(requests[n].topk_logprobs)
+                requests[n].progress([Piece(index[row], tokens[row][-1:], logprobs[row][-1:],
+                                            None if alive[row] else reasons[row], top_ids[row][-1:] if topk else None,
+                                            top_lps[row][-1:] if topk else None) for row in grown])
             if not any(alive):
                 break
             logits = model(input_ids=chosen[:, None], position_ids=(lengths + step)[:, None]).logits[:, -1].float()
-    results = [SampleResult([], None) for _ in requests]
+    results = []
+    for r, (prompt_lps, prompt_top_ids, prompt_top_lps) in zip(requests, scored):
+        results.append(SampleResult([], prompt_lps if r.prompt_logprobs else None, prompt_top_ids, prompt_top_lps))
     for row, n in enumerate(owners):
-        results[n].sequences.append(GeneratedSequence(tokens[row], logprobs[row], reasons[row], None, None))
+        topk = bool(requests[n].topk_logprobs)
+        results[n].sequences.append(GeneratedSequence(tokens[row], logprobs[row], reasons[row],
+                                                      top_ids[row] if topk else None, top_lps[row] if topk else None))
     return results

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from temper.common.checkpoints import WEIGHT_FILES
-from temper.common.errors import AdapterNotLoaded, InvalidArgument
+from temper.common.errors import AdapterNotLoaded, FailedPrecondition, InvalidArgument
 from temper.services.sampler import convert, metrics
 from temper.services.sampler.backend import SampleRequest, SampleResult, SamplerBackend
 from temper.services.sampler.residency import Residency
@@ -146,9 +146,22 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         metrics.RESIDENT_ADAPTERS.set(len(self.backend.describe().loaded_checkpoints))
         metrics.RESIDENT_ADAPTER_BYTES.set(self.residency.total_bytes)
 
+    def _decoded_sample(self, request) -> SampleRequest:
+        description = self.backend.describe()
+        sample = convert.sample_request_from_pb(request, description.vocab_size, self.max_num_samples)
+        if sample.deterministic:
+            self._check_deterministic(description, "sampling")
+        return sample
+
+    @staticmethod
+    def _check_deterministic(description, what: str) -> None:
+        """A deterministic request this sampler cannot serve is refused, never answered approximately."""
+        if description.deterministic_unsupported:
+            raise FailedPrecondition(f"deterministic {what}: {description.deterministic_unsupported}")
+
     async def Sample(self, request, context):
         start = time.perf_counter()
-        sample = convert.sample_request_from_pb(request, self.backend.describe().vocab_size, self.max_num_samples)
+        sample = self._decoded_sample(request)
         with self._pinned(sample.checkpoint_key):
             result = await self._submit(sample)
         metrics.SAMPLE_SECONDS.observe(time.perf_counter() - start)
@@ -157,7 +170,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
     async def SampleStream(self, request, context):
         """Sample, batched the same way, with each decode step's pieces sent as they come (backend.py)."""
         start = time.perf_counter()
-        sample = convert.sample_request_from_pb(request, self.backend.describe().vocab_size, self.max_num_samples)
+        sample = self._decoded_sample(request)
         stream = _Stream(asyncio.get_running_loop())
         sample.progress = stream
         with self._pinned(sample.checkpoint_key):
@@ -220,9 +233,12 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         return results
 
     async def ComputeLogprobs(self, request, context):
-        checkpoint_key, prompt, last_n = convert.logprobs_request_from_pb(request)
+        checkpoint_key, prompt, last_n, deterministic = convert.logprobs_request_from_pb(request)
+        if deterministic:
+            self._check_deterministic(self.backend.describe(), "prompt scoring")
         with self._pinned(checkpoint_key):
-            return convert.logprobs_to_pb(await self._run(self.backend.compute_logprobs, checkpoint_key, prompt, last_n))
+            return convert.logprobs_to_pb(await self._run(self.backend.compute_logprobs, checkpoint_key, prompt, last_n,
+                                                          deterministic))
 
 
 class _Stream:

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from temper.common.errors import AdapterNotLoaded, Internal, InvalidArgument
+from temper.common.errors import AdapterNotLoaded, FailedPrecondition, Internal, InvalidArgument
 from temper.services.models.loading import resolve_model_path
 from temper.services.sampler.backend import ModelDescription, SampleRequest, SampleResult, SamplerBackend
 from temper.services.sampler.settings import SamplerConfigError, SamplerSettings
@@ -62,6 +62,11 @@ from temper.services.sampler.sglang_requests import (
 
 log = logging.getLogger(__name__)
 SGLANG_VERSION = "0.5.23"  # keep equal to the pin of the `sglang` extra in pyproject.toml
+# SamplerModelInfo.deterministic_unsupported of every SGLang sampler (docs/deterministic.md)
+DETERMINISTIC_UNSUPPORTED = (
+    "the sglang sampler backend runs its own attention, matmul and sampling kernels, not the trainer's "
+    "batch-invariant primitives: even with its deterministic-inference settings its logprobs cannot equal the "
+    "trainer's bit for bit (use a torch-backend sampler for deterministic runs)")
 
 
 def engine_kwargs(settings: SamplerSettings, model_path: str) -> dict[str, Any]:
@@ -207,6 +212,7 @@ class SGLangSamplerBackend(SamplerBackend):
         return ModelDescription(
             base_model=self.base_model, tokenizer_id=self.model_path, vocab_size=self.facts.vocab_size,
             max_context_length=self.max_context_length, loaded_checkpoints=sorted(self._names),
+            deterministic_unsupported=DETERMINISTIC_UNSUPPORTED,
         )
 
     # ---- adapters -----------------------------------------------------------------------------
@@ -287,6 +293,8 @@ class SGLangSamplerBackend(SamplerBackend):
         return self.sample_batch([SampleRequest(checkpoint_key, prompt, num_samples, options, prompt_logprobs)])[0]
 
     def sample_batch(self, requests: list[SampleRequest]) -> list[SampleResult]:
+        if any(r.deterministic for r in requests):  # never a best effort (the servicer refuses them first)
+            raise FailedPrecondition(f"deterministic sampling: {DETERMINISTIC_UNSUPPORTED}")
         for r in requests:
             self._check_prompt(r.prompt, r.options.max_tokens)
         names = [self._lora_name(r.checkpoint_key) for r in requests]
@@ -316,7 +324,10 @@ class SGLangSamplerBackend(SamplerBackend):
                 return
             take(out)
 
-    def compute_logprobs(self, checkpoint_key: str | None, prompt: np.ndarray, last_n: int | None = None) -> np.ndarray:
+    def compute_logprobs(self, checkpoint_key: str | None, prompt: np.ndarray, last_n: int | None = None,
+                         deterministic: bool = False) -> np.ndarray:
+        if deterministic:
+            raise FailedPrecondition(f"deterministic prompt scoring: {DETERMINISTIC_UNSUPPORTED}")
         self._check_prompt(prompt)
         item = scoring_item(prompt, self._lora_name(checkpoint_key), last_n)
         (out,) = self._generate(Batch([item]))

@@ -13,6 +13,7 @@ import torch
 
 from temper.common.errors import AdapterNotLoaded, InvalidArgument
 from temper.common.prompt_scoring import TOPK_MASK_LOGPROB, check_last_n, check_prompt_scoring
+from temper.services.lora.deterministic import unsupported as deterministic_unsupported
 from temper.services.lora.model import LoraModel
 from temper.services.models.loading import LoadedModel
 from temper.services.sampler import deterministic_decode
@@ -62,6 +63,7 @@ class TorchSamplerBackend(SamplerBackend):
         return ModelDescription(
             base_model=self.loaded.name, tokenizer_id=self.loaded.path, vocab_size=self.loaded.vocab_size,
             max_context_length=self.loaded.max_context_length, loaded_checkpoints=sorted(self.lora.adapters),
+            deterministic_unsupported=deterministic_unsupported(self.loaded.model),
         )
 
     # ---- adapters -----------------------------------------------------------------------------
@@ -114,10 +116,13 @@ class TorchSamplerBackend(SamplerBackend):
     # ---- numerics -----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def compute_logprobs(self, checkpoint_key: str | None, prompt: np.ndarray, last_n: int | None = None) -> np.ndarray:
+    def compute_logprobs(self, checkpoint_key: str | None, prompt: np.ndarray, last_n: int | None = None,
+                         deterministic: bool = False) -> np.ndarray:
         self._check(checkpoint_key, prompt)
         if last_n is not None:
             check_last_n(len(prompt), last_n)
+        if deterministic:  # alone, at its true length, with the batch-invariant primitives
+            return deterministic_decode.score_prompt(self, checkpoint_key, prompt, last_n)[0]
         ids = torch.from_numpy(prompt.astype(np.int64)).to(self.device)
         with self.lora.route([(checkpoint_key, None)]):
             logits = self.loaded.model(input_ids=ids[None]).logits[0]

@@ -60,7 +60,7 @@ def forward_backward_from_pb(item: trainer_pb2.ForwardBackwardItem, vocab_size: 
                              max_length: int | None = None) -> ForwardBackwardItem:
     data, config = validate_forward_backward(item.data, item.loss_fn, item.loss_fn_config, vocab_size, max_length)
     return ForwardBackwardItem(run_id=item.training_run_id, data=data, loss_fn=item.loss_fn, loss_config=config,
-                               forward_only=item.forward_only, seq_id=item.seq_id)
+                               forward_only=item.forward_only, seq_id=item.seq_id, deterministic=item.deterministic)
 
 
 def adam_from_pb(params: types_pb2.AdamParams) -> AdamParams:
@@ -136,7 +136,10 @@ def file_chunks_to_pb(pieces: Iterable[FilePiece]) -> Iterable[types_pb2.FileChu
 
 
 def model_info_to_pb(loaded, device: str, dtype: str, incarnation: str = "", world_size: int = 1,
-                     devices: list[str] | None = None, device_memory: list[int] | None = None) -> trainer_pb2.ModelInfo:
+                     devices: list[str] | None = None, device_memory: list[int] | None = None,
+                     deterministic_unsupported: str = "") -> trainer_pb2.ModelInfo:
+    """``deterministic_unsupported``: why this trainer cannot run deterministic items ("" : it can;
+    ``TrainerEngine.deterministic_unsupported``)."""
     try:
         family, moe = families.family_of(loaded.model.config).name, families.moe_shape(loaded.model.config)
     except families.UnknownFamily:  # the trainer runs; it refuses adapters, naming why (LoraModel.family_error)
@@ -145,4 +148,5 @@ def model_info_to_pb(loaded, device: str, dtype: str, incarnation: str = "", wor
                                  max_context_length=loaded.max_context_length, device=device, dtype=dtype,
                                  incarnation=incarnation, family=family, num_experts=moe.num_experts if moe else 0,
                                  num_experts_per_tok=moe.top_k if moe else 0, world_size=world_size,
-                                 devices=devices or [device], device_memory_bytes=device_memory or [])
+                                 devices=devices or [device], device_memory_bytes=device_memory or [],
+                                 deterministic_unsupported=deterministic_unsupported)

@@ -95,7 +95,10 @@ class TrainerEngine:
         self.host = AdapterHost(self.lora, settings.max_resident_adapters, settings.offload_dir, offload_to)
         self.store = CheckpointStore(settings.checkpoint_dir)
         # (groups, options) -> results: one process's passes; a trainer group's ranks swap in sharded.forward_backward
+        # (group.build_engine, which sets ``sharded`` and ``world_size`` too)
         self.passes = lambda groups, options: numerics.forward_backward(self.lora, groups, options, self.device, _observe_pass)
+        self.sharded = None
+        self.world_size = 1
         if settings.activation_checkpointing and self.lora.family is not None:  # other models take no adapter
             self.lora.checkpoint_decoder_layers()
         self.logprob_chunk_tokens = settings.logprob_chunk_tokens or default_logprob_chunk_tokens(self.device, loaded.vocab_size)
@@ -119,6 +122,13 @@ class TrainerEngine:
         """Bytes one pass's activations may use: the setting, else the share of memory available at start."""
         mib = self.settings.activation_memory_mib
         return mib << 20 if mib > 0 else self.auto_activation_budget
+
+    @property
+    def deterministic_unsupported(self) -> str:
+        """Why this trainer cannot run deterministic items; "" when it can (GetModelInfo says it)."""
+        if self.sharded is not None:
+            return sharded_not_deterministic(self.world_size)
+        return deterministic.unsupported(self.lora.model)
 
     @property
     def pass_options(self) -> PassOptions:
@@ -206,7 +216,7 @@ class TrainerEngine:
             return answer
         if isinstance(item, ForwardBackwardItem):
             _check_forward_backward(item)
-            if item.deterministic and (missing := deterministic.unsupported(self.lora.model)):
+            if item.deterministic and (missing := self.deterministic_unsupported):
                 raise FailedPrecondition(f"run {item.run_id} asks for deterministic mode: {missing}")
         return None
 
@@ -368,6 +378,13 @@ class TrainerEngine:
         snapshots.install(self.host, snapshot)
         self._count_adapters()
         return snapshot.info
+
+
+def sharded_not_deterministic(world_size: int) -> str:
+    """Why a trainer group's ranks cannot run a deterministic item."""
+    return (f"a sharded trainer group ({world_size} ranks) has no batch-invariant kernels: its passes split rows "
+            f"over the ranks, gather FSDP-sharded layers and sum gradients across them (sharded.forward_backward); "
+            f"deterministic runs need a single-process trainer")
 
 
 def _observe_pass(grad: bool, tokens: int, seconds: float) -> None:

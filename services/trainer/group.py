@@ -128,7 +128,7 @@ def build_engine(loaded, settings: TrainerSettings, group: Group):
 
     engine = TrainerEngine(_Unsharded(loaded.name, loaded.path, loaded.model, loaded.tokenizer, loaded.vocab_size), settings)
     model = sharded.shard_base_model(engine.lora, group.mesh)
-    engine.sharded = model
+    engine.sharded, engine.world_size = model, group.world  # deterministic items refused (engine.deterministic_unsupported)
     engine.passes = lambda groups, options: sharded.forward_backward(model, groups, options, engine.device)
     return engine
 

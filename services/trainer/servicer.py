@@ -34,7 +34,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         info = convert.model_info_to_pb(self.engine.loaded, self.engine.settings.device, self.engine.settings.dtype,
                                         self.incarnation, getattr(self.engine, "world_size", 1),
                                         getattr(self.engine, "devices", None),
-                                        getattr(self.engine, "device_memory", None) or [self._device_memory()])
+                                        getattr(self.engine, "device_memory", None) or [self._device_memory()],
+                                        self.engine.deterministic_unsupported)
         info.device_memory_used_bytes = device_memory_used_bytes(self.engine.device)
         return info
 

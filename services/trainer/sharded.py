@@ -189,6 +189,10 @@ def forward_backward(sharded: ShardedModel, groups: list[LossGroup], options: Pa
     calls it with the same ``groups``. ``comm`` (optional) gets the bytes this rank sent per kind."""
     lora, group = sharded.lora, sharded.group
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if any(g.deterministic for g in groups):  # the engine refuses them first (TrainerEngine.deterministic_unsupported)
+        from temper.common.errors import FailedPrecondition  # grpc: not at import (numerics' lean-import rule)
+        from temper.services.trainer.engine import sharded_not_deterministic
+        raise FailedPrecondition(sharded_not_deterministic(world))  # the same on every rank, before any collective
     comm = comm if comm is not None else {}
     logprobs = [[None] * len(g.data) for g in groups]
     losses = [[None] * len(g.data) for g in groups]

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 import sglang_fake
 from temper.common.checkpoints import WEIGHT_FILES
-from temper.common.codec import decode_floats, decode_tokens, encode_tokens
+from temper.common.codec import decode_array, decode_floats, decode_tokens, encode_tokens
 from temper.common.errors import AdapterNotLoaded, Internal, InvalidArgument, TemperError, Unavailable
 from temper.services.lora.model import AdapterSpec, LoraModel
 from temper.services.models.loading import load_model
@@ -213,6 +213,38 @@ def test_refusal_through_the_servicer_is_invalid_argument(backend, tmp_path):
     request.sampling_params.ClearField("stop_token_ids")
     response = asyncio.run(servicer.Sample(request, None))
     assert len(decode_tokens(response.sequences[0].tokens)) == len(decode_floats(response.sequences[0].logprobs))
+
+
+def test_deterministic_requests_are_refused_never_served_best_effort(backend, tmp_path):
+    """SGLang's kernels are not the trainer's batch-invariant primitives (docs/deterministic.md): its
+    model info says so, and deterministic requests are refused FAILED_PRECONDITION before any generate."""
+    servicer = SamplerServicer(backend, tmp_path, max_num_samples=8)
+    info = asyncio.run(servicer.GetModelInfo(sampler_pb2.SamplerModelInfoRequest(), None))
+    assert "sglang" in info.deterministic_unsupported and "bit for bit" in info.deterministic_unsupported
+    prompt = [5, 6, 7, 8]
+    sample = sampler_pb2.SamplerSampleRequest(prompt_tokens=encode_tokens(prompt), num_samples=1, deterministic=True,
+                                              sampling_params=types_pb2.SamplingParams(max_tokens=4, temperature=1.0))
+    scoring = sampler_pb2.SamplerLogprobsRequest(checkpoint_key=A, prompt_tokens=encode_tokens(prompt), deterministic=True)
+
+    async def stream():
+        return [chunk async for chunk in servicer.SampleStream(sample, None)]
+
+    calls = len(engine_of(backend).generate_calls)
+    for call in (lambda: servicer.Sample(sample, None), lambda: servicer.ComputeLogprobs(scoring, None), stream):
+        with pytest.raises(TemperError) as err:
+            asyncio.run(call())
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and "sglang" in str(err.value)
+    with pytest.raises(TemperError) as err:  # the backend refuses them too, whoever calls it
+        backend.sample_batch([SampleRequest(None, np.array(prompt), 1, GREEDY),
+                              SampleRequest(A, np.array(prompt), 1, GREEDY, deterministic=True)])
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(TemperError) as err:
+        backend.compute_logprobs(A, np.array(prompt), deterministic=True)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert len(engine_of(backend).generate_calls) == calls  # nothing reached SGLang
+    sample.deterministic = scoring.deterministic = False  # the same requests, default mode: served
+    assert len(asyncio.run(servicer.Sample(sample, None)).sequences) == 1
+    assert len(decode_array(asyncio.run(servicer.ComputeLogprobs(scoring, None)).logprobs)) == len(prompt)
 
 
 async def push(servicer: SamplerServicer, key: str, folder) -> None:
