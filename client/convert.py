@@ -140,4 +140,5 @@ def info_from_proto(message: service_pb2.TrainingRunInfo) -> t.GetInfoResponse:
         model_data=t.ModelData(model_name=message.base_model, tokenizer_id=message.tokenizer_id),
         lora_rank=message.lora_config.rank, lora_config=lora_from_proto(message.lora_config),
         next_seq_id=message.next_seq_id, vocab_size=message.vocab_size, max_context_length=message.max_context_length,
+        deterministic=message.deterministic,
     )

@@ -23,6 +23,7 @@ class SamplingClient:
         self.base_model = info.base_model
         self.model_path = info.model_path or None
         self.tokenizer_id = info.tokenizer_id
+        self.deterministic = info.deterministic  # samples and logprobs equal the trainer's (docs/deterministic.md)
 
     def sample(
         self, prompt: t.ModelInput, num_samples: int = 1, sampling_params: t.SamplingParams | None = None,

@@ -69,17 +69,21 @@ class ServiceClient:
     def create_lora_training_client(
         self, base_model: str, rank: int = 32, seed: int | None = None, train_mlp: bool = True, train_attn: bool = True,
         train_unembed: bool = True, user_metadata: dict[str, str] | None = None, optimizer: Any = None, *,
-        alpha: float | None = None, dropout: float = 0.0, expert_rank: int = 0,
+        alpha: float | None = None, dropout: float = 0.0, expert_rank: int = 0, deterministic: bool | None = None,
     ) -> ClientFuture[TrainingClient]:
         """``optimizer``: None or AdamW (Tinker's AdamOptimizerConfig); Temper has no other. ``expert_rank``
         (mixture-of-experts models, with train_mlp): each routed expert's LoRA rank, in [0, rank]; 0: the
-        server's default, rank // num_experts_per_tok. The run's info (get_info) shows the rank in effect."""
+        server's default, rank // num_experts_per_tok. The run's info (get_info) shows the rank in effect.
+        ``deterministic`` (docs/deterministic.md): the run's numbers do not depend on who shares its passes,
+        and its checkpoints sample with the trainer's logprobs bit for bit; None: the server's default."""
         _check_optimizer(optimizer)
         lora = t.LoraConfig(rank=rank, alpha=alpha, seed=seed, train_attn=train_attn, train_mlp=train_mlp,
                             train_unembed=train_unembed, dropout=dropout, expert_rank=expert_rank)
         request = service_pb2.CreateTrainingRunRequest(
             session_id=self.session_id, base_model=base_model, lora_config=convert.lora_to_proto(lora), user_metadata=user_metadata or {}
         )
+        if deterministic is not None:
+            request.deterministic = deterministic
 
         async def create() -> TrainingClient:
             return TrainingClient(self, await self.runtime._call("CreateTrainingRun", request))
@@ -126,17 +130,23 @@ class ServiceClient:
         return TrainingClient(self, info)
 
     def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None, retry_config: Any = None,
-                               record_stability_info: bool = False) -> ClientFuture[SamplingClient]:
+                               record_stability_info: bool = False, *, deterministic: bool | None = None) -> ClientFuture[SamplingClient]:
+        """``deterministic``: sampled and prompt logprobs equal the trainer's forward bit for bit
+        (docs/deterministic.md); a deterministic run's checkpoints are always sampled so; None: the
+        server's default for the base model."""
         if (model_path is None) == (base_model is None):
             raise ValueError("give exactly one of model_path or base_model")
         self._check_sampling_options(record_stability_info)
-        return ClientFuture(self.runtime.call_soon(self._new_sampling_client(model_path, base_model)))
+        return ClientFuture(self.runtime.call_soon(self._new_sampling_client(model_path, base_model, deterministic)))
 
     async def create_sampling_client_async(self, *args: Any, **kwargs: Any) -> SamplingClient:
         return await self.create_sampling_client(*args, **kwargs)
 
-    async def _new_sampling_client(self, model_path: str | None = None, base_model: str | None = None) -> SamplingClient:
+    async def _new_sampling_client(self, model_path: str | None = None, base_model: str | None = None,
+                                   deterministic: bool | None = None) -> SamplingClient:
         request = service_pb2.CreateSamplingClientRequest(session_id=self.session_id)
+        if deterministic is not None:
+            request.deterministic = deterministic
         if model_path is not None:
             request.model_path = model_path
         else:

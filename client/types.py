@@ -267,6 +267,7 @@ class GetInfoResponse:
     vocab_size: int
     max_context_length: int
     is_lora: bool = True
+    deterministic: bool = False  # the run's deterministic mode (docs/deterministic.md); Temper's, not Tinker's
 
     @property
     def model_name(self) -> str:

@@ -144,15 +144,18 @@ def weighted_datum(prompt: Sequence[int], completion: Sequence[int]) -> Datum:
 
 def completion_ratio_stats(data: Sequence[Datum], output, prompt_lengths: Sequence[int]) -> dict[str, float]:
     """Importance ratio exp(trainer lp − sampler lp) over completion targets only, from a
-    forward_backward output of ``rl_datum``s: its mean and the mean |lp difference| (≈0 on the
-    first use of a sample: sampler and trainer agree). Prompt targets are excluded: their sampler
-    logprobs are 0 placeholders (the server's ``ratio:mean`` leaves them out too)."""
+    forward_backward output of ``rl_datum``s: its mean, its largest distance from 1, the mean |lp
+    difference| (≈0 on the first use of a sample: sampler and trainer agree; exactly 0 in deterministic
+    mode) and ``kl_sample_train``, the mean of sampler lp − trainer lp over the sampled tokens (the k1
+    estimate of KL(sampler ‖ trainer), as the cookbook reports it). Prompt targets are excluded: their
+    sampler logprobs are 0 placeholders (the server's ``ratio:mean`` leaves them out too)."""
     ratios, diffs = [], []
     for datum, out, n in zip(data, output.loss_fn_outputs, prompt_lengths):
         diff = out["logprobs"].to_numpy()[n - 1:] - datum.loss_fn_inputs["logprobs"].to_numpy()[n - 1:]
         ratios += np.exp(diff).tolist()
-        diffs += np.abs(diff).tolist()
-    return {"ratio_mean": mean(ratios), "logprob_abs_diff": mean(diffs)}
+        diffs += diff.tolist()
+    return {"ratio_mean": mean(ratios), "ratio_max_dev": max(abs(r - 1.0) for r in ratios),
+            "logprob_abs_diff": mean([abs(d) for d in diffs]), "kl_sample_train": 0.0 - mean(diffs)}
 
 
 # ---- metrics, plots, summary ----------------------------------------------------------------------

@@ -51,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--high", type=int, default=30, help="largest operand")
     p.add_argument("--heldout", type=int, default=64, help="held-out (a, b) pairs, never trained on")
     p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--deterministic", action="store_true",
+                   help="the run in deterministic mode (docs/deterministic.md): sampler and trainer logprobs are the same "
+                        "bits, so on-policy steps report kl_sample_train 0 and importance ratios of exactly 1")
     return p.parse_args(argv)
 
 
@@ -83,7 +86,8 @@ def main(argv=None) -> int:
     predictions: list[dict] = []  # held-out answers before training and after the last step
 
     with local_client(args) as client, MetricsLog(args.out_dir / "metrics.jsonl", started) as log:
-        training = client.create_lora_training_client(args.base_model, rank=args.rank, seed=args.seed)
+        training = client.create_lora_training_client(args.base_model, rank=args.rank, seed=args.seed,
+                                                      deterministic=True if args.deterministic else None)
         tokenizer = training.get_tokenizer()
         bar = tqdm(total=args.steps, desc="rl", unit="step")
         for step in range(args.steps + 1):
@@ -165,7 +169,8 @@ def main(argv=None) -> int:
         "train_reward_first": round(train_rows[0]["train_reward"], 4) if train_rows else None,
         "train_reward_last5": round(mean(r["train_reward"] for r in train_rows[-5:]), 4) if train_rows else None,
         "steps": args.steps, "loss": args.loss, "group_size": args.group_size, "batch_prompts": args.batch_prompts,
-        "learning_rate": args.learning_rate, "heldout": len(heldout_pairs), "seconds": round(time.monotonic() - started, 1),
+        "learning_rate": args.learning_rate, "heldout": len(heldout_pairs), "deterministic": args.deterministic,
+        "kl_sample_train_max": max((abs(r["kl_sample_train"]) for r in train_rows if "kl_sample_train" in r), default=None), "seconds": round(time.monotonic() - started, 1),
         "plot": str(args.out_dir / "rewards.png"), "metrics": str(args.out_dir / "metrics.jsonl"),
     }
     return finish(summary, args.out_dir)

@@ -86,6 +86,10 @@ class SchedulerSettings(ProcessSettings, InternalTokenSettings):
     dispatch_retry_seconds: float = Field(
         10.0, description="How long the loop resends a cycle whose trainer is unreachable (the trainer answers a resent "
                           "seq from memory) before answering UNAVAILABLE; the client's retry then resends it again.")
+    deterministic_runs: bool = Field(False, description="Runs and base-model sampling clients whose creation leaves "
+                                     "`deterministic` unset are made in deterministic mode (docs/deterministic.md): how a "
+                                     "client that cannot ask, such as the unmodified tinker SDK, gets it. A run or client "
+                                     "that asks either way is made as asked.")
     # trainer recovery (scheduler/planning/recovery.py)
     recovery: Literal["snapshot_replay", "off"] = Field(
         "snapshot_replay", description="snapshot_replay: every state-changing request is logged in the database and each run's "

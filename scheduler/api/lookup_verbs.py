@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from temper.common.checkpoints import CheckpointPath
-from temper.common.errors import InvalidArgument, NotFound, TemperError, shown
+from temper.common.errors import FailedPrecondition, InvalidArgument, NotFound, TemperError, shown
 from temper.scheduler.planning.admission import stored_answer
 from temper.scheduler.tenancy.auth import caller
 from temper.scheduler.workers.backends import TrainerHandle
 from temper.scheduler.db import models as m
 from temper.scheduler.db.views import run_message
-from temper.v1 import service_pb2, trainer_pb2, types_pb2
+from temper.v1 import sampler_pb2, service_pb2, trainer_pb2, types_pb2
 
 log = logging.getLogger(__name__)
 MAX_LORA_RANK = 1024
@@ -56,6 +56,13 @@ def check_lora_for_model(cfg: types_pb2.LoraConfig, info: trainer_pb2.ModelInfo)
     if not cfg.expert_rank and cfg.rank < info.num_experts_per_tok:
         raise InvalidArgument(f"lora_config.rank {cfg.rank} spread over num_experts_per_tok={info.num_experts_per_tok} "
                               f"active experts leaves no rank per expert: use rank >= {info.num_experts_per_tok} or set expert_rank")
+
+
+def check_deterministic(info: trainer_pb2.ModelInfo | sampler_pb2.SamplerModelInfo, base_model: str) -> None:
+    """Deterministic mode asked of a trainer or sampler (its model info) that cannot provide it: refused
+    before anything is made, naming what is missing (docs/deterministic.md); never a silent best effort."""
+    if missing := info.deterministic_unsupported:
+        raise FailedPrecondition(f"deterministic mode for {shown(base_model, 80)}: {missing}")
 
 
 def check_user_metadata(metadata: Mapping[str, str]) -> None:
@@ -126,7 +133,8 @@ class LookupVerbs:
 
     async def GetSamplingClient(self, request, context):
         row, _, _ = await asyncio.to_thread(self.store.get_sampling_client, request.sampler_id, caller())
-        info = service_pb2.SamplingClientInfo(sampler_id=row.id, base_model=row.base_model, model_path=row.model_path or "")
+        info = service_pb2.SamplingClientInfo(sampler_id=row.id, base_model=row.base_model, model_path=row.model_path or "",
+                                              deterministic=bool(row.deterministic))
         try:
             model = self.backends.sampler_info(row.base_model)
             info.tokenizer_id, info.vocab_size = model.tokenizer_id, model.vocab_size

@@ -23,6 +23,7 @@ from temper.common.validation import (check_last_n, check_prompt_scoring, check_
                                      check_token_range, model_input_tokens)
 from temper.scheduler import metrics
 from temper.scheduler.tenancy.auth import caller
+from temper.scheduler.api.lookup_verbs import check_deterministic
 from temper.scheduler.db import models as m
 from temper.scheduler.db.records import SamplingRow
 from temper.scheduler.planning.records import SamplingRecorder, unix_ms
@@ -43,6 +44,7 @@ class SamplingTarget:
     tenant: str
     model_path: str | None = None  # the checkpoint's path; its last use is written once the request is accepted
     session_id: str = ""           # the sampling client's session (its sampling records)
+    deterministic: bool = False    # the client samples deterministically (docs/deterministic.md)
 
 
 class SamplingVerbs:
@@ -63,8 +65,12 @@ class SamplingVerbs:
             checkpoint = await asyncio.to_thread(self.store.readable_checkpoint, str(path), tenant)
             run = await self.runs.get(checkpoint.training_run_id)  # may be another tenant's: the checkpoint is published
             base_model, model_path = run.base_model, str(path)
+            # a deterministic run's checkpoints sample as the trainer computes, whatever the request says
+            deterministic = bool(run.row.deterministic) or (request.HasField("deterministic") and request.deterministic)
             await self.backends.served("sampler", base_model)  # its samplers may be registering again: waited for
             info = self.backends.sampler_info(base_model)
+            if deterministic:  # refused before the adapter is pushed: nothing is evicted for it
+                check_deterministic(info, base_model)
             # pushed now, to the sampler its first request will likely go to (another one if that one is down)
             await self.backends.on_a_sampler(base_model, path.key, None, load=lambda s: self._ensure_loaded(s, path.key, tenant))
             await asyncio.to_thread(self.store.touch_checkpoint, model_path)
@@ -72,13 +78,16 @@ class SamplingVerbs:
             base_model, model_path = request.base_model, None
             await self.backends.served("sampler", base_model)  # NotFound only for a model unknown here
             info = self.backends.sampler_info(base_model)
+            deterministic = self._deterministic(request)
+            if deterministic:
+                check_deterministic(info, base_model)
         else:
             raise InvalidArgument("give base_model or model_path")
-        row = await asyncio.to_thread(self.store.add_sampling_client, request.session_id, base_model, model_path)
+        row = await asyncio.to_thread(self.store.add_sampling_client, request.session_id, base_model, model_path, deterministic)
         self._samplers[row.id] = (row, tenant)
         return service_pb2.SamplingClientInfo(
             sampler_id=row.id, base_model=base_model, model_path=model_path or "", tokenizer_id=info.tokenizer_id,
-            vocab_size=info.vocab_size,
+            vocab_size=info.vocab_size, deterministic=deterministic,
         )
 
     async def _ensure_loaded(self, sampler: SamplerHandle, key: str, tenant: str) -> None:
@@ -115,7 +124,10 @@ class SamplingVerbs:
         check_token_range(tokens, info.vocab_size, "prompt")
         if len(tokens) > info.max_context_length:
             raise InvalidArgument(f"prompt has {len(tokens)} tokens; the context length is {info.max_context_length}")
-        return SamplingTarget(row.base_model, info, checkpoint_key, tokens, tenant, row.model_path or None, row.session_id)
+        if row.deterministic:  # its sampler may have been replaced by one that cannot (refused, nothing sampled)
+            check_deterministic(info, row.base_model)
+        return SamplingTarget(row.base_model, info, checkpoint_key, tokens, tenant, row.model_path or None, row.session_id,
+                              bool(row.deterministic))
 
     async def _still_readable(self, path: str, tenant: str) -> None:
         """On every call, adapter held by a sampler or not: the checkpoint is still there, unexpired and
@@ -171,7 +183,7 @@ class SamplingVerbs:
             checkpoint_key=target.checkpoint_key, prompt_tokens=target.tokens.astype("<i4").tobytes(),
             num_samples=request.num_samples, sampling_params=request.sampling_params,
             include_prompt_logprobs=request.include_prompt_logprobs, topk_logprobs=request.topk_logprobs,
-            topk_prompt_logprobs=request.topk_prompt_logprobs)
+            topk_prompt_logprobs=request.topk_prompt_logprobs, deterministic=target.deterministic)
         if last_n is not None:
             sample.prompt_logprobs_last_n = last_n
         return target, sample, tag
@@ -206,7 +218,8 @@ class SamplingVerbs:
         await self.backends.wait_ready()
         target = await self._sampling_target(request.sampler_id, request.prompt)
         logprobs = sampler_pb2.SamplerLogprobsRequest(checkpoint_key=target.checkpoint_key,
-                                                      prompt_tokens=target.tokens.astype("<i4").tobytes())
+                                                      prompt_tokens=target.tokens.astype("<i4").tobytes(),
+                                                      deterministic=target.deterministic)
         if request.HasField("prompt_logprobs_last_n"):
             check_last_n(len(target.tokens), request.prompt_logprobs_last_n)
             logprobs.prompt_logprobs_last_n = request.prompt_logprobs_last_n

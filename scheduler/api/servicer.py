@@ -24,7 +24,8 @@ from temper.scheduler.api.checkpoint_verbs import CheckpointVerbs, check_ttl
 from temper.scheduler.api.cluster_status import ClusterStatusVerbs
 from temper.scheduler.api.import_verbs import ImportVerbs
 from temper.scheduler.api.record_verbs import RecordVerbs
-from temper.scheduler.api.lookup_verbs import CheckpointSource, LookupVerbs, check_lora, check_lora_for_model, check_user_metadata
+from temper.scheduler.api.lookup_verbs import (CheckpointSource, LookupVerbs, check_deterministic, check_lora, check_lora_for_model,
+                                               check_user_metadata)
 from temper.scheduler.db import models as m
 from temper.scheduler.tenancy.quotas import check_hard_limit
 from temper.scheduler.planning.recovery import snapshot_key
@@ -119,11 +120,17 @@ class TemperServicer(AuditVerbs, ClusterStatusVerbs, SamplingVerbs, CheckpointVe
         trainer = self.backends.trainer_for(base_model, "")  # an unknown model leaves the session untouched
         if source is None:
             check_lora_for_model(cfg, trainer.info)
+        if self._deterministic(request):
+            check_deterministic((source.trainer if source else trainer).info, base_model)
         async with self._creating_runs[tenant]:
             limit = (await self.admission.quotas.limits(tenant)).max_training_runs
             if limit:
                 check_hard_limit("max_training_runs", limit, await asyncio.to_thread(self.store.open_training_runs, tenant))
             return await self._create_run(request, tenant, base_model, cfg, source)
+
+    def _deterministic(self, request) -> bool:
+        """The mode a CreateTrainingRun/CreateSamplingClient asks for; unset: the scheduler's default."""
+        return request.deterministic if request.HasField("deterministic") else self.admission.settings.deterministic_runs
 
     async def _checkpoint_source(self, request, tenant: str) -> CheckpointSource:
         """What a run created from ``request.from_path`` starts from; read only (nothing changes)."""
@@ -168,7 +175,7 @@ class TemperServicer(AuditVerbs, ClusterStatusVerbs, SamplingVerbs, CheckpointVe
                 await trainer.snapshot(run_id, snapshot)
             # the experts' rank in effect (cfg's 0 asks for the trainer's default): shown by GetInfo, asked for again on a rebuild
             row = new_run_row(run_id, request.session_id, base_model, cfg, dict(request.user_metadata), trainer.address,
-                              snapshot, created_expert_rank(created))
+                              snapshot, created_expert_rank(created), self._deterministic(request))
             await asyncio.to_thread(self.store.add_training_run, row)
         except BaseException:
             # a refused creation leaves nothing: no adapter or snapshot on a trainer, and the run number given back

@@ -82,6 +82,8 @@ class TrainingRun(Base):
     # Mixture-of-experts models: each routed expert's LoRA rank in effect, as the trainer answered its
     # CreateAdapter (the default rank // num_experts_per_tok or the one asked for); 0: no expert LoRA.
     lora_expert_rank: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # deterministic mode (docs/deterministic.md): its items run batch-invariant, its checkpoints sample so
+    deterministic: Mapped[bool] = mapped_column(Boolean, default=False, server_default=sa_false())
     seed: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     train_attn: Mapped[bool] = mapped_column(Boolean)
     train_mlp: Mapped[bool] = mapped_column(Boolean)
@@ -131,6 +133,7 @@ class SamplingClient(Base):
     model_path: Mapped[str | None] = mapped_column(String(512), nullable=True)
     tokens_sampled: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    deterministic: Mapped[bool] = mapped_column(Boolean, default=False, server_default=sa_false())  # docs/deterministic.md
 
 
 class RequestRecord(Base):

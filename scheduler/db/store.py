@@ -238,12 +238,14 @@ class Store(TenancyStore, RequestLogStore, CatalogStore, AuditStore, RecordsStor
 
     # ---- sampling clients ---------------------------------------------------------------------
 
-    def add_sampling_client(self, session_id: str, base_model: str, model_path: str | None) -> m.SamplingClient:
+    def add_sampling_client(self, session_id: str, base_model: str, model_path: str | None,
+                            deterministic: bool = False) -> m.SamplingClient:
         with self.sessions.begin() as db:
             session = db.get(m.Session, session_id, with_for_update=True)
             n = session.num_samplers
             session.num_samplers = n + 1
-            row = m.SamplingClient(id=f"{session_id}:sample:{n}", session_id=session_id, base_model=base_model, model_path=model_path)
+            row = m.SamplingClient(id=f"{session_id}:sample:{n}", session_id=session_id, base_model=base_model, model_path=model_path,
+                                   deterministic=deterministic)
             db.add(row)
             return row
 

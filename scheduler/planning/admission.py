@@ -111,6 +111,7 @@ class Admission:
                                   f"seq_id {queue.next_seq_id}")
         self._check_capacity(run, queue, seq_id, kind)
         work = Work(run_id, seq_id, kind, request, sha, tokens, run.tenant, WorkState.CLAIMED)
+        work.deterministic = bool(run.row.deterministic)
         work.resent = recorded  # its row was left queued or running: it may have reached a trainer (a save tolerates its files)
         self._claim(queue, work)  # no await since the capacity check: the limit holds exactly
         try:

@@ -14,7 +14,7 @@ def build_cycle(passes: list[Work], steps: list[Work]) -> trainer_pb2.CycleReque
     for work in passes:
         r = work.request
         request.forward_backward.add(training_run_id=work.run_id, data=r.data, loss_fn=r.loss_fn, loss_fn_config=r.loss_fn_config,
-                                     forward_only=r.forward_only, seq_id=work.seq_id)
+                                     forward_only=r.forward_only, seq_id=work.seq_id, deterministic=work.deterministic)
     for work in steps:
         request.optim_step.add(training_run_id=work.run_id, adam_params=work.request.adam_params, seq_id=work.seq_id)
     return request

@@ -281,7 +281,7 @@ class Recovery:
             else:
                 await self._fresh_adapter(trainer, row)
             for batch in _batches(replay, self.loop.settings.cycle_token_budget):
-                await self._replay(trainer, run_id, batch)
+                await self._replay(trainer, run_id, batch, bool(row.deterministic))
         except (Unavailable, Abandoned):  # not the run's fault: restored again (here, or on the trainer it moved to)
             raise
         except TemperError as exc:  # the snapshot is unreadable, or a replayed request was refused
@@ -326,7 +326,7 @@ class Recovery:
         except Unavailable as exc:
             log.warning("could not drop %s's adapter on trainer %s: %s", run_id, trainer.address, exc.message)
 
-    async def _replay(self, trainer: TrainerHandle, run_id: str, batch: list[LoggedRequest]) -> None:
+    async def _replay(self, trainer: TrainerHandle, run_id: str, batch: list[LoggedRequest], deterministic: bool) -> None:
         if batch[0].kind == WorkKind.LOAD_WEIGHTS.value:
             request = service_pb2.LoadWeightsRequest.FromString(batch[0].payload)
             await trainer.call("LoadAdapter", trainer_pb2.LoadAdapterRequest(
@@ -336,6 +336,8 @@ class Recovery:
                   for r in batch if r.kind == WorkKind.FORWARD_BACKWARD.value]
         steps = [Work(run_id, r.seq_id, WorkKind.OPTIM_STEP, service_pb2.OptimStepRequest.FromString(r.payload))
                  for r in batch if r.kind == WorkKind.OPTIM_STEP.value]
+        for work in passes:  # replayed as it first ran: a deterministic run's passes replay bit for bit
+            work.deterministic = deterministic
         outcomes = cycle_outcomes(await trainer.run_cycle(build_cycle(passes, steps)), len(passes), len(steps))
         for work, outcome in zip(passes + steps, outcomes):
             if isinstance(outcome, TemperError):

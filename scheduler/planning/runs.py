@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 
 def new_run_row(run_id: str, session_id: str, base_model: str, cfg: types_pb2.LoraConfig, user_metadata: dict[str, str],
-                trainer: str, snapshot: str | None, expert_rank: int = 0) -> m.TrainingRun:
+                trainer: str, snapshot: str | None, expert_rank: int = 0, deterministic: bool = False) -> m.TrainingRun:
     """The row of a run being created on ``trainer`` (its adapter made, ``snapshot``: its first one if any).
     ``expert_rank``: the routed experts' LoRA rank in effect, as the trainer answered CreateAdapter
     (``created_expert_rank``), not ``cfg.expert_rank`` (0 there asks for the default)."""
@@ -26,6 +26,7 @@ def new_run_row(run_id: str, session_id: str, base_model: str, cfg: types_pb2.Lo
         lora_dropout=cfg.dropout, seed=cfg.seed if cfg.HasField("seed") else None, train_attn=cfg.train_attn,
         train_mlp=cfg.train_mlp, train_unembed=cfg.train_unembed, user_metadata=dict(user_metadata), next_seq_id=1,
         trainer=trainer, snapshot_key=snapshot, snapshot_seq=0 if snapshot else None, lora_expert_rank=expert_rank,
+        deterministic=deterministic,
     )
 
 

@@ -54,6 +54,7 @@ class Work:
     resent: bool = False             # held and sent again after its trainer was lost (recovery.py): it may have run there
     dispatch: Dispatch | None = None # the latest time it went to a trainer (None: never)
     marked: bool = False             # its row says "running" already (marked ahead with its run's previous cycle: loop.py)
+    deterministic: bool = False      # its run's deterministic mode (docs/deterministic.md): sent with its cycle item
     future: asyncio.Future | None = field(default=None, repr=False)
 
     @property

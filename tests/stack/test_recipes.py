@@ -223,3 +223,23 @@ def test_distill_from_a_checkpoint_teacher_on_a_running_stack(tiny_model_dir, tm
                                   "--eval-every", "2", "--max-tokens", "3", api_key=stack.api_key)
     assert summary["teacher"] == path and summary["teacher_context"] == "plain"
     check_png(out / "distill.png")
+
+
+def test_rl_arithmetic_deterministic_is_exactly_on_policy(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Issue 23's proof in the recipe: in deterministic mode the sampler's logprobs are the trainer's
+    bits, so every on-policy step reports kl_sample_train 0 and importance ratios of exactly 1 (the
+    default mode above only agrees to ~1e-5)."""
+    from recipes import rl_arithmetic
+
+    monkeypatch.setattr(rl_arithmetic, "reward", lambda text, a, b: float(len(text) % 2))
+    out = tmp_path / "out"
+    assert rl_arithmetic.main(["--base-model", tiny_model_dir, "--steps", "2", "--threads", "1", "--group-size", "4",
+                               "--batch-prompts", "2", "--heldout", "2", "--eval-every", "2", "--max-tokens", "6",
+                               "--deterministic", "--out-dir", str(out), "--data-dir", str(tmp_path / "data")]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["deterministic"] is True and summary["kl_sample_train_max"] == 0.0
+    trained = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train" and r["datums"]]
+    assert trained, "no step trained: the swapped-in reward should vary within groups"
+    for row in trained:
+        assert row["kl_sample_train"] == 0.0 and row["logprob_abs_diff"] == 0.0, row
+        assert row["ratio_mean"] == 1.0 and row["ratio_max_dev"] == 0.0, row

@@ -45,7 +45,7 @@ class FakeStore:
         self.runs[run_id] = SimpleNamespace(id=run_id, session_id=f"s-{tenant}", base_model=MODEL, next_seq_id=1, trainer=None,
                                             lora_rank=4, lora_alpha=32.0, lora_dropout=0.0, seed=seed, train_attn=True,
                                             train_mlp=True, train_unembed=False, snapshot_key=None, snapshot_seq=None,
-                                            restoring=False, lora_expert_rank=0)
+                                            restoring=False, lora_expert_rank=0, deterministic=False)
         self.tenants[run_id] = tenant
 
     def set_tenant_weights(self, weights):

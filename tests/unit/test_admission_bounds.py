@@ -123,7 +123,7 @@ class _Sampling(SamplingVerbs):
 
     def __init__(self):
         self.touched, self.calls = [], []
-        row = SimpleNamespace(session_id="s", base_model="m", model_path="tinker://r/sampler_weights/a")
+        row = SimpleNamespace(session_id="s", base_model="m", model_path="tinker://r/sampler_weights/a", deterministic=False)
         info = sampler_pb2.SamplerModelInfo(base_model="m", vocab_size=100, max_context_length=64)
 
         async def call_samplers(base_model, method, request, load=None):

@@ -80,7 +80,7 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class CreateTrainingRunRequest(_message.Message):
-    __slots__ = ("session_id", "base_model", "lora_config", "user_metadata", "from_path", "with_optimizer", "run_index")
+    __slots__ = ("session_id", "base_model", "lora_config", "user_metadata", "from_path", "with_optimizer", "run_index", "deterministic")
     class UserMetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class CreateTrainingRunRequest(_message.Message):
     FROM_PATH_FIELD_NUMBER: _ClassVar[int]
     WITH_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     RUN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     base_model: str
     lora_config: _types_pb2.LoraConfig
@@ -102,10 +103,11 @@ class CreateTrainingRunRequest(_message.Message):
     from_path: str
     with_optimizer: bool
     run_index: int
-    def __init__(self, session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., lora_config: _Optional[_Union[_types_pb2.LoraConfig, _Mapping]] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., from_path: _Optional[str] = ..., with_optimizer: _Optional[bool] = ..., run_index: _Optional[int] = ...) -> None: ...
+    deterministic: bool
+    def __init__(self, session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., lora_config: _Optional[_Union[_types_pb2.LoraConfig, _Mapping]] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., from_path: _Optional[str] = ..., with_optimizer: _Optional[bool] = ..., run_index: _Optional[int] = ..., deterministic: _Optional[bool] = ...) -> None: ...
 
 class TrainingRunInfo(_message.Message):
-    __slots__ = ("training_run_id", "base_model", "tokenizer_id", "lora_config", "next_seq_id", "vocab_size", "max_context_length", "user_metadata", "owner", "created_unix_ms", "last_request_unix_ms")
+    __slots__ = ("training_run_id", "base_model", "tokenizer_id", "lora_config", "next_seq_id", "vocab_size", "max_context_length", "user_metadata", "owner", "created_unix_ms", "last_request_unix_ms", "deterministic")
     class UserMetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +126,7 @@ class TrainingRunInfo(_message.Message):
     OWNER_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     LAST_REQUEST_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
     training_run_id: str
     base_model: str
     tokenizer_id: str
@@ -135,7 +138,8 @@ class TrainingRunInfo(_message.Message):
     owner: str
     created_unix_ms: int
     last_request_unix_ms: int
-    def __init__(self, training_run_id: _Optional[str] = ..., base_model: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., lora_config: _Optional[_Union[_types_pb2.LoraConfig, _Mapping]] = ..., next_seq_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., owner: _Optional[str] = ..., created_unix_ms: _Optional[int] = ..., last_request_unix_ms: _Optional[int] = ...) -> None: ...
+    deterministic: bool
+    def __init__(self, training_run_id: _Optional[str] = ..., base_model: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., lora_config: _Optional[_Union[_types_pb2.LoraConfig, _Mapping]] = ..., next_seq_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., owner: _Optional[str] = ..., created_unix_ms: _Optional[int] = ..., last_request_unix_ms: _Optional[int] = ..., deterministic: _Optional[bool] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ("training_run_id",)
@@ -295,28 +299,32 @@ class LoadWeightsResponse(_message.Message):
     def __init__(self, path: _Optional[str] = ...) -> None: ...
 
 class CreateSamplingClientRequest(_message.Message):
-    __slots__ = ("session_id", "base_model", "model_path")
+    __slots__ = ("session_id", "base_model", "model_path", "deterministic")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     base_model: str
     model_path: str
-    def __init__(self, session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., model_path: _Optional[str] = ...) -> None: ...
+    deterministic: bool
+    def __init__(self, session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., model_path: _Optional[str] = ..., deterministic: _Optional[bool] = ...) -> None: ...
 
 class SamplingClientInfo(_message.Message):
-    __slots__ = ("sampler_id", "base_model", "model_path", "tokenizer_id", "vocab_size")
+    __slots__ = ("sampler_id", "base_model", "model_path", "tokenizer_id", "vocab_size", "deterministic")
     SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
     sampler_id: str
     base_model: str
     model_path: str
     tokenizer_id: str
     vocab_size: int
-    def __init__(self, sampler_id: _Optional[str] = ..., base_model: _Optional[str] = ..., model_path: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    deterministic: bool
+    def __init__(self, sampler_id: _Optional[str] = ..., base_model: _Optional[str] = ..., model_path: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., deterministic: _Optional[bool] = ...) -> None: ...
 
 class GetSamplingClientRequest(_message.Message):
     __slots__ = ("sampler_id",)

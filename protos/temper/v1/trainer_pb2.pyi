@@ -12,7 +12,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("base_model", "tokenizer_id", "vocab_size", "max_context_length", "device", "dtype", "incarnation", "family", "num_experts", "num_experts_per_tok", "world_size", "devices", "device_memory_bytes", "device_memory_used_bytes")
+    __slots__ = ("base_model", "tokenizer_id", "vocab_size", "max_context_length", "device", "dtype", "incarnation", "family", "num_experts", "num_experts_per_tok", "world_size", "devices", "device_memory_bytes", "device_memory_used_bytes", "deterministic_unsupported")
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class ModelInfo(_message.Message):
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISTIC_UNSUPPORTED_FIELD_NUMBER: _ClassVar[int]
     base_model: str
     tokenizer_id: str
     vocab_size: int
@@ -41,7 +42,8 @@ class ModelInfo(_message.Message):
     devices: _containers.RepeatedScalarFieldContainer[str]
     device_memory_bytes: _containers.RepeatedScalarFieldContainer[int]
     device_memory_used_bytes: int
-    def __init__(self, base_model: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., incarnation: _Optional[str] = ..., family: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., world_size: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., device_memory_bytes: _Optional[_Iterable[int]] = ..., device_memory_used_bytes: _Optional[int] = ...) -> None: ...
+    deterministic_unsupported: str
+    def __init__(self, base_model: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., incarnation: _Optional[str] = ..., family: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., world_size: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., device_memory_bytes: _Optional[_Iterable[int]] = ..., device_memory_used_bytes: _Optional[int] = ..., deterministic_unsupported: _Optional[str] = ...) -> None: ...
 
 class CreateAdapterRequest(_message.Message):
     __slots__ = ("training_run_id", "lora_config")
@@ -68,7 +70,7 @@ class DropAdapterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ForwardBackwardItem(_message.Message):
-    __slots__ = ("training_run_id", "data", "loss_fn", "loss_fn_config", "forward_only", "seq_id")
+    __slots__ = ("training_run_id", "data", "loss_fn", "loss_fn_config", "forward_only", "seq_id", "deterministic")
     class LossFnConfigEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -82,13 +84,15 @@ class ForwardBackwardItem(_message.Message):
     LOSS_FN_CONFIG_FIELD_NUMBER: _ClassVar[int]
     FORWARD_ONLY_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
     training_run_id: str
     data: _containers.RepeatedCompositeFieldContainer[_types_pb2.Datum]
     loss_fn: str
     loss_fn_config: _containers.MessageMap[str, _types_pb2.LossConfigValue]
     forward_only: bool
     seq_id: int
-    def __init__(self, training_run_id: _Optional[str] = ..., data: _Optional[_Iterable[_Union[_types_pb2.Datum, _Mapping]]] = ..., loss_fn: _Optional[str] = ..., loss_fn_config: _Optional[_Mapping[str, _types_pb2.LossConfigValue]] = ..., forward_only: _Optional[bool] = ..., seq_id: _Optional[int] = ...) -> None: ...
+    deterministic: bool
+    def __init__(self, training_run_id: _Optional[str] = ..., data: _Optional[_Iterable[_Union[_types_pb2.Datum, _Mapping]]] = ..., loss_fn: _Optional[str] = ..., loss_fn_config: _Optional[_Mapping[str, _types_pb2.LossConfigValue]] = ..., forward_only: _Optional[bool] = ..., seq_id: _Optional[int] = ..., deterministic: _Optional[bool] = ...) -> None: ...
 
 class OptimStepItem(_message.Message):
     __slots__ = ("training_run_id", "adam_params", "seq_id")
