@@ -155,3 +155,27 @@ def test_cookbook_rl_trainer_on_a_custom_env(cb_stack, rest, tiny_model_dir, tmp
     records = jsonl(log / "checkpoints.jsonl")
     assert {"000001", "final"} <= {r["name"] for r in records}
     assert_checkpoints_listed(rest, records)
+
+
+@pytest.fixture(scope="module")
+def det_cb_stack(tiny_model_dir, new_postgres_database, tmp_path_factory):
+    """A stack whose runs and base-model samplers are deterministic unless they say otherwise
+    (docs/deterministic.md): how the unmodified cookbook, which cannot ask, gets the mode."""
+    url = new_postgres_database("temper_cookbook_det")
+    with LocalStack(tiny_model_dir, tmp_path_factory.mktemp("cookbook-det"), database_url=url, num_threads=1, gateway=True,
+                    extra_env={"TEMPER_SCHEDULER_DETERMINISTIC_RUNS": "true"}) as local:
+        local.start()
+        yield local
+
+
+def test_cookbook_rl_in_deterministic_mode_reads_kl_sample_train_zero(det_cb_stack, tiny_model_dir, tmp_path):
+    """Issue 23: the cookbook's own sampler-vs-trainer KL estimates read exactly 0 on its on-policy steps
+    (on the default stack above they are only < 1e-3), with the base-model KL reference scored too."""
+    log = tmp_path / "even_deterministic"
+    run_cookbook(det_cb_stack, tmp_path, str(HERE / "cookbook_even_tokens.py"), tiny_model_dir, str(log), "importance_sampling", "2")
+    rows = step_metrics(log)
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["env/all/by_group/frac_mixed"] > 0 and r["grad_norm:mean"] > 0  # a real update, so step 1 is new weights
+        assert r["optim/kl_sample_train_v1"] == 0.0 and r["optim/kl_sample_train_v2"] == 0.0, r
+        assert math.isfinite(r["kl_policy_base"])
