@@ -171,7 +171,7 @@ class MetricsLog:
         self._fh = open(path, "w")
 
     def write(self, **row) -> dict:
-        row = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()}
+        row = {k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in row.items()}  # 6 significant digits: 1e-9 stays 1e-9, not 0
         row["elapsed_s"] = round(time.monotonic() - self.started, 1)
         self.rows.append(row)
         self._fh.write(json.dumps(row) + "\n")
