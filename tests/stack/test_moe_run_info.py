@@ -116,3 +116,24 @@ def test_moe_run_info_expert_rank_and_capabilities(moe_stack, moe_model_dir):
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "routed experts rank 2" in details, details
     finally:
         client.close()
+
+
+def test_deterministic_mode_on_an_moe_model_is_refused_naming_the_family_and_nothing_is_made(moe_stack, moe_model_dir):
+    """Issue 23's bad input: deterministic mode asked of a family without batch-invariant kernels is
+    refused FAILED_PRECONDITION at run and at sampling-client creation, naming what is missing; no
+    run row, run number or sampling client is made (the next run of the session is still :train:0)."""
+    stub = raw_stub(moe_stack, "moe-deterministic")
+    sid = stub.CreateSession(service_pb2.CreateSessionRequest()).session_id
+    before = set(stored_expert_ranks(moe_stack.database_url))
+    code, details = refused(stub.CreateTrainingRun, service_pb2.CreateTrainingRunRequest(
+        session_id=sid, base_model=moe_model_dir, lora_config=lora(8), deterministic=True))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "deterministic" in details and "qwen3_moe" in details, details
+    code, details = refused(stub.CreateSamplingClient, service_pb2.CreateSamplingClientRequest(
+        session_id=sid, base_model=moe_model_dir, deterministic=True))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "qwen3_moe" in details, details
+    assert set(stored_expert_ranks(moe_stack.database_url)) == before
+    made = stub.CreateTrainingRun(service_pb2.CreateTrainingRunRequest(session_id=sid, base_model=moe_model_dir,
+                                                                       lora_config=lora(8)), timeout=120)
+    assert made.training_run_id == f"{sid}:train:0" and made.deterministic is False
+    assert stub.CreateSamplingClient(service_pb2.CreateSamplingClientRequest(session_id=sid, base_model=moe_model_dir),
+                                     timeout=120).sampler_id == f"{sid}:sample:0"
