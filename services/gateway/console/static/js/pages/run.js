@@ -46,7 +46,8 @@ export async function render(page, runId, ctx) {
   page.append(
     h("h1", {}, `Run ${run.training_run_id}`),
     h("div", { class: "cards" },
-      [["model", run.base_model], ["LoRA", lora(run.lora_config)], ["steps", fmt.num(run.steps)],
+      [["model", run.base_model], ["LoRA", lora(run.lora_config)], ["mode", run.deterministic ? "deterministic" : "default"],
+        ["steps", fmt.num(run.steps)],
         ["tokens trained", fmt.num(run.tokens_trained)], ["next seq", fmt.num(run.next_seq_id)],
         ["last request", fmt.ago(run.last_request_unix_ms)]]
         .map(([label, value]) => h("div", { class: "card" }, h("div", { class: "muted" }, label), h("div", { class: "value mono" }, value)))),
