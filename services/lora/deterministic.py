@@ -74,7 +74,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     flat = x.reshape(-1, x.shape[-1])
     rows = flat.shape[0]
     if rows < MIN_ROWS:
-        flat = torch.cat([flat, flat.new_zeros(MIN_ROWS - rows, flat.shape[1])])
+        flat = F.pad(flat, (0, 0, 0, MIN_ROWS - rows))
     out = F.linear(flat, weight, bias)[:rows]
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -94,7 +94,8 @@ class DecodeCache:
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def update(self, layer: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor):
-        """Write (B, H, M, d) keys/values at ``positions`` (B, M); returns the filled slots."""
+        """Write (B, H, M, d) keys/values at ``positions`` (B, M); returns the slots up to the last
+        position, rounded up to whole KEY_BLOCKs."""
         if layer not in self.layers:
             shape = (key.shape[0], key.shape[1], self.capacity, key.shape[-1])
             self.layers[layer] = (key.new_zeros(shape), value.new_zeros(shape[:-1] + (value.shape[-1],)))
@@ -102,13 +103,19 @@ class DecodeCache:
         index = positions[:, None, :, None]
         keys.scatter_(2, index.expand_as(key), key)
         values.scatter_(2, index.expand_as(value), value)
-        used = int(positions.max()) + 1
+        # whole KEY_BLOCKs (slots past the last position hold zeros or keys no query sees: masked to weight 0,
+        # as a causal row's later keys are), so attention pads nothing: no copy of the cache per layer and step
+        used = -(-(int(positions.max()) + 1) // KEY_BLOCK) * KEY_BLOCK
         return keys[:, :, :used], values[:, :, :used]
 
 
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
               position_ids: torch.Tensor | None = None, **kwargs):
-    """Causal attention by position, keys reduced in aligned blocks; returns (B, M, H, d), None."""
+    """Causal attention by position, keys reduced in aligned blocks; returns (B, M, H, d), None.
+
+    The query heads sharing a key/value head are stacked as rows of one matmul against that head's
+    keys (no copy of the keys per query head): row-invariant matmuls of >= MIN_ROWS rows make a
+    query's numbers the same whatever the other rows, as for ``linear``."""
     if dropout:
         raise RuntimeError("deterministic attention has no dropout")
     batch, heads, rows, dim = query.shape
@@ -118,30 +125,31 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     cache = getattr(_state, "cache", None)
     if cache is not None:
         key, value = cache.update(module.layer_idx, key, value, position_ids)
-    groups = heads // key.shape[1]
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
     keys = key.shape[2]
     padded = -(-keys // KEY_BLOCK) * KEY_BLOCK
     if padded != keys:
-        key = torch.cat([key, key.new_zeros(batch, heads, padded - keys, dim)], 2)
-        value = torch.cat([value, value.new_zeros(batch, heads, padded - keys, value.shape[-1])], 2)
-    positions = position_ids
-    if rows < MIN_ROWS:  # matmuls of fewer rows reduce differently
-        query = torch.cat([query, query.new_zeros(batch, heads, MIN_ROWS - rows, dim)], 2)
-        positions = torch.cat([positions, positions[:, -1:].expand(batch, MIN_ROWS - rows)], 1)
+        key = torch.cat([key, key.new_zeros(batch, kv_heads, padded - keys, dim)], 2)
+        value = torch.cat([value, value.new_zeros(batch, kv_heads, padded - keys, value.shape[-1])], 2)
+    query = query.reshape(batch, kv_heads, groups * rows, dim)                      # row g * M + m: head kv*groups + g
+    positions = position_ids.repeat(1, groups)                                       # (B, groups * M)
+    stacked = groups * rows
+    if stacked < MIN_ROWS:  # matmuls of fewer rows reduce differently
+        query = torch.cat([query, query.new_zeros(batch, kv_heads, MIN_ROWS - stacked, dim)], 2)
+        positions = torch.cat([positions, positions[:, -1:].expand(batch, MIN_ROWS - stacked)], 1)
     scale = dim ** -0.5 if scaling is None else scaling
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scale                     # (B, H, M', Np)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale                     # (B, Hkv, M', Np)
     seen = torch.arange(padded, device=query.device)[None, None, None, :] <= positions[:, None, :, None]
     scores = scores.masked_fill(~seen, float("-inf"))
     weights = (scores - scores.amax(-1, keepdim=True)).exp()                        # masked: exactly 0
     blocks = padded // KEY_BLOCK
-    tiles = weights.unflatten(-1, (blocks, KEY_BLOCK))                               # (B, H, M', nb, 64)
+    tiles = weights.unflatten(-1, (blocks, KEY_BLOCK))                               # (B, Hkv, M', nb, 64)
     denominator = tiles.sum(-1).cumsum(-1)[..., -1:]                                 # blocks left to right
-    partial = torch.matmul(tiles.transpose(2, 3), value.unflatten(2, (blocks, KEY_BLOCK)))  # (B, H, nb, M', d)
-    numerator = partial.cumsum(2)[:, :, -1]                                          # (B, H, M', d)
-    out = (numerator / denominator)[:, :, :rows]
-    return out.transpose(1, 2).contiguous(), None
+    partial = torch.matmul(tiles.transpose(2, 3), value.unflatten(2, (blocks, KEY_BLOCK)))  # (B, Hkv, nb, M', d)
+    numerator = partial.cumsum(2)[:, :, -1]                                          # (B, Hkv, M', d)
+    out = (numerator / denominator)[:, :, :stacked].unflatten(2, (groups, rows))     # (B, Hkv, groups, M, d)
+    return out.reshape(batch, heads, rows, -1).transpose(1, 2).contiguous(), None
 
 
 def _register() -> None:
@@ -155,18 +163,34 @@ def _register() -> None:
 
 def lora_linear(layer, x: torch.Tensor) -> torch.Tensor:
     """A ``MultiLoraLinear``'s forward from ``linear`` only: base, then each routed adapter's rows
-    ``(x A^T) B^T * scale`` added to them (one addition per element, as ``out + delta``)."""
+    ``(x A^T) B^T * scale`` added to them (one addition per element, as ``out + delta``).
+
+    With at most MIN_ROWS rows in a no-grad pass (a decode step) ``linear`` pads them to MIN_ROWS
+    anyway, so each adapter runs on all of them, padded once (a row's numbers do not depend on the
+    other rows'), and its rows take ``out + delta`` through a mask: the same additions, without a
+    gather, two paddings and a copy of ``out`` per adapter."""
     out = linear(x, layer.base.weight, layer.base.bias)
     routing = layer.router.current
     if routing is None or not layer.adapters:
         return out
+    dtype = layer.router.compute_dtype(x)
+    # (no-grad passes only: a backward would sum the rows' gradient terms at other positions of the 16)
+    few, padded = not torch.is_grad_enabled() and x.numel() // max(x.shape[-1], 1) <= MIN_ROWS, None
     for key, index in routing.groups:
         weights = layer.adapters.get(key)
         if weights is None:
             continue
         if weights.dropout > 0:
             raise RuntimeError(f"adapter {key} has LoRA dropout {weights.dropout}: no deterministic mode with dropout")
-        dtype = layer.router.compute_dtype(x)
+        if index is not None and few:
+            if padded is None:
+                flat = x.reshape(-1, x.shape[-1]).to(dtype)
+                padded = F.pad(flat, (0, 0, 0, MIN_ROWS - flat.shape[0]))
+            delta = F.linear(F.linear(padded, weights.lora_A.to(dtype)), weights.lora_B.to(dtype)) * weights.scale
+            delta = delta[:out.numel() // out.shape[-1]].to(out.dtype).reshape(out.shape)
+            mine = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device).index_fill_(0, index, True)
+            out = torch.where(mine.view(-1, *[1] * (out.dim() - 1)), out + delta, out)
+            continue
         rows = x if index is None else x.index_select(0, index)
         delta = (linear(linear(rows.to(dtype), weights.lora_A.to(dtype)), weights.lora_B.to(dtype)) * weights.scale).to(out.dtype)
         out = out + delta if index is None else out.index_add(0, index, delta)
