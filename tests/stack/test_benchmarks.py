@@ -51,6 +51,17 @@ def test_cobatch_sweep_runs(tiny_model_dir, tmp_path):
     assert (tmp_path / "cobatch_sweep.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_deterministic_benchmark_runs_the_real_backends_and_checks_equal_bits(tiny_model_dir, tmp_path):
+    result = run_script("deterministic.py", "--model", tiny_model_dir, "--reps", "1", "--new-tokens", "4",
+                        "--out-dir", str(tmp_path))
+    assert result["training_ratio"] > 0 and result["decode_ratio"] > 0
+    decode = result["decode"]
+    assert all(made == [decode["generated_tokens_per_call"]] for made in decode["generated_tokens_checked"].values())
+    assert decode["generated_tokens_per_call"] == 4 * 2 * 4  # 4 requests x 2 samples x 4 tokens, on both sides
+    assert result["equal_bits"]["all_equal"] is True, result["equal_bits"]
+    assert (tmp_path / "deterministic.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_gpu_benchmark_smoke_runs_on_the_trainer_numerics_without_grpc_protobuf_or_pydantic():
     # as on a GPU box without temper installed: the shim + torch/transformers only
     code = ("import runpy, sys\n"
