@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PIP := $(VENV)/bin/pip --disable-pip-version-check -q
 PYTEST_ARGS ?=
+# test workers (pytest-xdist); 0 runs the suite in this one process
+TEST_WORKERS ?= 2
 
 .PHONY: venv browser test demo serve stubs check-stubs migrate clean
 
@@ -27,7 +29,7 @@ browser:
 	  ($(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium chromium-driver)
 
 test: venv browser
-	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 demo: venv
 	$(VENV)/bin/python -m examples.trajectory_judge.demo
