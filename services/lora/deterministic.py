@@ -69,6 +69,28 @@ def deterministic(model, cache: "DecodeCache | None" = None):
         torch.set_num_threads(previous[3])
 
 
+@contextlib.contextmanager
+def on_this_thread(cache: "DecodeCache | None" = None):
+    """This thread computes with the batch-invariant primitives, inside a ``deterministic(model)``
+    scope another thread holds open (the model's attention switch and the process's thread count are
+    that scope's): a worker running passes side by side with another one.
+
+    ``torch.set_num_threads`` is only partly process-wide: OpenMP's thread count is each thread's own
+    (a fresh thread starts with the process default) while MKL's and ATen's are the process's. So
+    the worker sets one thread itself, after ATen's per-thread first-use initialisation (which
+    re-applies the process's count), and leaves it at one: never restoring a count while another
+    worker may be inside a matmul (the outer scope restores the process's at its end). Meant for
+    threads that run deterministic passes only."""
+    torch.get_num_threads()  # ATen's lazy per-thread initialisation, now rather than mid-pass
+    torch.set_num_threads(1)
+    previous = (getattr(_state, "on", False), getattr(_state, "cache", None))
+    _state.on, _state.cache = True, cache
+    try:
+        yield
+    finally:
+        _state.on, _state.cache = previous
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` whose every row is the same whatever the other rows (one thread, >= MIN_ROWS rows)."""
     flat = x.reshape(-1, x.shape[-1])

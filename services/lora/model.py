@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -140,7 +141,10 @@ class LoraModel:
         # routed experts see the batch as (tokens, hidden): they need the rows of the input (Routing.token_slots)
         model.get_input_embeddings().register_forward_hook(self._note_batch_rows)
         self.device = next(model.parameters()).device
-        self.checkpointing = False  # see checkpoint_decoder_layers
+        # whether the wrapped layers checkpoint (checkpoint_decoder_layers), switched per pass and per
+        # thread (checkpointing_enabled): deterministic passes run two at a time on two threads
+        self._checkpointing_default = False
+        self._checkpointing_local = threading.local()
 
     def _note_batch_rows(self, _module, _inputs, output) -> None:
         routing = self.router.current
@@ -269,14 +273,28 @@ class LoraModel:
             layer.forward = self._checkpointed(layer.forward)
         return len(layers)
 
+    @property
+    def checkpointing(self) -> bool:
+        return getattr(self._checkpointing_local, "on", self._checkpointing_default)
+
+    @checkpointing.setter
+    def checkpointing(self, value: bool) -> None:
+        self._checkpointing_default = value
+
     @contextlib.contextmanager
     def checkpointing_enabled(self, enabled: bool):
-        """Switch the layers wrapped by ``checkpoint_decoder_layers`` on or off for one pass."""
-        previous, self.checkpointing = self.checkpointing, enabled
+        """Switch the layers wrapped by ``checkpoint_decoder_layers`` on or off for one pass, on this
+        thread only (passes on other threads keep their own switch)."""
+        local = self._checkpointing_local
+        had, previous = hasattr(local, "on"), getattr(local, "on", None)
+        local.on = enabled
         try:
             yield
         finally:
-            self.checkpointing = previous
+            if had:
+                local.on = previous
+            else:
+                del local.on
 
     def _checkpointed(self, forward):
         def run(*args, **kwargs):

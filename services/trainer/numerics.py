@@ -11,8 +11,11 @@ caller's business.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol, Sequence
 
@@ -21,6 +24,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from temper.services.lora.deterministic import deterministic
+from temper.services.lora.deterministic import on_this_thread as deterministic_on_this_thread
 from temper.services.lora.model import LoraModel
 from temper.services.trainer.losses import LOSS_FNS, loss_positions
 from temper.services.trainer.memory import ActivationModel
@@ -71,6 +75,10 @@ class PassOptions:
     # A stored micro-batch smaller than this (when the pass is bigger) loses more to per-pass
     # overhead than checkpointing's recompute costs: then a bigger checkpointed one is taken.
     min_stored_microbatch_tokens: int = 512
+    # Deterministic items' one-datum passes run this many at a time on as many threads, each pass on
+    # one intra-op thread (the same bits as one at a time: _deterministic_passes); 0: the process's
+    # intra-op thread count; 1: one at a time on the calling thread.
+    deterministic_workers: int = 0
 
     @property
     def memory_decides(self) -> bool:
@@ -131,12 +139,27 @@ def forward_backward(lora: LoraModel, groups: list[LossGroup], options: PassOpti
 
 
 def _passes(lora, groups, options, device, on_pass, adapter_rank, logprobs, losses, totals, stat_sums) -> None:
+    def record(grad, batch, lp, elementwise, stats, seconds):
+        for r, row in enumerate(batch):
+            n, shape = len(row.datum.tokens), row.datum.inputs["target_tokens"].shape
+            cols = columns(row.datum.inputs["target_tokens"])
+            logprobs[row.group][row.index] = lp[r, :n, :cols].detach().float().cpu().numpy().reshape(shape)
+            losses[row.group][row.index] = elementwise[r, :n, :cols].detach().float().cpu().numpy().reshape(shape)
+            totals[row.group] += float(losses[row.group][row.index].sum(dtype=np.float64))
+        for i, group_stats in stats.items():
+            for name, (total, count) in group_stats.items():
+                stat_sums[i][name][0] += total
+                stat_sums[i][name][1] += count
+        if on_pass is not None:  # the .cpu() copies above waited for the device
+            on_pass(grad, sum(len(row.datum.tokens) for row in batch), seconds)
+
     for grad in (True, False):
         rows = [Row(i, j, d) for i, g in enumerate(groups) if g.forward_only != grad for j, d in enumerate(g.data)]
         rows.sort(key=lambda row: adapter_rank[groups[row.group].adapter])  # stable
         alone = [[row] for row in rows if groups[row.group].deterministic]
         shared = [row for row in rows if not groups[row.group].deterministic]
-        planned = [*plan_passes(shared, options, grad), *((batch, False) for batch in alone)]
+        workers = min(len(alone), options.deterministic_workers or torch.get_num_threads())
+        planned = [*plan_passes(shared, options, grad), *(((batch, False) for batch in alone) if workers <= 1 else ())]
         for batch, checkpointed in planned:
             start = time.perf_counter()
             scope = deterministic(lora.model) if groups[batch[0].group].deterministic else contextlib.nullcontext()
@@ -144,18 +167,79 @@ def _passes(lora, groups, options, device, on_pass, adapter_rank, logprobs, loss
                 lp, elementwise, stats = run_pass(lora, groups, batch, options, device, checkpointed)
                 if grad:
                     elementwise.sum().backward()
-            for r, row in enumerate(batch):
-                n, shape = len(row.datum.tokens), row.datum.inputs["target_tokens"].shape
-                cols = columns(row.datum.inputs["target_tokens"])
-                logprobs[row.group][row.index] = lp[r, :n, :cols].detach().float().cpu().numpy().reshape(shape)
-                losses[row.group][row.index] = elementwise[r, :n, :cols].detach().float().cpu().numpy().reshape(shape)
-                totals[row.group] += float(losses[row.group][row.index].sum(dtype=np.float64))
-            for i, group_stats in stats.items():
-                for name, (total, count) in group_stats.items():
-                    stat_sums[i][name][0] += total
-                    stat_sums[i][name][1] += count
-            if on_pass is not None:  # the .cpu() copies above waited for the device
-                on_pass(grad, sum(len(row.datum.tokens) for row in batch), time.perf_counter() - start)
+            record(grad, batch, lp, elementwise, stats, time.perf_counter() - start)
+        if workers > 1:
+            _deterministic_passes(lora, groups, alone, options, device, grad, workers, record)
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """Threads that run deterministic passes only (they stay on one intra-op thread: on_this_thread)."""
+    with _POOLS_LOCK:
+        if workers not in _POOLS:
+            _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="deterministic-pass")
+        return _POOLS[workers]
+
+
+def _deterministic_passes(lora, groups, alone: list[list[Row]], options, device, grad: bool, workers: int, record) -> None:
+    """The one-datum passes of deterministic items, ``workers`` at a time on as many threads, with the
+    same bits as one at a time on the calling thread (tests/engine/test_deterministic.py): each pass
+    is on one intra-op thread whatever runs beside it (``deterministic.on_this_thread``; routing,
+    the checkpointing switch, grad mode and the primitives' state are per thread), computes its
+    adapter's gradients with ``torch.autograd.grad`` (the sums ``backward`` would hand the
+    parameters' AccumulateGrad), and they are added to ``.grad`` here, on this thread, in datum
+    order, as ``backward`` would: the first onto an absent ``.grad`` taken as is (in the parameter's
+    layout), the next added in place. Results are recorded in datum order too."""
+    pool = _pool(workers)
+    pending: deque = deque()
+    todo = iter(alone)
+
+    def submit():
+        batch = next(todo, None)
+        if batch is not None:
+            pending.append((batch, pool.submit(_deterministic_pass, lora, groups, batch, options, device, grad)))
+
+    # the model's attention switch and the process's one thread, held while the workers run
+    with deterministic(lora.model):
+        try:
+            for _ in range(2 * workers):  # a worker finishing out of turn starts the next pass at once
+                submit()
+            while pending:
+                batch, future = pending.popleft()
+                lp, elementwise, stats, params, grads, seconds = future.result()
+                submit()
+                if grad:
+                    with torch.no_grad():
+                        for p, g in zip(params, grads):
+                            if g is None:
+                                continue
+                            if p.grad is None:
+                                p.grad = g if g.stride() == p.stride() else torch.empty_like(p).copy_(g)
+                            else:
+                                p.grad += g
+                record(grad, batch, lp, elementwise, stats, seconds)
+        finally:  # on a failure, no pass may still run when the scope restores the thread count
+            for _, future in pending:
+                future.cancel()
+            futures_wait([future for _, future in pending])
+
+
+def _deterministic_pass(lora, groups, batch: list[Row], options, device, grad: bool):
+    start = time.perf_counter()
+    with deterministic_on_this_thread(), torch.set_grad_enabled(grad):
+        lp, elementwise, stats = run_pass(lora, groups, batch, options, device, False)
+        params, grads = [], ()
+        if grad:
+            adapter = lora.adapters.get(groups[batch[0].group].adapter)
+            params = [p for p in adapter.params.values() if p.requires_grad] if adapter is not None else []
+            if params:
+                grads = torch.autograd.grad(elementwise.sum(), params, allow_unused=True)
+            else:
+                elementwise.sum().backward()  # no adapter parameter: whatever backward says of it
+    return lp, elementwise, stats, params, grads, time.perf_counter() - start
 
 
 def microbatches(rows: list[Row], max_tokens: int) -> Iterator[list[Row]]:

@@ -184,3 +184,57 @@ def test_torch_sampler_deterministic_logprobs_are_the_trainers(tiny_model_dir, t
                                torch.from_numpy(trained[0].logprobs[0][len(prompt) - 1:]))
     again = sampler.sample_batch([request(p) for p in prompts])
     assert [[s.tokens for s in r.sequences] for r in again] == [[s.tokens for s in r.sequences] for r in batched[:3]]
+
+
+@pytest.fixture
+def two_torch_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_threaded_passes_equal_one_at_a_time(tiny_model_dir, tmp_path, two_torch_threads):
+    """Deterministic passes two at a time on two threads (gradients by autograd.grad, added in datum
+    order) give the bits of one at a time: 5 datums of different lengths, gradients accumulated over
+    two cycles onto absent and then present .grad, a forward-only item and a default run beside, in a
+    process of two intra-op threads (the default run's passes use both; each deterministic pass one)."""
+    from dataclasses import replace
+
+    from temper.services.trainer import numerics
+
+    lengths = (4, 37, 9, 70, 18)
+
+    def cycle_items(step):
+        rng = np.random.default_rng(step)
+        data = [sft(rng.integers(0, 512, n).tolist(), rng.standard_normal(n - 1).astype(np.float32)) for n in lengths]
+        return [fb("det", data, deterministic=True), fb("det-fwd", data[:3], deterministic=True, forward_only=True),
+                items("default", step)]
+
+    def run(workers, folder):
+        engine = engine_for(tiny_model_dir, tmp_path / folder, ["det", "det-fwd", "default"])
+
+        def passes(groups, options):
+            return numerics.forward_backward(engine.lora, groups, replace(options, deterministic_workers=workers),
+                                             engine.device)
+
+        engine.passes = passes
+        seen = []
+        for step in range(2):
+            for sub in range(2):  # two cycles before the optim step: the second adds onto present .grad
+                results, _ = engine.run_cycle(cycle_items(2 * step + sub), [])
+                grads = {n: p.grad.clone() for n, p in engine.host.get("det").params.items()}
+                seen.append(([r.metrics["loss:sum"] for r in results],
+                             [torch.from_numpy(lp) for r in results for lp in r.logprobs], grads))
+            engine.run_cycle([], [OptimStepItem(r, ADAM) for r in ("det", "default")])
+        return seen, state(engine, "det")
+
+    (threaded, (w_t, adam_t)), (sequential, (w_s, adam_s)) = run(2, "threaded"), run(1, "sequential")
+    assert torch.get_num_threads() == 2  # the deterministic scopes gave the process its threads back
+    for a, b in zip(threaded, sequential):
+        assert a[0] == b[0]
+        assert len(a[1]) == len(b[1]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+        assert a[2].keys() == b[2].keys() and all(torch.equal(a[2][n], b[2][n]) for n in a[2])
+    assert all(torch.equal(w_t[n], w_s[n]) for n in w_t)
+    assert all(torch.equal(adam_t[n][k], adam_s[n][k]) for n in adam_t for k in adam_t[n])
+    assert any(len(adam_t[n]) for n in adam_t)
