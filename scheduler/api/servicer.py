@@ -67,6 +67,7 @@ class TemperServicer(AuditVerbs, ClusterStatusVerbs, SamplingVerbs, CheckpointVe
 
     @needs_workers
     async def GetServerCapabilities(self, request, context):
+        await self.backends.settled()  # after a restart: not a partial list while workers are still registering again
         response = service_pb2.GetServerCapabilitiesResponse()
         for name in self.backends.model_names():
             trainers = [t for t in self.backends.trainers if t.info.base_model == name]

@@ -65,6 +65,23 @@ class ModelPresence:
         served = sorted({w.info.base_model for w in self._handles(role)})
         return NotFound(f"no {role} serves base model {base_model!r}; served by {role}s: {served}")
 
+    def _incomplete(self) -> list[str]:
+        """Models of this deployment (named by the database, or with a worker here) lacking a trainer or a sampler."""
+        models = self.known_models | {w.info.base_model for w in (*self.trainers, *self.samplers)}
+        return sorted(m for m in models if not (any(t.info.base_model == m for t in self.trainers)
+                                                and any(s.info.base_model == m for s in self.samplers)))
+
+    async def settled(self) -> None:
+        """Return once every model of this deployment has a trainer and a sampler here, or once the
+        scheduler stops learning (at most worker_timeout_seconds after its start): what lists the
+        models (GetServerCapabilities) then shows no partial set in the window after a restart, such
+        as a model missing, or trainable and not yet sampleable, because a heartbeat is still due."""
+        while self.learning() and self._incomplete():
+            try:
+                await asyncio.wait_for(self._arrived.wait(), max(self._learning_until - self._clock(), 0.0))
+            except asyncio.TimeoutError:
+                pass
+
     async def served(self, role: str, base_model: str) -> None:
         """Return once a ``role`` ("trainer" or "sampler") of ``base_model`` is here. A model that is
         expected is waited for up to worker_timeout_seconds (WorkersAbsent after that); an unknown one

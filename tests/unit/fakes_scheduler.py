@@ -366,6 +366,9 @@ class FakeBackends:
     async def wait_ready(self):
         return None
 
+    async def settled(self):  # static workers: nothing to learn
+        return None
+
     async def served(self, role, base_model):
         return None  # the fixed trainers are all here; trainer_for answers an unknown model
 

@@ -132,3 +132,37 @@ def test_the_database_names_the_models_of_runs_and_sampling_clients(tmp_path):
     store.add_sampling_client(session.id, "sampled", None)
     store.add_sampling_client(session.id, "trained", None)
     assert named_base_models(store) == {"trained", "sampled"}
+
+
+def test_the_model_list_waits_out_the_restart_window_instead_of_listing_a_partial_set():
+    """Issue 21's remainder of edge 1: GetServerCapabilities after a restart listed only the models whose
+    workers had registered again (a model missing, or trainable and not yet sampleable)."""
+
+    async def scenario():
+        b = registry_backends(worker_timeout_seconds=30.0)
+        b.known_models = {"m", "other"}  # the database names both (runs and sampling clients before the restart)
+        b.add_trainer(trainer("m"))
+        listing = asyncio.create_task(b.settled())
+        await asyncio.sleep(0.05)
+        assert not listing.done()  # "m" has no sampler yet and "other" nothing
+        b.add_sampler(sampler("sampler:1", settings=b.settings))  # serves "m"
+        await asyncio.sleep(0.05)
+        assert not listing.done()
+        b.add_trainer(trainer("other", "trainer:2"))
+        other = sampler("sampler:2", settings=b.settings)
+        other.info.base_model = "other"
+        b.add_sampler(other)
+        await asyncio.wait_for(listing, 5.0)
+        assert sorted(b.model_names()) == ["m", "other"]
+
+    asyncio.run(scenario())
+
+
+def test_the_model_list_waits_no_longer_than_the_learning_window():
+    async def scenario():
+        b = registry_backends()  # WAIT seconds of learning
+        b.known_models = {"gone"}  # named by the database, its workers never come back
+        await asyncio.wait_for(b.settled(), WAIT + 5.0)
+        assert not b.learning()
+
+    asyncio.run(scenario())
