@@ -7,14 +7,13 @@ deterministic_unsupported (empty for dense llama/qwen3, the family's reason for 
 reason for a sharded trainer group) and the refusals that go with it."""
 
 import asyncio
-import socket
 
 import grpc
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from ranks import free_port, run_ranks
 from test_trainer_engine import datum
 from temper.common.codec import decode_array, decode_floats, decode_tokens, encode_tokens
 from temper.common.errors import FailedPrecondition, TemperError
@@ -215,12 +214,6 @@ def test_model_info_says_whether_deterministic_mode_is_served(family, family_dir
 # ---- a sharded trainer group (two local ranks on gloo) ------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rank_main(rank, addr, folder, checkpoints, out):
     try:
         torch.set_num_threads(1)
@@ -269,25 +262,8 @@ def test_a_sharded_group_says_so_and_refuses_deterministic_items(tmp_path):
     from temper.services.models.tiny import build_tiny_model
 
     folder = build_tiny_model(tmp_path / "tiny")
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     addr = f"127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=rank_main, args=(r, addr, folder, tmp_path / "group" / "ckpt", out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        while len(results) < 2:
-            rank, got = out.get(timeout=180)
-            if isinstance(got, Exception):
-                raise got
-            results[rank] = got
-    finally:
-        for p in procs:
-            p.join(timeout=20)
-            if p.is_alive():
-                p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
+    results = run_ranks(rank_main, lambda r, out: (r, addr, folder, tmp_path / "group" / "ckpt", out))
     got = results[0]
     world, reason = got["info"]
     assert world == 2 and "sharded trainer group (2 ranks)" in reason and "batch-invariant" in reason

@@ -5,7 +5,6 @@ losses, logprobs and adapter weights equal the unsharded run within 1e-5 (fp32),
 at most 0.55 of the base weights. The same on the real SmolLM2-135M-Instruct (slow: 2 steps, short rows)."""
 
 import datetime
-import socket
 import time
 
 import numpy as np
@@ -13,6 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from ranks import free_port, run_ranks
 from temper.common.validation import DecodedDatum
 from temper.services.lora.model import AdapterSpec, LoraModel
 from temper.services.models.tiny import build_tiny_model
@@ -27,12 +27,6 @@ TENANTS = {  # adapter key -> (rank, alpha, target groups, seed); routed experts
 }
 OPTIONS = PassOptions(max_tokens_per_microbatch=48, logprob_chunk_tokens=7)
 LR = 1e-2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def datum(rng, vocab=512) -> DecodedDatum:
@@ -120,26 +114,8 @@ def _worker(rank, world, init_method, folders, out, steps, options, sgd_lr):
 
 
 def run_world(world, folders, timeout=90.0, steps=STEPS, options=OPTIONS, sgd_lr=None):
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=worker, args=(r, world, init, folders, out, steps, options, sgd_lr)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results, deadline = {}, time.monotonic() + timeout
-    try:
-        while len(results) < world:
-            rank, got = out.get(timeout=max(1.0, deadline - time.monotonic()))
-            if isinstance(got, Exception):
-                raise got
-            results[rank] = got
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    return results
+    return run_ranks(worker, lambda r, out: (r, world, init, folders, out, steps, options, sgd_lr), world, timeout)
 
 
 @pytest.fixture(scope="module")

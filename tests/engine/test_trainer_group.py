@@ -5,14 +5,13 @@ The same script of calls (adapters created with and without a seed, a refused ca
 cycles with optim steps, a checkpoint saved and loaded into another run, a snapshot restored) gives
 the losses and adapters of one process (1e-5), and both ranks end with the same adapters."""
 
-import socket
 import time
 
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from ranks import free_port, run_ranks
 from temper.common.errors import NotFound
 from temper.common.validation import DecodedDatum
 from temper.services.lora.model import AdapterSpec
@@ -22,12 +21,6 @@ from temper.services.trainer.engine import AdamParams, ForwardBackwardItem, Opti
 SPECS = {"a": AdapterSpec(rank=4, alpha=8.0, targets=lora_targets(attn=True, mlp=True, unembed=True)),
          "b": AdapterSpec(rank=2, alpha=4.0, targets=lora_targets(attn=True))}
 ADAM = AdamParams(learning_rate=1e-2, eps=1e-8)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cycle(step: int, runs):
@@ -133,25 +126,8 @@ def test_a_two_rank_group_engine_runs_the_calls_of_one_process(tmp_path, extra):
     torch.set_num_threads(1)
     start = time.monotonic()
     folder = build_tiny_model(tmp_path / "tiny")
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     addr = f"127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=rank_main, args=(r, addr, folder, tmp_path / "group" / "ckpt", out, extra)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        while len(results) < 2:
-            rank, got = out.get(timeout=120)
-            if isinstance(got, Exception):
-                raise got
-            results[rank] = got
-    finally:
-        for p in procs:
-            p.join(timeout=20)
-            if p.is_alive():
-                p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
+    results = run_ranks(rank_main, lambda r, out: (r, addr, folder, tmp_path / "group" / "ckpt", out, extra), timeout=120)
 
     alone = TrainerEngine(load_model(str(folder)), settings_for(folder, tmp_path / "alone" / "ckpt", **extra))
     want = script(alone)

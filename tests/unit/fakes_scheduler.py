@@ -4,6 +4,7 @@ each (run, seq) once and answers resent seqs from memory, as the real trainer do
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -441,3 +442,21 @@ def fb(run_id: str, seq: int, tokens=(1, 2, 3)) -> service_pb2.ForwardBackwardRe
                   loss_fn_inputs={"target_tokens": np.asarray(tokens, dtype=np.int64), "weights": np.ones(len(tokens), np.float32)})
     return service_pb2.ForwardBackwardRequest(training_run_id=run_id, seq_id=seq, data=[convert.datum_to_proto(datum)],
                                               loss_fn="cross_entropy")
+
+
+@contextlib.asynccontextmanager
+async def servicer_over_fakes(trainer: FakeTrainer, tenant: str = "alice", **overrides):
+    """The public servicer over a CreatingStore and ``trainer``, its loop running, called as ``tenant``:
+    yields (the fakes' Scheduler, the servicer)."""
+    from temper.scheduler.api.servicer import TemperServicer
+    from temper.scheduler.tenancy.auth import reset_caller, set_caller
+
+    s = build(store=CreatingStore(), trainer=trainer, **overrides)
+    api = TemperServicer(s.store, FakeBackends(s.trainer), s.admission.runs, s.admission)
+    task = asyncio.create_task(s.loop.run_forever())
+    token = set_caller(tenant)
+    try:
+        yield s, api
+    finally:
+        reset_caller(token)
+        task.cancel()

@@ -7,20 +7,17 @@ is missing, before a run number is spent or any trainer is asked."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import dataclass, field
 
 import pytest
 
-from fakes_scheduler import MODEL, CreatingStore, FakeBackends, FakeTrainer, build, fb
+from fakes_scheduler import MODEL, FakeTrainer, fb, servicer_over_fakes
 from temper.common.errors import FailedPrecondition
 from temper.scheduler.api.lookup_verbs import check_deterministic
-from temper.scheduler.api.servicer import TemperServicer
 from temper.scheduler.db.request_log import LoggedRequest
 from temper.scheduler.planning.cycles import build_cycle
 from temper.scheduler.planning.recovery import Recovery
 from temper.scheduler.planning.work import Work, WorkKind
-from temper.scheduler.tenancy.auth import reset_caller, set_caller
 from temper.v1 import sampler_pb2, service_pb2, trainer_pb2, types_pb2
 
 
@@ -35,19 +32,6 @@ class RecordingTrainer(FakeTrainer):
         return await super().run_cycle(request)
 
 
-@contextlib.asynccontextmanager
-async def servicer(trainer: FakeTrainer, **overrides):
-    s = build(store=CreatingStore(), trainer=trainer, **overrides)
-    api = TemperServicer(s.store, FakeBackends(s.trainer), s.admission.runs, s.admission)
-    task = asyncio.create_task(s.loop.run_forever())
-    token = set_caller("alice")
-    try:
-        yield s, api
-    finally:
-        reset_caller(token)
-        task.cancel()
-
-
 def create(api, **fields):
     return api.CreateTrainingRun(service_pb2.CreateTrainingRunRequest(
         session_id="s", base_model=MODEL, lora_config=types_pb2.LoraConfig(rank=4, seed=1), **fields), None)
@@ -56,7 +40,7 @@ def create(api, **fields):
 @pytest.mark.parametrize("default", [False, True])
 def test_the_mode_asked_or_defaulted_is_stored_shown_and_sent_with_the_runs_items_only(default):
     async def main():
-        async with servicer(RecordingTrainer(adapters={}), deterministic_runs=default) as (s, api):
+        async with servicer_over_fakes(RecordingTrainer(adapters={}), deterministic_runs=default) as (s, api):
             on = await create(api, deterministic=True)
             off = await create(api, deterministic=False)
             unset = await create(api)
@@ -75,7 +59,7 @@ def test_a_trainer_that_cannot_is_refused_before_anything_is_made():
     async def main():
         trainer = RecordingTrainer(adapters={})
         trainer.info.deterministic_unsupported = "deterministic mode covers the dense families; 'qwen3_moe' has none"
-        async with servicer(trainer) as (s, api):
+        async with servicer_over_fakes(trainer) as (s, api):
             with pytest.raises(FailedPrecondition, match="deterministic mode for .*'qwen3_moe' has none"):
                 await create(api, deterministic=True)
             assert s.store.runs == {} and s.store.next_run == 0  # no run number spent

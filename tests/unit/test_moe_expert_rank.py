@@ -7,21 +7,19 @@ experts (gRPC, the temper client, the Tinker gateway's JSON, which the SDK's typ
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from types import SimpleNamespace
 
 import pytest
 
-from fakes_scheduler import MODEL, CreatingStore, FakeBackends, FakeTrainer, build
+from fakes_scheduler import MODEL, FakeTrainer, servicer_over_fakes
 from temper.client import convert as client_convert
 from temper.client import types as t
 from temper.common.errors import FailedPrecondition, InvalidArgument
-from temper.scheduler.tenancy.auth import reset_caller, set_caller
 from temper.scheduler.db import models as m
 from temper.scheduler.api.lookup_verbs import check_lora, check_lora_for_model
 from temper.scheduler.planning.recovery import Recovery
 from temper.scheduler.planning.runs import created_expert_rank, new_run_row
-from temper.scheduler.api.servicer import TemperServicer, lora_layout
+from temper.scheduler.api.servicer import lora_layout
 from temper.scheduler.db.views import checkpoint_message, lora_of, run_message
 from temper.services.gateway.convert import capabilities_to_json
 from temper.v1 import service_pb2, trainer_pb2, types_pb2
@@ -132,17 +130,7 @@ class _MoeTrainer(FakeTrainer):
         return trainer_pb2.CreateAdapterResponse(expert_rank=(cfg.expert_rank or cfg.rank // 2) if cfg.train_mlp else 0)
 
 
-@contextlib.asynccontextmanager
-async def servicer(trainer: FakeTrainer):
-    s = build(store=CreatingStore(), trainer=trainer)
-    api = TemperServicer(s.store, FakeBackends(s.trainer), s.admission.runs, s.admission)
-    task = asyncio.create_task(s.loop.run_forever())
-    token = set_caller("alice")
-    try:
-        yield s, api
-    finally:
-        reset_caller(token)
-        task.cancel()
+servicer = servicer_over_fakes
 
 
 def create(api, **lora):
