@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +90,19 @@ def on_this_thread(cache: "DecodeCache | None" = None):
         yield
     finally:
         _state.on, _state.cache = previous
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def worker_pool(workers: int) -> ThreadPoolExecutor:
+    """Threads for deterministic work only (trainer passes, decode parts), each inside
+    ``on_this_thread`` while it computes, so they stay on one intra-op thread."""
+    with _POOLS_LOCK:
+        if workers not in _POOLS:
+            _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="deterministic")
+        return _POOLS[workers]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -11,10 +11,8 @@ caller's business.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections import defaultdict, deque
-from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol, Sequence
@@ -25,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from temper.services.lora.deterministic import deterministic
 from temper.services.lora.deterministic import on_this_thread as deterministic_on_this_thread
+from temper.services.lora.deterministic import worker_pool
 from temper.services.lora.model import LoraModel
 from temper.services.trainer.losses import LOSS_FNS, loss_positions
 from temper.services.trainer.memory import ActivationModel
@@ -172,18 +171,6 @@ def _passes(lora, groups, options, device, on_pass, adapter_rank, logprobs, loss
             _deterministic_passes(lora, groups, alone, options, device, grad, workers, record)
 
 
-_POOLS: dict[int, ThreadPoolExecutor] = {}
-_POOLS_LOCK = threading.Lock()
-
-
-def _pool(workers: int) -> ThreadPoolExecutor:
-    """Threads that run deterministic passes only (they stay on one intra-op thread: on_this_thread)."""
-    with _POOLS_LOCK:
-        if workers not in _POOLS:
-            _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="deterministic-pass")
-        return _POOLS[workers]
-
-
 def _deterministic_passes(lora, groups, alone: list[list[Row]], options, device, grad: bool, workers: int, record) -> None:
     """The one-datum passes of deterministic items, ``workers`` at a time on as many threads, with the
     same bits as one at a time on the calling thread (tests/engine/test_deterministic.py): each pass
@@ -193,7 +180,7 @@ def _deterministic_passes(lora, groups, alone: list[list[Row]], options, device,
     parameters' AccumulateGrad), and they are added to ``.grad`` here, on this thread, in datum
     order, as ``backward`` would: the first onto an absent ``.grad`` taken as is (in the parameter's
     layout), the next added in place. Results are recorded in datum order too."""
-    pool = _pool(workers)
+    pool = worker_pool(workers)
     pending: deque = deque()
     todo = iter(alone)
 

@@ -238,3 +238,49 @@ def test_threaded_passes_equal_one_at_a_time(tiny_model_dir, tmp_path, two_torch
     assert all(torch.equal(w_t[n], w_s[n]) for n in w_t)
     assert all(torch.equal(adam_t[n][k], adam_s[n][k]) for n in adam_t for k in adam_t[n])
     assert any(len(adam_t[n]) for n in adam_t)
+
+
+def test_threaded_decode_parts_equal_one_batch(tiny_model_dir, tmp_path, two_torch_threads):
+    """A deterministic decode batch split into two parts decoded on two threads (each on one intra-op
+    thread, 16 rows each) gives the bits of one batch on the calling thread, and the
+    sampled tokens' logprobs are the trainer's forward; streamed pieces come from the worker threads."""
+    from temper.services.sampler import deterministic_decode
+    from temper.services.sampler.backend import SampleRequest, SamplingOptions
+    from temper.services.sampler.torch_backend import TorchSamplerBackend, _choose
+
+    engine = engine_for(tiny_model_dir, tmp_path, ["run"])
+    with torch.no_grad():
+        for name, p in engine.host.get("run").params.items():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    engine.save("run", "t/run/ckpt-1", include_optimizer=False)
+    sampler = TorchSamplerBackend(load_model(tiny_model_dir))
+    sampler.load_adapter("ckpt-1", engine.store.existing("t/run/ckpt-1"))
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 512, n) for n in (5, 40, 90, 17)]
+    streamed: dict = {}
+
+    def requests():
+        streamed.clear()
+        return [SampleRequest("ckpt-1" if n % 2 == 0 else None, p, 8, SamplingOptions(max_tokens=12 + n, seed=n, stop_disabled=True),
+                              topk_logprobs=3 * (n == 1), deterministic=True,
+                              progress=(lambda pieces, n=n: streamed.setdefault(n, []).extend(pieces)) if n == 2 else None)
+                for n, p in enumerate(prompts)]
+
+    assert len(deterministic_decode._split(requests(), 2)) == 2
+    split = deterministic_decode.sample(sampler, requests(), _choose, workers=2)
+    pieces = list(streamed[2])
+    one = deterministic_decode.sample(sampler, requests(), _choose, workers=1)
+    assert len(pieces) == len(streamed[2]) and all(a.tokens == b.tokens and a.logprobs == b.logprobs
+                                                   for a, b in zip(pieces, streamed[2]))
+    for n, (a, b) in enumerate(zip(split, one)):
+        for x, y in zip(a.sequences, b.sequences):
+            assert x.tokens == y.tokens and x.logprobs == y.logprobs and x.topk_ids == y.topk_ids and x.topk_logprobs == y.topk_logprobs
+        if n % 2 == 0:  # the adapter's rows: the trainer's forward
+            for seq in a.sequences[:2]:
+                tokens = prompts[n].tolist() + seq.tokens
+                item = fb("run", [sft(tokens, np.ones(len(tokens) - 1, np.float32))], forward_only=True, deterministic=True)
+                trained, _ = engine.run_cycle([item], [])
+                assert torch.equal(torch.tensor(seq.logprobs, dtype=torch.float32),
+                                   torch.from_numpy(trained[0].logprobs[0][len(prompts[n]) - 1:]))
+    assert torch.get_num_threads() == 2
