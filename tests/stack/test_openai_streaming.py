@@ -87,7 +87,10 @@ def test_the_first_chunk_arrives_before_sampling_ends(slow, oa, tiny_model_dir):
     chunks = [(at, json.loads(data)) for at, data in events if data != "[DONE]"]
     assert events[-1][1] == "[DONE]" and len(chunks) >= 4  # token by token, not one chunk
     assert chunks[0][0] < ends[0], "the first chunk came only after sampling ended"
-    assert chunks[-1][0] >= ends[0]
+    # as decoded, not in a burst at the end: at least the first half of the chunks came while the sampler was still
+    # decoding (each had half the decode's slowed steps still to run; the last chunk itself may well arrive before the
+    # sampler's batch call has returned and its end is written, so no order is asserted for it)
+    assert sum(at < ends[0] for at, _ in chunks) >= len(chunks) // 2
     assert "".join(c["choices"][0]["text"] for _, c in chunks) == plain.choices[0].text
     assert chunks[-1][1]["choices"][0]["finish_reason"] == plain.choices[0].finish_reason
 
