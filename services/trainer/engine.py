@@ -15,8 +15,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,47 +28,16 @@ from temper.services.trainer import imports, metrics, numerics, snapshots
 from temper.services.trainer.adapters import AdapterHost, TrainedAdapter
 from temper.services.trainer.step_undo import StepUndo
 from temper.services.trainer.checkpoints import CheckpointStore
-from temper.services.trainer.losses import LOSS_FNS
+from temper.services.trainer.items import ForwardBackwardItem, OptimStepItem, Refused, check_forward_backward
 from temper.services.trainer.memory import ActivationModel, activation_budget_bytes
 from temper.services.trainer.numerics import ForwardBackwardResult, LossGroup, PassOptions, default_logprob_chunk_tokens
 from temper.services.trainer.settings import TrainerSettings
+from temper.services.trainer.sharded import sharded_not_deterministic
 from temper.services.trainer.snapshots import SnapshotInfo
-
-if TYPE_CHECKING:
-    from temper.services.trainer.numerics import TokenDatum
 
 # AdamParams is checked where it is built from a request (convert.py, common.validation.validate_adam).
 __all__ = ["AdamParams", "ForwardBackwardItem", "ForwardBackwardResult", "OptimStepItem", "Refused", "SnapshotInfo",
            "TrainerEngine"]
-
-
-@dataclass
-class ForwardBackwardItem:
-    """One forward_backward request of a run: decoded, checked datums (``convert.py``)."""
-
-    run_id: str
-    data: list[TokenDatum]
-    loss_fn: str = "cross_entropy"
-    loss_config: dict[str, float] = field(default_factory=dict)   # every key the loss reads, defaults filled in
-    forward_only: bool = False
-    seq_id: int = 0   # the run's seq id; 0: none (never answered from memory)
-    deterministic: bool = False   # the run's deterministic mode (docs/deterministic.md)
-
-
-@dataclass
-class OptimStepItem:
-    run_id: str
-    adam: AdamParams
-    seq_id: int = 0
-
-
-@dataclass
-class Refused:
-    """A cycle item that could not be decoded (``convert.py``): its run is refused with ``error``."""
-
-    run_id: str
-    error: TemperError
-    seq_id: int = 0
 
 
 log = logging.getLogger("temper.trainer")
@@ -215,7 +182,7 @@ class TrainerEngine:
                                          f"longer held")
             return answer
         if isinstance(item, ForwardBackwardItem):
-            _check_forward_backward(item)
+            check_forward_backward(item)
             if item.deterministic and (missing := self.deterministic_unsupported):
                 raise FailedPrecondition(f"run {item.run_id} asks for deterministic mode: {missing}")
         return None
@@ -380,13 +347,6 @@ class TrainerEngine:
         return snapshot.info
 
 
-def sharded_not_deterministic(world_size: int) -> str:
-    """Why a trainer group's ranks cannot run a deterministic item."""
-    return (f"a sharded trainer group ({world_size} ranks) has no batch-invariant kernels: its passes split rows "
-            f"over the ranks, gather FSDP-sharded layers and sum gradients across them (sharded.forward_backward); "
-            f"deterministic runs need a single-process trainer")
-
-
 def _observe_pass(grad: bool, tokens: int, seconds: float) -> None:
     metrics.PASS_SECONDS.labels("forward_backward" if grad else "forward").observe(seconds)
 
@@ -408,12 +368,3 @@ def _not_finite(items: list[ForwardBackwardItem], results: list[ForwardBackwardR
         bad.update(run_id for run_id, ok in zip(owners, finite) if not ok)
     return {run_id: InvalidArgument(f"the loss or gradient of run {run_id} is not finite (inputs too large for "
                                     f"float32?); nothing of the run was changed") for run_id in sorted(bad)}
-
-
-def _check_forward_backward(item: ForwardBackwardItem) -> None:
-    """What a domain item must hold; the payload itself was checked where it was decoded."""
-    if item.loss_fn not in LOSS_FNS:
-        raise InvalidArgument(f"unknown loss_fn {item.loss_fn!r}; supported: {sorted(LOSS_FNS)}")
-    if not item.data:
-        raise InvalidArgument("forward_backward needs at least one datum")
-

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import defaultdict, deque
-from concurrent.futures import wait as futures_wait
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol, Sequence
 
@@ -22,9 +21,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from temper.services.lora.deterministic import deterministic
-from temper.services.lora.deterministic import on_this_thread as deterministic_on_this_thread
-from temper.services.lora.deterministic import worker_pool
 from temper.services.lora.model import LoraModel
+from temper.services.trainer.deterministic_passes import deterministic_passes
 from temper.services.trainer.losses import LOSS_FNS, loss_positions
 from temper.services.trainer.memory import ActivationModel
 from temper.services.trainer.target_logprobs import target_logprobs
@@ -75,7 +73,7 @@ class PassOptions:
     # overhead than checkpointing's recompute costs: then a bigger checkpointed one is taken.
     min_stored_microbatch_tokens: int = 512
     # Deterministic items' one-datum passes run this many at a time on as many threads, each pass on
-    # one intra-op thread (the same bits as one at a time: _deterministic_passes); 0: the process's
+    # one intra-op thread (the same bits as one at a time: deterministic_passes.py); 0: the process's
     # intra-op thread count; 1: one at a time on the calling thread.
     deterministic_workers: int = 0
 
@@ -168,65 +166,14 @@ def _passes(lora, groups, options, device, on_pass, adapter_rank, logprobs, loss
                     elementwise.sum().backward()
             record(grad, batch, lp, elementwise, stats, time.perf_counter() - start)
         if workers > 1:
-            _deterministic_passes(lora, groups, alone, options, device, grad, workers, record)
+            deterministic_passes(lora.model, alone, grad, workers, lambda batch: run_pass(lora, groups, batch, options, device, False),
+                                 lambda batch: _trained_params(lora, groups, batch), record)
 
 
-def _deterministic_passes(lora, groups, alone: list[list[Row]], options, device, grad: bool, workers: int, record) -> None:
-    """The one-datum passes of deterministic items, ``workers`` at a time on as many threads, with the
-    same bits as one at a time on the calling thread (tests/engine/test_deterministic.py): each pass
-    is on one intra-op thread whatever runs beside it (``deterministic.on_this_thread``; routing,
-    the checkpointing switch, grad mode and the primitives' state are per thread), computes its
-    adapter's gradients with ``torch.autograd.grad`` (the sums ``backward`` would hand the
-    parameters' AccumulateGrad), and they are added to ``.grad`` here, on this thread, in datum
-    order, as ``backward`` would: the first onto an absent ``.grad`` taken as is (in the parameter's
-    layout), the next added in place. Results are recorded in datum order too."""
-    pool = worker_pool(workers)
-    pending: deque = deque()
-    todo = iter(alone)
-
-    def submit():
-        batch = next(todo, None)
-        if batch is not None:
-            pending.append((batch, pool.submit(_deterministic_pass, lora, groups, batch, options, device, grad)))
-
-    # the model's attention switch and the process's one thread, held while the workers run
-    with deterministic(lora.model):
-        try:
-            for _ in range(2 * workers):  # a worker finishing out of turn starts the next pass at once
-                submit()
-            while pending:
-                batch, future = pending.popleft()
-                lp, elementwise, stats, params, grads, seconds = future.result()
-                submit()
-                if grad:
-                    with torch.no_grad():
-                        for p, g in zip(params, grads):
-                            if g is None:
-                                continue
-                            if p.grad is None:
-                                p.grad = g if g.stride() == p.stride() else torch.empty_like(p).copy_(g)
-                            else:
-                                p.grad += g
-                record(grad, batch, lp, elementwise, stats, seconds)
-        finally:  # on a failure, no pass may still run when the scope restores the thread count
-            for _, future in pending:
-                future.cancel()
-            futures_wait([future for _, future in pending])
-
-
-def _deterministic_pass(lora, groups, batch: list[Row], options, device, grad: bool):
-    start = time.perf_counter()
-    with deterministic_on_this_thread(), torch.set_grad_enabled(grad):
-        lp, elementwise, stats = run_pass(lora, groups, batch, options, device, False)
-        params, grads = [], ()
-        if grad:
-            adapter = lora.adapters.get(groups[batch[0].group].adapter)
-            params = [p for p in adapter.params.values() if p.requires_grad] if adapter is not None else []
-            if params:
-                grads = torch.autograd.grad(elementwise.sum(), params, allow_unused=True)
-            else:
-                elementwise.sum().backward()  # no adapter parameter: whatever backward says of it
-    return lp, elementwise, stats, params, grads, time.perf_counter() - start
+def _trained_params(lora: LoraModel, groups: list[LossGroup], batch: list[Row]) -> list:
+    """The parameters a one-run pass trains: its adapter's that require gradients (none: no adapter)."""
+    adapter = lora.adapters.get(groups[batch[0].group].adapter)
+    return [p for p in adapter.params.values() if p.requires_grad] if adapter is not None else []
 
 
 def microbatches(rows: list[Row], max_tokens: int) -> Iterator[list[Row]]:

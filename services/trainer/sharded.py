@@ -182,6 +182,13 @@ def split_rows(rows: list[Row], world: int) -> list[list[Row]]:
     return [[rows[n] for n in sorted(share)] for share in shares]
 
 
+def sharded_not_deterministic(world_size: int) -> str:
+    """Why a trainer group's ranks cannot run a deterministic item."""
+    return (f"a sharded trainer group ({world_size} ranks) has no batch-invariant kernels: its passes split rows "
+            f"over the ranks, gather FSDP-sharded layers and sum gradients across them (sharded.forward_backward); "
+            f"deterministic runs need a single-process trainer")
+
+
 def forward_backward(sharded: ShardedModel, groups: list[LossGroup], options: PassOptions, device: torch.device,
                      comm: dict | None = None) -> list[ForwardBackwardResult]:
     """``numerics.forward_backward`` over the ranks: this rank's share of the rows, LoRA gradients and
@@ -191,7 +198,6 @@ def forward_backward(sharded: ShardedModel, groups: list[LossGroup], options: Pa
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if any(g.deterministic for g in groups):  # the engine refuses them first (TrainerEngine.deterministic_unsupported)
         from temper.common.errors import FailedPrecondition  # grpc: not at import (numerics' lean-import rule)
-        from temper.services.trainer.engine import sharded_not_deterministic
         raise FailedPrecondition(sharded_not_deterministic(world))  # the same on every rank, before any collective
     comm = comm if comm is not None else {}
     logprobs = [[None] * len(g.data) for g in groups]
