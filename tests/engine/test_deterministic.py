@@ -29,6 +29,22 @@ def engine_for(model_dir, path, runs, **settings):
     return engine
 
 
+def trainer_and_sampler(model_dir, path):
+    """A trainer engine with run "run" (its lora_B made non-zero, so the adapter matters) and a torch
+    sampler backend holding that adapter as checkpoint "ckpt-1"."""
+    from temper.services.sampler.torch_backend import TorchSamplerBackend
+
+    engine = engine_for(model_dir, path, ["run"])
+    with torch.no_grad():
+        for name, p in engine.host.get("run").params.items():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    engine.save("run", "t/run/ckpt-1", include_optimizer=False)
+    sampler = TorchSamplerBackend(load_model(model_dir))
+    sampler.load_adapter("ckpt-1", engine.store.existing("t/run/ckpt-1"))
+    return engine, sampler
+
+
 def items(run, step):
     rng = np.random.default_rng(1000 * step + DETERMINISTIC.get(run, (17, 9))[1])
     length = DETERMINISTIC.get(run, (17, 9))[0]
@@ -155,16 +171,8 @@ def test_family_without_batch_invariant_kernels_refused(family_dirs, tmp_path, o
 
 def test_torch_sampler_deterministic_logprobs_are_the_trainers(tiny_model_dir, tmp_path, one_torch_thread):
     from temper.services.sampler.backend import SampleRequest, SamplingOptions
-    from temper.services.sampler.torch_backend import TorchSamplerBackend
 
-    engine = engine_for(tiny_model_dir, tmp_path, ["run"])
-    with torch.no_grad():
-        for name, p in engine.host.get("run").params.items():
-            if "lora_B" in name:
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
-    engine.save("run", "t/run/ckpt-1", include_optimizer=False)
-    sampler = TorchSamplerBackend(load_model(tiny_model_dir))
-    sampler.load_adapter("ckpt-1", engine.store.existing("t/run/ckpt-1"))
+    engine, sampler = trainer_and_sampler(tiny_model_dir, tmp_path)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 512, n) for n in (5, 40, 90)]
     options = SamplingOptions(max_tokens=20, seed=7, stop_disabled=True)
@@ -246,16 +254,9 @@ def test_threaded_decode_parts_equal_one_batch(tiny_model_dir, tmp_path, two_tor
     sampled tokens' logprobs are the trainer's forward; streamed pieces come from the worker threads."""
     from temper.services.sampler import deterministic_decode
     from temper.services.sampler.backend import SampleRequest, SamplingOptions
-    from temper.services.sampler.torch_backend import TorchSamplerBackend, _choose
+    from temper.services.sampler.torch_backend import _choose
 
-    engine = engine_for(tiny_model_dir, tmp_path, ["run"])
-    with torch.no_grad():
-        for name, p in engine.host.get("run").params.items():
-            if "lora_B" in name:
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
-    engine.save("run", "t/run/ckpt-1", include_optimizer=False)
-    sampler = TorchSamplerBackend(load_model(tiny_model_dir))
-    sampler.load_adapter("ckpt-1", engine.store.existing("t/run/ckpt-1"))
+    engine, sampler = trainer_and_sampler(tiny_model_dir, tmp_path)
     rng = np.random.default_rng(4)
     prompts = [rng.integers(0, 512, n) for n in (5, 40, 90, 17)]
     streamed: dict = {}
