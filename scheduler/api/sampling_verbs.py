@@ -66,7 +66,7 @@ class SamplingVerbs:
             run = await self.runs.get(checkpoint.training_run_id)  # may be another tenant's: the checkpoint is published
             base_model, model_path = run.base_model, str(path)
             # a deterministic run's checkpoints sample as the trainer computes, whatever the request says
-            deterministic = bool(run.row.deterministic) or (request.HasField("deterministic") and request.deterministic)
+            deterministic = bool(run.row.deterministic) or request.deterministic
             await self.backends.served("sampler", base_model)  # its samplers may be registering again: waited for
             info = self.backends.sampler_info(base_model)
             if deterministic:  # refused before the adapter is pushed: nothing is evicted for it
