@@ -89,14 +89,20 @@ class Bucket(NamedTuple):
 
 def insert_run_metrics(conn, rows: list[MetricRow], still_open: set[tuple[str, int]]) -> None:
     """The rows of requests being recorded now (``still_open``: a resent finish finds none), each with
-    its run's optimizer step: the run's counted steps before this transaction's, plus its optim
-    steps done up to it. Called before the run counters move (request_log._finish_requests)."""
-    rows = sorted((r for r in rows if (r.run_id, r.seq_id) in still_open), key=lambda r: (r.run_id, r.seq_id))
-    if not rows:
+    its run's optimizer step (``metric_values``). Called before the run counters move
+    (request_log._finish_requests)."""
+    runs = sorted({r.run_id for r in rows if (r.run_id, r.seq_id) in still_open})
+    if not runs:
         return
-    steps = {run_id: counted for run_id, counted in conn.execute(_RUN_STEPS, {"b_runs": sorted({r.run_id for r in rows})})}
-    values = []
-    for r in rows:
+    steps = {run_id: counted for run_id, counted in conn.execute(_RUN_STEPS, {"b_runs": runs})}
+    conn.execute(_INSERT_METRICS_ONCE.get(conn.dialect.name, _INSERT_METRICS), metric_values(rows, still_open, steps))
+
+
+def metric_values(rows: list[MetricRow], still_open: set[tuple[str, int]], steps: dict[str, int]) -> list[dict]:
+    """run_metrics values of the rows being recorded now, each with its run's optimizer step: the
+    run's counted ``steps`` before this transaction's, plus its optim steps done up to it."""
+    steps, values = dict(steps), []
+    for r in sorted((r for r in rows if (r.run_id, r.seq_id) in still_open), key=lambda r: (r.run_id, r.seq_id)):
         if r.kind == "optim_step" and r.status == "done":
             steps[r.run_id] = steps.get(r.run_id, 0) + 1
         values.append(dict(training_run_id=r.run_id, seq_id=r.seq_id, step=steps.get(r.run_id, 0), kind=r.kind, status=r.status,
@@ -105,7 +111,7 @@ def insert_run_metrics(conn, rows: list[MetricRow], still_open: set[tuple[str, i
                            trainer_seconds=max(0, r.answered_ms - r.started_ms) / 1000, cobatched_with=r.cobatched_with,
                            trainer=r.trainer, cycle=r.cycle, created_ms=r.created_ms, started_ms=r.started_ms,
                            answered_ms=r.answered_ms))
-    conn.execute(_INSERT_METRICS_ONCE.get(conn.dialect.name, _INSERT_METRICS), values)
+    return values
 
 
 @database_errors

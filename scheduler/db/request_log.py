@@ -19,8 +19,9 @@ from sqlalchemy.exc import IntegrityError
 
 from temper.common.errors import AlreadyExists, NotFound
 from temper.scheduler.db import models as m
+from temper.scheduler.db import pg_batch
 from temper.scheduler.db.outage import database_errors, now
-from temper.scheduler.db.records import MetricRow, insert_run_metrics
+from temper.scheduler.db.records import MetricRow, insert_run_metrics, metric_values
 
 REQUESTS = m.RequestRecord.__table__
 RUNS = m.TrainingRun.__table__
@@ -121,7 +122,12 @@ class RequestLogStore:
 
     @staticmethod
     def _insert_requests(conn, rows: list[NewRequest]) -> None:
+        if not rows:
+            return
         at = now()
+        if pg_batch.is_psycopg2(conn):
+            pg_batch.insert_requests(conn, rows, at)
+            return
         conn.execute(_INSERT_REQUESTS, [
             dict(training_run_id=r.run_id, seq_id=r.seq_id, kind=r.kind, payload_sha256=r.sha, status=r.status, num_tokens=r.tokens,
                  error=r.error, created_at=at, finished_at=at if r.status != "queued" else None, payload=r.payload, result=None)
@@ -155,7 +161,10 @@ class RequestLogStore:
 
     @staticmethod
     def _mark_running(conn, keys: list[tuple[str, int]]) -> None:
-        conn.execute(_MARK_RUNNING, {"b_keys": keys})
+        if pg_batch.is_psycopg2(conn):
+            pg_batch.mark_running(conn, keys)
+        else:
+            conn.execute(_MARK_RUNNING, {"b_keys": keys})
 
     def finish_requests(self, outcomes: Iterable[tuple[str, int, str, str | None, bytes | None]], trained_tokens: dict[str, int],
                         steps: dict[str, int], next_seq: dict[str, int], result_window: int = 0,
@@ -178,20 +187,26 @@ class RequestLogStore:
     def _finish_requests(conn, outcomes, trained_tokens: dict[str, int], steps: dict[str, int], next_seq: dict[str, int],
                          result_window: int = 0, metrics: list[MetricRow] = ()) -> None:
         outcomes, at = list(outcomes), now()
-        if conn.dialect.name == "postgresql" and conn.dialect.driver == "psycopg2":
-            still_open = _finish_open_postgres(conn, outcomes, at)
+        if pg_batch.is_psycopg2(conn):
+            still_open = pg_batch.finish_open(conn, outcomes, at)
         else:
             still_open = set(conn.execute(_STILL_OPEN, {"b_keys": [(run_id, seq_id) for run_id, seq_id, *_ in outcomes]}).tuples())
             rows = [dict(b_run=run_id, b_seq=seq_id, status=status, error=error, result=result, finished_at=at)
                     for run_id, seq_id, status, error, result in outcomes if (run_id, seq_id) in still_open]
             if rows:
                 conn.execute(_FINISH, rows)
-        if metrics:  # their steps from the run counters, before these move
-            insert_run_metrics(conn, metrics, still_open)
         counted = {run_id for run_id, _ in still_open}
         runs = [dict(b_run=run_id, b_cut=seq - result_window, b_next=seq,
                      b_tokens=trained_tokens.get(run_id, 0) if run_id in counted else 0,
                      b_steps=steps.get(run_id, 0) if run_id in counted else 0) for run_id, seq in sorted(next_seq.items())]
+        if pg_batch.is_psycopg2(conn):  # the runs locked in order first; their steps before these move
+            counted_steps = pg_batch.lock_runs(conn, [r["b_run"] for r in runs] + [run_id for run_id, _ in still_open])
+            if metrics:
+                pg_batch.insert_metrics(conn, metric_values(metrics, still_open, counted_steps))
+            pg_batch.count_runs(conn, runs)
+            return
+        if metrics:  # their steps from the run counters, before these move
+            insert_run_metrics(conn, metrics, still_open)
         if runs:
             conn.execute(_CUT_RESULTS, runs)
             conn.execute(_COUNT_RUN, runs)
@@ -226,25 +241,3 @@ class RequestLogStore:
         """The run's adapter now lives on ``trainer`` (restored there after its trainer died)."""
         with self.sessions.begin() as db:
             db.execute(update(m.TrainingRun).where(m.TrainingRun.id == run_id).values(trainer=trainer))
-
-
-# One round trip for a cycle's outcomes on PostgreSQL: an UPDATE over a VALUES list that returns the
-# rows it recorded (still queued or running), where the portable path asks which are open first.
-_FINISH_OPEN_SQL = (
-    "UPDATE requests AS r SET status = v.status, error = v.error, result = v.result, finished_at = v.at "
-    "FROM (VALUES %s) AS v(run, seq, status, error, result, at) "
-    "WHERE r.training_run_id = v.run AND r.seq_id = v.seq AND r.status IN ('queued', 'running') "
-    "RETURNING r.training_run_id, r.seq_id")
-_FINISH_OPEN_ROW = "(%s, %s::bigint, %s, %s::text, %s::bytea, %s::timestamptz)"
-
-
-def _finish_open_postgres(conn, outcomes: list, at) -> set[tuple[str, int]]:
-    from psycopg2.extras import execute_values
-
-    cursor = conn.connection.dbapi_connection.cursor()
-    try:
-        rows = execute_values(cursor, _FINISH_OPEN_SQL, [(*outcome, at) for outcome in outcomes], template=_FINISH_OPEN_ROW,
-                              page_size=max(len(outcomes), 1), fetch=True)
-    finally:
-        cursor.close()
-    return {(run, seq) for run, seq in rows}

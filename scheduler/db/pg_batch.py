@@ -1,0 +1,99 @@
+"""PostgreSQL forms of the hot path's writes: one statement for all the rows of a group commit or of
+a cycle's outcomes, where the portable forms (``request_log.py``) send a statement per row or per run.
+
+Each per-row statement costs the server a parse, a plan and an execution, and the scheduler a
+parameter dict through SQLAlchemy; with a cycle of many runs they were most of the hot path's
+statements (pg_stat_statements under ``benchmarks/scaleout.py --only ceiling``). Here the rows go
+as one ``VALUES`` list of positional parameters through ``exec_driver_sql``, so errors still come
+as SQLAlchemy's (``outage.py`` maps an outage to Unavailable, a duplicate is an IntegrityError).
+
+Lock order: a transaction that updates ``training_runs`` rows first locks them in id order with one
+``SELECT … ORDER BY id FOR NO KEY UPDATE``, as the per-run statements did by running in run order:
+the group commit and a cycle's finish never wait on each other's runs crosswise.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+
+_LOCK_RUNS = "SELECT id, steps FROM training_runs WHERE id = ANY(%s) ORDER BY id FOR NO KEY UPDATE"
+_INSERT_REQUESTS = ("INSERT INTO requests (training_run_id, seq_id, kind, payload_sha256, status, error, num_tokens, "
+                    "created_at, finished_at, payload) VALUES {values}")
+_REQUEST_ROW = "(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s::bytea)"
+_TOUCH_RUNS = "UPDATE training_runs SET last_request_at = %s WHERE id = ANY(%s)"
+_MARK_RUNNING = ("UPDATE requests AS r SET status = 'running' FROM (VALUES {values}) AS v(run, seq) "
+                 "WHERE r.training_run_id = v.run AND r.seq_id = v.seq")
+_KEY_ROW = "(%s, %s::bigint)"
+# Only requests still queued or running are recorded, and the statement says which: a resent finish
+# (its first commit's fate unknown) records nothing twice.
+_FINISH_OPEN = ("UPDATE requests AS r SET status = v.status, error = v.error, result = v.result, finished_at = v.at "
+                "FROM (VALUES {values}) AS v(run, seq, status, error, result, at) "
+                "WHERE r.training_run_id = v.run AND r.seq_id = v.seq AND r.status IN ('queued', 'running') "
+                "RETURNING r.training_run_id, r.seq_id")
+_OUTCOME_ROW = "(%s, %s::bigint, %s, %s::text, %s::bytea, %s::timestamptz)"
+_CUT_RESULTS = ("UPDATE requests AS r SET result = NULL FROM (VALUES {values}) AS v(run, cut) "
+                "WHERE r.training_run_id = v.run AND r.seq_id < v.cut AND r.result IS NOT NULL")
+_COUNT_RUNS = ("UPDATE training_runs AS t SET next_seq_id = v.next, tokens_trained = t.tokens_trained + v.tokens, "
+               "steps = t.steps + v.steps FROM (VALUES {values}) AS v(run, next, tokens, steps) WHERE t.id = v.run")
+_COUNT_ROW = "(%s, %s::bigint, %s::bigint, %s::bigint)"
+METRIC_COLUMNS = ("training_run_id", "seq_id", "step", "kind", "status", "error", "loss", "num_tokens", "grad_norm",
+                  "learning_rate", "metrics", "queued_seconds", "trainer_seconds", "cobatched_with", "trainer", "cycle",
+                  "created_ms", "started_ms", "answered_ms")
+# A request recorded again keeps its first metrics row (db/records.py).
+_INSERT_METRICS = (f"INSERT INTO run_metrics ({', '.join(METRIC_COLUMNS)}) VALUES {{values}} "
+                   "ON CONFLICT (training_run_id, seq_id) DO NOTHING")
+_METRIC_ROW = "(" + ", ".join("%s::json" if c == "metrics" else "%s" for c in METRIC_COLUMNS) + ")"
+
+
+def is_psycopg2(conn) -> bool:
+    return conn.dialect.name == "postgresql" and conn.dialect.driver == "psycopg2"
+
+
+def _many(conn, sql: str, row: str, rows: list[tuple]):
+    """``sql`` with its ``{values}`` a list of ``len(rows)`` ``row`` templates, the rows' values flattened."""
+    return conn.exec_driver_sql(sql.format(values=", ".join([row] * len(rows))), tuple(v for r in rows for v in r))
+
+
+def lock_runs(conn, run_ids) -> dict[str, int]:
+    """Lock the runs' rows in id order; their optimizer steps as committed so far."""
+    return {run_id: steps for run_id, steps in conn.exec_driver_sql(_LOCK_RUNS, (sorted(set(run_ids)),))}
+
+
+def insert_requests(conn, rows: list, at: datetime) -> None:
+    """Admitted rows (``request_log.NewRequest``) and their runs' last_request_at, in the caller's transaction."""
+    if not rows:
+        return
+    _many(conn, _INSERT_REQUESTS, _REQUEST_ROW, [
+        (r.run_id, r.seq_id, r.kind, r.sha, r.status, r.error, r.tokens, at, at if r.status != "queued" else None, r.payload)
+        for r in rows])
+    runs = sorted({r.run_id for r in rows})
+    if len(runs) > 1:
+        lock_runs(conn, runs)
+    conn.exec_driver_sql(_TOUCH_RUNS, (at, runs))
+
+
+def mark_running(conn, keys: list[tuple[str, int]]) -> None:
+    if keys:
+        _many(conn, _MARK_RUNNING, _KEY_ROW, keys)
+
+
+def finish_open(conn, outcomes: list, at: datetime) -> set[tuple[str, int]]:
+    """Record (run, seq, status, error, result) outcomes of requests still open; the keys recorded."""
+    if not outcomes:
+        return set()
+    return {(run_id, seq_id) for run_id, seq_id in _many(conn, _FINISH_OPEN, _OUTCOME_ROW, [(*outcome, at) for outcome in outcomes])}
+
+
+def insert_metrics(conn, values: list[dict]) -> None:
+    if values:
+        _many(conn, _INSERT_METRICS, _METRIC_ROW, [
+            tuple(json.dumps(v[c]) if c == "metrics" else v[c] for c in METRIC_COLUMNS) for v in values])
+
+
+def count_runs(conn, runs: list[dict]) -> None:
+    """Each run's results before its cut cleared and its counters moved (``request_log._finish_requests``'s
+    dicts); the runs' rows must be locked already (``lock_runs``)."""
+    if runs:
+        _many(conn, _CUT_RESULTS, _KEY_ROW, [(r["b_run"], r["b_cut"]) for r in runs])
+        _many(conn, _COUNT_RUNS, _COUNT_ROW, [(r["b_run"], r["b_next"], r["b_tokens"], r["b_steps"]) for r in runs])
