@@ -1,11 +1,14 @@
 """Calls to a worker that can be given up while they wait (``Calls.abandon``).
 
 A frozen worker (SIGSTOP, a hung device) keeps its TCP connection open, so a call to it waits for
-its whole deadline: minutes. Once the scheduler has moved the worker's runs elsewhere
+its whole deadline: minutes. Once the scheduler has moved a trainer's runs elsewhere
 (``Recovery.fail_over``), every call still waiting there is given up at once and raises
 ``Abandoned`` in its caller, whatever the call was (cycle, snapshot, restore, save, load, create,
-drop, import, read). One mechanism on the worker's handle, so no call site has its own. What the
-worker applies when it wakes is on a copy nobody uses again (recovery drops it when it answers).
+drop, import, read). What the trainer applies when it wakes is on a copy nobody uses again (recovery
+drops it when it answers). A sampler marked down (no heartbeat: ``membership.py``) has its calls
+(sample, logprobs, stream reads, adapter pushes and drops) given up the same way, and sampling
+routing takes the request to another sampler. One mechanism on the worker's handle, so no call site
+has its own.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ T = TypeVar("T")
 class Calls:
     """The calls awaited on one worker now."""
 
-    def __init__(self, what: str):
-        self.what = what
+    def __init__(self, what: str, outcome: str = "its runs moved to another trainer"):
+        self.what, self.outcome = what, outcome
         self._waiting: set[asyncio.Future] = set()
         self._given_up: set[asyncio.Future] = set()
 
@@ -35,8 +38,7 @@ class Calls:
         except asyncio.CancelledError:
             # given up by abandon(), not the caller itself being cancelled (a lane stopping)
             if task in self._given_up and not asyncio.current_task().cancelling():
-                raise Abandoned(f"{self.what} stopped answering and its runs moved to another trainer: this call "
-                                f"was given up") from None
+                raise Abandoned(f"{self.what} stopped answering and {self.outcome}: this call was given up") from None
             raise
         finally:
             self._waiting.discard(task)

@@ -113,6 +113,8 @@ class Membership:
             else:
                 sampler = self.backends.sampler_at(member.address)
                 sampler.suspect_until, sampler.recheck = math.inf, True  # tried last; asked who it is before use
+                if given_up := sampler.abandon():  # a frozen sampler's calls: their requests go to another sampler
+                    log.warning("gave up %d calls waiting on sampler %s", given_up, member.address)
 
     async def run_forever(self) -> None:
         every = min(1.0, self.settings.worker_timeout_seconds / 4)

@@ -39,7 +39,7 @@ async def stream_on_a_sampler(routing: SamplerRouting, base_model: str, request:
                 if chunk.done:
                     return
                 async with downstream(f"sampler {sampler.address} (mid-stream)", SamplerUnavailable):
-                    chunk = await call.read()
+                    chunk = await sampler.calls.run(call.read())  # Abandoned when it is marked down
                 if chunk is grpc.aio.EOF:
                     raise Unavailable(f"sampler {sampler.address} ended the stream before its last message")
     finally:
@@ -54,7 +54,7 @@ async def _open(routing: SamplerRouting, sampler: SamplerHandle, request, reload
         call = sampler.stub.SampleStream(request, timeout=sampler.settings.sampler_call_timeout_seconds)
         try:
             async with downstream(f"sampler {sampler.address}", SamplerUnavailable):
-                first = await call.read()
+                first = await sampler.calls.run(call.read())
         except TemperError as exc:
             call.cancel()
             if attempt or reload is None or not AdapterNotLoaded.matches(exc):

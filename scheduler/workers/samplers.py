@@ -28,9 +28,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 
-from temper.common.errors import AdapterNotLoaded, TemperError, Unavailable
+from temper.common.errors import Abandoned, AdapterNotLoaded, TemperError, Unavailable
 from temper.common.retry import retry
 from temper.scheduler import metrics
+from temper.scheduler.workers.abandon import Calls
 from temper.scheduler.workers.downstream import downstream
 from temper.scheduler.workers.events import cluster_event
 from temper.scheduler.settings import SchedulerSettings
@@ -67,10 +68,19 @@ class SamplerHandle:
     suspect_until: float = 0.0   # it failed: chosen last until then (time.monotonic)
     recheck: bool = False        # it failed: ask for its model info (incarnation) before using it again
     chosen: int = 0              # when it was last chosen (a count of choices): equal loads go to the longest unchosen
+    calls: Calls = field(init=False, repr=False)  # waiting now: given up when it is marked down (abandon.py)
+
+    def __post_init__(self):
+        self.calls = Calls(f"sampler {self.address}", "is marked down")
 
     async def call(self, method: str, request, timeout: float | None = None):
         async with downstream(f"sampler {self.address}", SamplerUnavailable):
-            return await getattr(self.stub, method)(request, timeout=timeout or self.settings.sampler_call_timeout_seconds)
+            return await self.calls.run(getattr(self.stub, method)(request, timeout=timeout or self.settings.sampler_call_timeout_seconds))
+
+    def abandon(self) -> int:
+        """Give up every call waiting on this sampler now (it sent no heartbeat: membership.py); each
+        raises Abandoned in its caller, and sampling routing tries another sampler. How many."""
+        return self.calls.abandon()
 
     @contextmanager
     def busy(self):
@@ -86,7 +96,7 @@ class SamplerHandle:
         return now < self.suspect_until
 
     def failed(self) -> None:
-        self.suspect_until = time.monotonic() + SUSPECT_SECONDS
+        self.suspect_until = max(self.suspect_until, time.monotonic() + SUSPECT_SECONDS)  # marked down (inf) stays so
         self.recheck = True
         metrics.SAMPLER_FAILURES.labels(self.address).inc()
 
@@ -184,7 +194,7 @@ class SamplerRouting:
                     if key and load is not None:
                         await load(sampler)
                     result = await action(sampler) if action is not None else None
-                except SamplerUnavailable as exc:
+                except (SamplerUnavailable, Abandoned) as exc:  # Abandoned: marked down while the call waited
                     sampler.failed()
                     failures.append(exc.message)
                     cluster_event("failure", exc.message, sampler.address)
@@ -240,7 +250,7 @@ class SamplerRouting:
                     yield chunk
 
             async with downstream(f"pushing {key} to sampler {sampler.address}", SamplerUnavailable):
-                await sampler.stub.PushAdapter(chunks(), timeout=self.settings.sampler_call_timeout_seconds)
+                await sampler.calls.run(sampler.stub.PushAdapter(chunks(), timeout=self.settings.sampler_call_timeout_seconds))
             sampler.loaded[key] = tenant
 
     @staticmethod

@@ -19,7 +19,7 @@ from temper.scheduler.workers import membership as membership_module
 from temper.scheduler.workers.backends import Backends
 from temper.scheduler.workers.membership import Membership
 from temper.scheduler.settings import SchedulerSettings
-from temper.v1 import registry_pb2, sampler_pb2, trainer_pb2
+from temper.v1 import registry_pb2, sampler_pb2, trainer_pb2, types_pb2
 
 TRAINER, SAMPLER = registry_pb2.WORKER_ROLE_TRAINER, registry_pb2.WORKER_ROLE_SAMPLER
 
@@ -197,3 +197,41 @@ def test_a_registry_drops_the_loopback_default_lists_unless_they_are_set(monkeyp
     monkeypatch.setenv("TEMPER_SCHEDULER_TRAINER_ADDRESSES", "t:1")
     monkeypatch.setenv("TEMPER_SCHEDULER_REGISTRY_BIND", "0.0.0.0:50081")
     assert SchedulerSettings().trainer_addresses == ["t:1"] and SchedulerSettings().sampler_addresses == []
+
+
+class FrozenSampler(FakeWorker):
+    """A sampler whose Sample never answers (SIGSTOPped: its connection stays open)."""
+
+    waiting = 0
+
+    async def Sample(self, request, timeout=None):
+        self.waiting += 1
+        await asyncio.Event().wait()
+
+
+class AnsweringSampler(FakeWorker):
+    async def Sample(self, request, timeout=None):
+        return types_pb2.SampleResponse(sequences=[types_pb2.SampledSequence(tokens=self.incarnation.encode())])
+
+
+def test_a_call_waiting_on_a_sampler_marked_down_is_given_up_and_sampled_on_another(world):
+    """Issue 21, edge 2, for samplers: without abandonment the call waits out sampler_call_timeout_seconds."""
+    workers, backends, recovery, clock, members = world
+
+    async def scenario():
+        workers["s1:1"], workers["s2:1"] = FrozenSampler("sampler", "frozen"), AnsweringSampler("sampler", "live")
+        await members.register(SAMPLER, "s1:1", "frozen")
+        await members.register(SAMPLER, "s2:1", "live")
+        frozen = backends.sampler_at("s1:1")
+        call = asyncio.create_task(backends.call_samplers("m", "Sample", sampler_pb2.SamplerSampleRequest()))
+        while workers["s1:1"].waiting == 0:  # equal loads: the first registered is chosen first
+            await asyncio.sleep(0.01)
+        assert len(frozen.calls) == 1 and not call.done()
+        clock.now += 11
+        members.heartbeat(SAMPLER, "s2:1", "live")
+        await members.sweep()  # s1 silent past worker_timeout_seconds: down, its waiting call given up
+        answer = await asyncio.wait_for(call, timeout=5)
+        assert answer.sequences[0].tokens == b"live" and workers["s1:1"].waiting == 1
+        assert frozen.suspect_until == math.inf and len(frozen.calls) == 0  # still chosen last until heard again
+
+    asyncio.run(scenario())
