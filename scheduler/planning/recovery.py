@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections import defaultdict
 from typing import Any, Protocol
@@ -62,7 +63,13 @@ def adapter_missing(exc: BaseException, run_id: str) -> bool:
 
 
 def snapshot_key(run_id: str, seq: int) -> str:
-    return f"{run_id}/snapshots/{seq}"
+    """A key of its own for every snapshot taken: one a trainer finishes after the call was given up
+    (and then deletes: trainer servicer) is never the key of a snapshot taken again and recorded."""
+    return f"{run_id}/snapshots/{seq}-{attempt_token()}"
+
+
+def attempt_token() -> str:
+    return secrets.token_hex(4)
 
 
 class RecoveryHost(Protocol):

@@ -4,6 +4,7 @@ thread, ``convert`` back to protobuf."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,6 +15,8 @@ from temper.services.trainer.engine import TrainerEngine
 from temper.services.trainer.tokenizer_files import file_pieces, tokenizer_files
 from temper.v1 import trainer_pb2, trainer_pb2_grpc
 
+log = logging.getLogger(__name__)
+
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def __init__(self, engine: TrainerEngine):
@@ -23,6 +26,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         # One compute thread: torch work on the shared model is serialized, the event loop stays free.
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-compute")
         self._tokenizer_files: dict[str, bytes] | None = None  # saved on the first ReadTokenizer
+        self._cleanups: set[asyncio.Task] = set()  # deletions of snapshots nobody will record (held: not collected)
 
     async def _run(self, rpc: str, fn, *args):
         # a failure is counted by the error interceptor (common/metrics.RPC_ERRORS), as every service's is
@@ -79,9 +83,32 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return trainer_pb2.LoadAdapterResponse()
 
     async def SnapshotAdapter(self, request, context):
-        info = await self._run("SnapshotAdapter", self.engine.snapshot, request.training_run_id, request.checkpoint_key)
+        key = request.checkpoint_key
+        taking = asyncio.ensure_future(self._run("SnapshotAdapter", self.engine.snapshot, request.training_run_id, key))
+        try:
+            info = await asyncio.shield(taking)
+        except asyncio.CancelledError:
+            # The scheduler gave up on the call (its deadline passed, it abandoned a frozen trainer's
+            # calls, or it died): it never records this snapshot, so the files, once written, are garbage.
+            taking.add_done_callback(lambda taken: self._discard_unrecorded(key, taken))
+            raise
         return trainer_pb2.SnapshotAdapterResponse(size_bytes=info.size_bytes, applied_seq_id=info.applied_seq,
                                                    steps=info.steps)
+
+    def _discard_unrecorded(self, key: str, taken: asyncio.Future) -> None:
+        if taken.cancelled() or taken.exception() is not None:
+            return  # nothing was published (engine.snapshot discards its staging folder on failure)
+
+        async def delete() -> None:
+            try:
+                await self._run("DeleteCheckpoint", self.engine.store.delete, key)
+                log.info("deleted snapshot %s, written after its caller gave up on it", key)
+            except (TemperError, OSError) as exc:
+                log.warning("could not delete snapshot %s, written after its caller gave up on it: %s", key, exc)
+
+        task = asyncio.ensure_future(delete())
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
 
     async def RestoreAdapter(self, request, context):
         info = await self._run("RestoreAdapter", self.engine.restore, request.training_run_id, request.checkpoint_key)

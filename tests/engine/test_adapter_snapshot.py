@@ -276,3 +276,40 @@ def test_servicer_snapshot_and_restore(original, tiny_model_dir, tmp_path):
     assert (snap.applied_seq_id, snap.steps) == (5, 2) and snap.size_bytes > 0
     assert (restored.applied_seq_id, restored.steps) == (5, 2)
     assert_same_state(state(fresh), state(original))
+
+
+def test_a_snapshot_finished_after_its_caller_gave_up_is_deleted(original):
+    """Issue 21, edge 2: the scheduler gives up a snapshot call (deadline, a frozen trainer's calls
+    abandoned, or it died) and never records it; the trainer, busy when the call came, writes it
+    later and then deletes it, leaving no unrecorded ``<run>/snapshots/...`` folder behind."""
+    import threading
+
+    servicer, key = TrainerServicer(original), "run-a/snapshots/5-late"
+
+    async def scenario():
+        loop, busy, behind, hold = asyncio.get_running_loop(), threading.Event(), threading.Event(), threading.Event()
+        blocker = loop.run_in_executor(servicer._compute, busy.wait)  # the compute thread is taken
+        call = asyncio.ensure_future(servicer.SnapshotAdapter(
+            trainer_pb2.SnapshotAdapterRequest(training_run_id="run-a", checkpoint_key=key), None))
+        await asyncio.sleep(0.05)
+        call.cancel()  # grpc.aio cancels the handler when its caller goes away
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        sentinel = loop.run_in_executor(servicer._compute, lambda: (behind.set(), hold.wait()))  # queued after the snapshot
+        busy.set()
+        await blocker
+        await loop.run_in_executor(None, behind.wait)
+        assert original.store.path(key).exists()  # written after all, once the compute thread got to it
+        hold.set()
+        await sentinel
+        for _ in range(200):  # then deleted, on the compute thread
+            if not servicer._cleanups and not original.store.path(key).exists():
+                break
+            await asyncio.sleep(0.05)
+        assert not servicer._cleanups
+
+    asyncio.run(scenario())
+    assert not original.store.path(key).exists()
+    kept = TrainerServicer(original)  # a call that is answered keeps its snapshot
+    asyncio.run(kept.SnapshotAdapter(trainer_pb2.SnapshotAdapterRequest(training_run_id="run-a", checkpoint_key=key), None))
+    assert original.store.path(key).exists()

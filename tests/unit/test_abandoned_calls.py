@@ -41,8 +41,8 @@ class FrozenStub:
 
 CALLS = {
     "run_cycle": lambda t: t.run_cycle(trainer_pb2.CycleRequest()),
-    "snapshot": lambda t: t.snapshot("a", "a/snapshots/1"),
-    "restore": lambda t: t.restore("a", "a/snapshots/1"),
+    "snapshot": lambda t: t.snapshot("a", "a/snapshots/1-t"),
+    "restore": lambda t: t.restore("a", "a/snapshots/1-t"),
     "save": lambda t: t.call("SaveAdapter", trainer_pb2.SaveAdapterRequest(training_run_id="a", checkpoint_key="a/weights/x")),
     "load": lambda t: t.call("LoadAdapter", trainer_pb2.LoadAdapterRequest(training_run_id="a", checkpoint_key="a/weights/x")),
     "drop": lambda t: t.call("DropAdapter", trainer_pb2.DropAdapterRequest(training_run_id="a")),
@@ -73,7 +73,7 @@ def test_every_trainer_call_waiting_on_a_frozen_trainer_is_given_up_by_abandon(n
 def test_a_caller_cancelled_while_waiting_is_cancelled_not_abandoned():
     async def main():
         handle = TrainerHandle("t-frozen:1", FrozenStub(), trainer_pb2.ModelInfo(base_model="m"), SchedulerSettings())
-        call = asyncio.create_task(handle.snapshot("a", "a/snapshots/1"))
+        call = asyncio.create_task(handle.snapshot("a", "a/snapshots/1-t"))
         await until(lambda: len(handle.calls) == 1)
         call.cancel()  # a lane stopping
         with pytest.raises(asyncio.CancelledError):
@@ -118,7 +118,7 @@ def test_a_trainer_frozen_in_a_restore_gives_the_run_up_to_the_trainer_it_moved_
         loop = asyncio.create_task(s.loop.run_forever())
         await train(api, "a", (1, 2, 3, 4))
         await until(lambda: s.store.runs["a"].snapshot_key is not None)  # the snapshot follows the answer
-        assert s.store.runs["a"].snapshot_key == "a/snapshots/4"
+        assert s.store.runs["a"].snapshot_key == "a/snapshots/4-t"
         frozen.lose()
         s.loop.recovery.trainer_restarted(frozen)  # a new incarnation registered: "a" is restored first ...
         fifth = asyncio.create_task(api.ForwardBackward(fb("a", 5), None))

@@ -165,10 +165,10 @@ def test_an_import_makes_the_run_its_adapter_and_its_checkpoints():
     assert response.checkpoint.path == "tinker://s:train:0/sampler_weights/mine"
     assert response.state_checkpoint.path == "tinker://s:train:0/weights/mine"
     assert trainer.calls == ["ImportAdapter", "CreateAdapter", "LoadAdapter", "SaveAdapter", "SnapshotAdapter"]
-    assert trainer.files == {"s:train:0/sampler_weights/mine", "s:train:0/weights/mine", "s:train:0/snapshots/0"}
+    assert trainer.files == {"s:train:0/sampler_weights/mine", "s:train:0/weights/mine", "s:train:0/snapshots/0-t"}
     (row, checkpoints), = store.added
     assert (row.lora_rank, row.lora_alpha, row.train_attn, row.train_mlp, row.seed, row.snapshot_key) == (4, 8, True, False, None,
-                                                                                                         "s:train:0/snapshots/0")
+                                                                                                         "s:train:0/snapshots/0-t")
     assert [(c.kind, c.size_bytes) for c in checkpoints] == [("sampler", 10), ("training", 12)]
     assert api.runs.added == [("s:train:0", "alice")] and api.backends.placed == {"s:train:0": "trainer:1"}
 

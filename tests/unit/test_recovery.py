@@ -53,8 +53,8 @@ def test_a_restarted_trainer_gets_the_snapshot_and_the_requests_since_then_the_h
         loop = asyncio.create_task(s.loop.run_forever())
         for pair in ((1, 2), (3, 4), (5, 6)):
             assert answers(await train(api, "a", pair)) == list(map(float, pair))
-        assert s.store.runs["a"].snapshot_key == "a/snapshots/4" and s.store.runs["a"].snapshot_seq == 4
-        assert ("delete", "a/snapshots/4") not in trainer.log and "a/snapshots/4" in trainer.store
+        assert s.store.runs["a"].snapshot_key == "a/snapshots/4-t" and s.store.runs["a"].snapshot_seq == 4
+        assert ("delete", "a/snapshots/4-t") not in trainer.log and "a/snapshots/4-t" in trainer.store
         # the payloads the snapshot covers are gone, the later ones kept
         assert [seq for (run, seq), r in sorted(s.store.requests.items()) if run == "a" and r.payload] == [5, 6]
 
@@ -62,16 +62,16 @@ def test_a_restarted_trainer_gets_the_snapshot_and_the_requests_since_then_the_h
         del trainer.log[:]
         assert answers(await train(api, "a", (7, 8))) == [7.0, 8.0]  # late, not failed
         # 2 steps since the last snapshot: the next one replaces it, whose files are deleted
-        await until(lambda: ("delete", "a/snapshots/4") in trainer.log)
-        restored = trainer.log.index(("restore", "a", "a/snapshots/4"))
+        await until(lambda: ("delete", "a/snapshots/4-t") in trainer.log)
+        restored = trainer.log.index(("restore", "a", "a/snapshots/4-t"))
         assert restored >= 1 and all(e[0] == "cycle" for e in trainer.log[:restored])  # refused: no adapter
         assert trainer.log[restored + 1] == ("cycle", [("a", 5), ("a", 6)])         # the replay, in seq order
         *held, snapshot, delete = trainer.log[restored + 2:]                         # then the held work
         assert [pair for entry in held for pair in entry[1]] == [("a", 7), ("a", 8)]
-        assert (snapshot, delete) == (("snapshot", "a", "a/snapshots/8"), ("delete", "a/snapshots/4"))
+        assert (snapshot, delete) == (("snapshot", "a", "a/snapshots/8-t"), ("delete", "a/snapshots/4-t"))
         assert trainer.adapters["a"] == trained(8)  # nothing applied twice
         assert s.store.statuses("a") == {seq: "done" for seq in range(1, 9)}
-        assert s.store.runs["a"].snapshot_key == "a/snapshots/8" and set(trainer.store) == {"a/snapshots/8"}
+        assert s.store.runs["a"].snapshot_key == "a/snapshots/8-t" and set(trainer.store) == {"a/snapshots/8-t"}
         loop.cancel()
 
     asyncio.run(main())
@@ -134,7 +134,7 @@ def test_the_runs_of_a_trainer_that_stays_down_move_to_one_that_answers_and_go_o
         assert s.loop.backends.placements["a"] == "t-alive:1" and s.store.runs["a"].trainer == "t-alive:1"  # durably
         assert s.loop.backends.down == {"t-dead:1"}
         assert [e for e in alive.log if e[0] in ("restore", "create") or (e[0] == "cycle" and e[1][0][0] == "a")] == [
-            ("restore", "a", "a/snapshots/2"), ("cycle", [("a", 3)]), ("cycle", [("a", 4)]), ("cycle", [("a", 5)])]
+            ("restore", "a", "a/snapshots/2-t"), ("cycle", [("a", 3)]), ("cycle", [("a", 4)]), ("cycle", [("a", 5)])]
         assert alive.adapters["a"] == trained(5) and dead.adapters["a"] == trained(3)
         assert answers(await train(api, "b", (3,))) == [3.0]  # the other run went on where it was
         dead.down = False
@@ -205,7 +205,7 @@ def test_a_trainer_that_restarts_again_mid_restore_gets_the_whole_restore_again(
             return out
         trainer.restore = restore_then_restart_again
         assert answers(await train(api, "a", (7, 8))) == [7.0, 8.0]  # not FAILED_PRECONDITION: restored again
-        assert restores == ["a/snapshots/4", "a/snapshots/4"] and trainer.adapters["a"] == trained(8)
+        assert restores == ["a/snapshots/4-t", "a/snapshots/4-t"] and trainer.adapters["a"] == trained(8)
         loop.cancel()
 
     asyncio.run(main())
@@ -288,3 +288,13 @@ def test_a_restore_cut_short_by_a_scheduler_crash_is_done_again_by_the_next_proc
         loop2.cancel()
 
     asyncio.run(main())
+
+
+@pytest.mark.real_snapshot_tokens
+def test_every_snapshot_attempt_has_a_key_of_its_own():
+    """A snapshot a frozen trainer finishes after the call was given up (and then deletes) never has the
+    key of the one taken again at the same seq and recorded."""
+    from temper.scheduler.planning.recovery import snapshot_key
+
+    keys = {snapshot_key("a", 4) for _ in range(32)}
+    assert len(keys) == 32 and all(k.startswith("a/snapshots/4-") for k in keys)
