@@ -3,9 +3,10 @@ or on whether its keys come from a KV cache (``docs/deterministic.md``).
 
 Inside ``deterministic(model)``:
 - every LoRA-wrapped linear (base weight and adapter factors) is ``linear``: rows padded to at least
-  ``MIN_ROWS`` (MKL takes another, differently-reducing path below 16 rows) and computed with one
-  intra-op thread (with more, MKL splits the reduction differently for different row counts:
-  measured, K=1536 N=576 rows differ between M=16 and M=100..128 on 2 threads, none differ on 1);
+  ``MIN_ROWS`` (MKL takes another, differently-reducing path for 1-3 rows: measured, every M from 4
+  to 299 gives row i the same bits on one thread, for the SmolLM2 shapes, mm and bmm; 8 leaves a
+  margin) and computed with one intra-op thread (with more, MKL splits the reduction differently for
+  different row counts); ``deterministic_lora`` adds the adapters;
 - attention is ``attention`` (registered with transformers as ``ATTENTION``): keys reduced in blocks
   of ``KEY_BLOCK`` aligned on their positions, fully masked blocks add exact zeros, blocks summed left
   to right, so a query sees the same additions whether its keys come from a cache of t+1 keys or a
@@ -25,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.nn.functional as F
 
-MIN_ROWS = 16
+MIN_ROWS = 8
 KEY_BLOCK = 64
 ATTENTION = "temper_deterministic"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen3", "qwen2")
@@ -57,17 +58,15 @@ def deterministic(model, cache: "DecodeCache | None" = None):
     """Run ``model``'s forward (and backward) passes with the batch-invariant primitives."""
     _register()
     config = model.config
-    previous = (getattr(_state, "on", False), getattr(_state, "cache", None), config._attn_implementation,
-                torch.get_num_threads())
-    _state.on, _state.cache = True, cache
+    previous = (_enter(cache), config._attn_implementation, torch.get_num_threads())
     config._attn_implementation = ATTENTION
     torch.set_num_threads(1)
     try:
         yield
     finally:
-        _state.on, _state.cache = previous[0], previous[1]
-        config._attn_implementation = previous[2]
-        torch.set_num_threads(previous[3])
+        _leave(previous[0])
+        config._attn_implementation = previous[1]
+        torch.set_num_threads(previous[2])
 
 
 @contextlib.contextmanager
@@ -84,12 +83,27 @@ def on_this_thread(cache: "DecodeCache | None" = None):
     threads that run deterministic passes only."""
     torch.get_num_threads()  # ATen's lazy per-thread initialisation, now rather than mid-pass
     torch.set_num_threads(1)
-    previous = (getattr(_state, "on", False), getattr(_state, "cache", None))
-    _state.on, _state.cache = True, cache
+    previous = _enter(cache)
     try:
         yield
     finally:
-        _state.on, _state.cache = previous
+        _leave(previous)
+
+
+def _enter(cache: "DecodeCache | None") -> tuple:
+    previous = (getattr(_state, "on", False), getattr(_state, "cache", None), getattr(_state, "memo", None))
+    _state.on, _state.cache, _state.memo = True, cache, {}
+    return previous
+
+
+def _leave(previous: tuple) -> None:
+    _state.on, _state.cache, _state.memo = previous
+
+
+def memo() -> dict:
+    """A dict that lives as long as this thread's innermost deterministic scope: for what is fixed
+    inside one (weights do not change during a pass or a decode), such as stacked adapter factors."""
+    return _state.memo
 
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}
@@ -128,14 +142,30 @@ class DecodeCache:
         self.rows = rows
         self.capacity = -(-capacity // KEY_BLOCK) * KEY_BLOCK
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.sharing: torch.Tensor | None = None  # inside ``prefill``: the rows the pass's one row fills
+
+    @contextlib.contextmanager
+    def prefill(self, rows: torch.Tensor):
+        """The passes inside (one prompt, one row, positions from 0) fill the cache ``rows``: the
+        samples of a prompt share its prefill (a row's numbers do not depend on the pass's others)."""
+        self.sharing = rows
+        try:
+            yield
+        finally:
+            self.sharing = None
 
     def update(self, layer: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor):
         """Write (B, H, M, d) keys/values at ``positions`` (B, M); returns the slots up to the last
-        position, rounded up to whole KEY_BLOCKs."""
+        position, rounded up to whole KEY_BLOCKs (in ``prefill``: the pass's own keys, which
+        attention pads with zeros to whole blocks, as the cache's unused slots are)."""
         if layer not in self.layers:
-            shape = (key.shape[0], key.shape[1], self.capacity, key.shape[-1])
+            shape = (self.rows, key.shape[1], self.capacity, key.shape[-1])
             self.layers[layer] = (key.new_zeros(shape), value.new_zeros(shape[:-1] + (value.shape[-1],)))
         keys, values = self.layers[layer]
+        if self.sharing is not None:
+            keys[self.sharing, :, :key.shape[2]] = key
+            values[self.sharing, :, :value.shape[2]] = value
+            return key, value
         index = positions[:, None, :, None]
         keys.scatter_(2, index.expand_as(key), key)
         values.scatter_(2, index.expand_as(value), value)
@@ -196,38 +226,3 @@ def _register() -> None:
     AttentionInterface.register(ATTENTION, attention)
     _register.done = True
 
-
-def lora_linear(layer, x: torch.Tensor) -> torch.Tensor:
-    """A ``MultiLoraLinear``'s forward from ``linear`` only: base, then each routed adapter's rows
-    ``(x A^T) B^T * scale`` added to them (one addition per element, as ``out + delta``).
-
-    With at most MIN_ROWS rows in a no-grad pass (a decode step) ``linear`` pads them to MIN_ROWS
-    anyway, so each adapter runs on all of them, padded once (a row's numbers do not depend on the
-    other rows'), and its rows take ``out + delta`` through a mask: the same additions, without a
-    gather, two paddings and a copy of ``out`` per adapter."""
-    out = linear(x, layer.base.weight, layer.base.bias)
-    routing = layer.router.current
-    if routing is None or not layer.adapters:
-        return out
-    dtype = layer.router.compute_dtype(x)
-    # (no-grad passes only: a backward would sum the rows' gradient terms at other positions of the 16)
-    few, padded = not torch.is_grad_enabled() and x.numel() // max(x.shape[-1], 1) <= MIN_ROWS, None
-    for key, index in routing.groups:
-        weights = layer.adapters.get(key)
-        if weights is None:
-            continue
-        if weights.dropout > 0:
-            raise RuntimeError(f"adapter {key} has LoRA dropout {weights.dropout}: no deterministic mode with dropout")
-        if index is not None and few:
-            if padded is None:
-                flat = x.reshape(-1, x.shape[-1]).to(dtype)
-                padded = F.pad(flat, (0, 0, 0, MIN_ROWS - flat.shape[0]))
-            delta = F.linear(F.linear(padded, weights.lora_A.to(dtype)), weights.lora_B.to(dtype)) * weights.scale
-            delta = delta[:out.numel() // out.shape[-1]].to(out.dtype).reshape(out.shape)
-            mine = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device).index_fill_(0, index, True)
-            out = torch.where(mine.view(-1, *[1] * (out.dim() - 1)), out + delta, out)
-            continue
-        rows = x if index is None else x.index_select(0, index)
-        delta = (linear(linear(rows.to(dtype), weights.lora_A.to(dtype)), weights.lora_B.to(dtype)) * weights.scale).to(out.dtype)
-        out = out + delta if index is None else out.index_add(0, index, delta)
-    return out

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from temper.services.lora import deterministic
+from temper.services.lora import deterministic, deterministic_lora
 
 
 @dataclass
@@ -260,7 +260,7 @@ class MultiLoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if deterministic.active():  # batch-invariant primitives (services/lora/deterministic.py)
-            return deterministic.lora_linear(self, x)
+            return deterministic_lora.lora_linear(self, x)
         out = self.base(x)
         routing = self.router.current
         if routing is None or not self.adapters:

@@ -9,7 +9,10 @@ and takes log p(target) with ``deterministic.target_logprobs``, as the trainer s
 datum, so the numbers are ``torch.equal`` to its forward logprobs on the same tokens. Top-k
 alternatives are the same formula at the k largest logits' ids; processed logprobs come from the
 request's own rows (batch-invariant, but the processed distribution, not the trainer's); stop strings
-and streaming are the default decode's rules. A family without batch-invariant kernels is refused."""
+and streaming are the default decode's rules. A family without batch-invariant kernels is refused.
+
+Each prompt's prefill runs once, alone at its length, for all of its samples (``_prefill``); the decode
+steps run every row of the batch together (the adapters stacked: ``deterministic_lora``)."""
 
 from __future__ import annotations
 
@@ -65,11 +68,13 @@ def score_prompt(backend, checkpoint_key: str | None, prompt: np.ndarray, last_n
 def sample(backend, requests: list[SampleRequest], choose, workers: int = 0) -> list[SampleResult]:
     """Every sequence of ``requests`` decoded in deterministic mode: the requests split into up to
     ``workers`` parts (0: the process's intra-op thread count) and no more than rows // MIN_ROWS,
-    balanced by rows, decoded side by side, each part's rows together, right-padded, on a thread of its own with one intra-op thread.
+    balanced by rows, decoded side by side, each part's rows together on a thread of its own with one
+    intra-op thread.
     A row's numbers do not depend on the other rows of its batch (each part's matmuls still take
     >= MIN_ROWS rows), and a request's rows, its generator and its progress stay in one part: the same
     bits as one batch. Fewer rows are one batch: a part of fewer would be padded to MIN_ROWS, adding
-    base-model work (measured, 8 rows in two parts: ~40% more CPU time, slower on a loaded machine)."""
+    base-model work (measured with a 16-row floor, 8 rows in two padded parts: ~40% more CPU time,
+    slower on a loaded machine)."""
     model = backend.loaded.model
     check(model)
     scored = [score_prompt(backend, r.checkpoint_key, r.prompt, r.prompt_logprobs_last_n, r.topk_prompt_logprobs)
@@ -125,9 +130,6 @@ def _decode(backend, requests: list[SampleRequest], choose, scope) -> list[list[
     rows, width = len(prompts), max(len(p) for p in prompts)
     steps = max(r.options.max_tokens for r in requests)
     lengths = torch.tensor([len(p) for p in prompts], device=device)
-    ids = torch.zeros(rows, width, dtype=torch.long, device=device)
-    for row, p in enumerate(prompts):
-        ids[row, :len(p)] = torch.from_numpy(p.astype(np.int64))
     generators = []
     for r in requests:
         g = torch.Generator(device=device)
@@ -145,10 +147,7 @@ def _decode(backend, requests: list[SampleRequest], choose, scope) -> list[list[
     reasons, alive = ["length"] * rows, [True] * rows
     cache = det.DecodeCache(rows, width + steps)
     with scope(cache), backend.lora.route(routing):
-        # the prompt's last position of each row through the head (the others' logits are not used)
-        hidden = model.get_decoder()(input_ids=ids, position_ids=torch.arange(width, device=device)[None].expand(rows, -1),
-                                     use_cache=False).last_hidden_state
-        logits = model.get_output_embeddings()(hidden[torch.arange(rows, device=device), lengths - 1]).float()
+        logits = _prefill(backend, requests, mine, cache)
         for step in range(steps):
             chosen = torch.zeros(rows, dtype=torch.long, device=device)
             processed_lp = {}
@@ -195,3 +194,27 @@ def _decode(backend, requests: list[SampleRequest], choose, scope) -> list[list[
         decoded[n].append(GeneratedSequence(tokens[row], logprobs[row], reasons[row],
                                             top_ids[row] if topk else None, top_lps[row] if topk else None))
     return decoded
+
+
+def _prefill(backend, requests: list[SampleRequest], mine: list[torch.Tensor], cache: det.DecodeCache) -> torch.Tensor:
+    """Each request's prompt through the decoder once, alone at its true length, its keys written to
+    all of its sample rows (``cache.prefill``), then the prompts' last positions through the head
+    together: (rows, vocab) float logits. A row's numbers do not depend on the pass's other rows, so
+    this is the work of the prompts' tokens only (not rows x the longest prompt) for the same bits."""
+    model, device = backend.loaded.model, backend.device
+    last = []
+    for n, r in enumerate(requests):
+        ids = torch.from_numpy(r.prompt.astype(np.int64)).to(device)[None]
+        with cache.prefill(mine[n]), backend.lora.route([(r.checkpoint_key, None)]):
+            hidden = model.get_decoder()(input_ids=ids, position_ids=torch.arange(ids.shape[1], device=device)[None],
+                                         use_cache=False).last_hidden_state
+        last.append(hidden[0, -1])
+    keys: dict = {}
+    for n, r in enumerate(requests):
+        keys.setdefault(r.checkpoint_key, []).append(n)
+    with backend.lora.route([(key, torch.tensor(ns, device=device)) for key, ns in keys.items()]):
+        head = model.get_output_embeddings()(torch.stack(last)).float()     # (requests, vocab)
+    owner = torch.empty(cache.rows, dtype=torch.long, device=device)
+    for n, rows in enumerate(mine):
+        owner[rows] = n
+    return head.index_select(0, owner)
