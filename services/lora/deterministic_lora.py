@@ -3,7 +3,7 @@ both adapter factors through batch-invariant matmuls, each routed row's ``(x A^T
 to its base output once (``out + delta``, as the default forward does).
 
 Passes with gradients (the trainer's) run each adapter on its own rows with ``deterministic.linear``.
-Small no-grad passes (a decode step: every adapter of the batch in every layer, at every step) run
+Small no-grad passes on CPU (a decode step: every adapter of the batch in every layer, at every step) run
 the adapters of one rank on all rows as two batched matmuls, their factors stacked once per
 deterministic scope: measured on this CPU, row i of the batched products has the bits of the
 per-adapter ``linear`` (bmm and mm row-invariant from 4 rows; rows are padded to MIN_ROWS), so a
@@ -32,8 +32,9 @@ def lora_linear(layer, x: torch.Tensor) -> torch.Tensor:
     if not present:
         return out
     dtype = layer.router.compute_dtype(x)
-    if not torch.is_grad_enabled() and x.numel() // max(x.shape[-1], 1) <= STACK_ROWS:
-        # (no-grad only: a backward through the stacked rows would sum gradient terms of other rows)
+    if not torch.is_grad_enabled() and x.device.type == "cpu" and x.numel() // max(x.shape[-1], 1) <= STACK_ROWS:
+        # no-grad only (a backward through the stacked rows would sum gradient terms of other rows);
+        # CPU only: bmm == per-adapter mm was measured there, not with a GPU's kernels
         return _stacked(layer, x, out, routing, present, dtype)
     for _, index, weights in present:
         rows = x if index is None else x.index_select(0, index)
