@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.nn.functional as F
 
-MIN_ROWS = 8
+MIN_ROWS = 8  # raised by ``_calibrate`` where this machine needs more (row_invariance.py)
 KEY_BLOCK = 64
 ATTENTION = "temper_deterministic"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen3", "qwen2")
@@ -50,6 +50,20 @@ def unsupported(model) -> str:
         return f"deterministic mode has no sliding-window attention ({model_type} with sliding-window layers)"
     if getattr(config, "final_logit_softcapping", None):
         return "deterministic mode has no logit soft-capping"
+    return _calibrate(model)
+
+
+def _calibrate(model) -> str:
+    """Raise ``MIN_ROWS`` to the row count from which this machine's matmuls for ``model`` are
+    row-invariant (``row_invariance.py``); why deterministic mode is off when none is."""
+    global MIN_ROWS
+    from temper.services.lora.row_invariance import FLOORS, row_floor
+
+    floor = row_floor(model, KEY_BLOCK)
+    if floor is None:
+        return (f"this machine's matmuls for the model's shapes give a row different bits depending on the rows "
+                f"beside it, with up to {FLOORS[-1]} rows (checked at start-up): no batch-invariant kernels here")
+    MIN_ROWS = max(MIN_ROWS, floor)  # a floor that works keeps working above it
     return ""
 
 
