@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 from datetime import datetime
 
-_LOCK_RUNS = "SELECT id, steps FROM training_runs WHERE id = ANY(%s) ORDER BY id FOR NO KEY UPDATE"
+_LOCK_RUNS = "SELECT id FROM training_runs WHERE id = ANY(%s) ORDER BY id FOR NO KEY UPDATE"
+_RUN_STEPS = "SELECT id, steps FROM training_runs WHERE id = ANY(%s)"
 _INSERT_REQUESTS = ("INSERT INTO requests (training_run_id, seq_id, kind, payload_sha256, status, error, num_tokens, "
                     "created_at, finished_at, payload) VALUES {values}")
 _REQUEST_ROW = "(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s::bytea)"
@@ -55,9 +56,14 @@ def _many(conn, sql: str, row: str, rows: list[tuple]):
     return conn.exec_driver_sql(sql.format(values=", ".join([row] * len(rows))), tuple(v for r in rows for v in r))
 
 
-def lock_runs(conn, run_ids) -> dict[str, int]:
-    """Lock the runs' rows in id order; their optimizer steps as committed so far."""
-    return {run_id: steps for run_id, steps in conn.exec_driver_sql(_LOCK_RUNS, (sorted(set(run_ids)),))}
+def lock_runs(conn, run_ids) -> None:
+    """Lock the runs' rows in id order, as late in the transaction as their update: admissions touch them too."""
+    conn.exec_driver_sql(_LOCK_RUNS, (sorted(set(run_ids)),))
+
+
+def run_steps(conn, run_ids) -> dict[str, int]:
+    """The runs' optimizer steps as committed so far (only this run's lane moves them)."""
+    return {run_id: steps for run_id, steps in conn.exec_driver_sql(_RUN_STEPS, (sorted(set(run_ids)),))}
 
 
 def insert_requests(conn, rows: list, at: datetime) -> None:
@@ -93,7 +99,8 @@ def insert_metrics(conn, values: list[dict]) -> None:
 
 def count_runs(conn, runs: list[dict]) -> None:
     """Each run's results before its cut cleared and its counters moved (``request_log._finish_requests``'s
-    dicts); the runs' rows must be locked already (``lock_runs``)."""
+    dicts), the runs' rows locked in order first."""
     if runs:
         _many(conn, _CUT_RESULTS, _KEY_ROW, [(r["b_run"], r["b_cut"]) for r in runs])
+        lock_runs(conn, [r["b_run"] for r in runs])
         _many(conn, _COUNT_RUNS, _COUNT_ROW, [(r["b_run"], r["b_next"], r["b_tokens"], r["b_steps"]) for r in runs])

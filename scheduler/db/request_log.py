@@ -199,9 +199,9 @@ class RequestLogStore:
         runs = [dict(b_run=run_id, b_cut=seq - result_window, b_next=seq,
                      b_tokens=trained_tokens.get(run_id, 0) if run_id in counted else 0,
                      b_steps=steps.get(run_id, 0) if run_id in counted else 0) for run_id, seq in sorted(next_seq.items())]
-        if pg_batch.is_psycopg2(conn):  # the runs locked in order first; their steps before these move
-            counted_steps = pg_batch.lock_runs(conn, [r["b_run"] for r in runs] + [run_id for run_id, _ in still_open])
-            if metrics:
+        if pg_batch.is_psycopg2(conn):
+            if metrics and still_open:  # their steps from the run counters, before these move
+                counted_steps = pg_batch.run_steps(conn, [run_id for run_id, _ in still_open])
                 pg_batch.insert_metrics(conn, metric_values(metrics, still_open, counted_steps))
             pg_batch.count_runs(conn, runs)
             return
