@@ -57,13 +57,17 @@ def _calibrate(model) -> str:
     """Raise ``MIN_ROWS`` to the row count from which this machine's matmuls for ``model`` are
     row-invariant (``row_invariance.py``); why deterministic mode is off when none is."""
     global MIN_ROWS
-    from temper.services.lora.row_invariance import FLOORS, row_floor
+    from temper.services.lora.row_invariance import FLOORS, row_floor, stacking_agrees
 
     floor = row_floor(model, KEY_BLOCK)
     if floor is None:
         return (f"this machine's matmuls for the model's shapes give a row different bits depending on the rows "
                 f"beside it, with up to {FLOORS[-1]} rows (checked at start-up): no batch-invariant kernels here")
     MIN_ROWS = max(MIN_ROWS, floor)  # a floor that works keeps working above it
+    from temper.services.lora import deterministic_lora
+
+    if not stacking_agrees(model, MIN_ROWS):  # decode then runs the adapters one by one, as the trainer does
+        deterministic_lora.STACKING = False
     return ""
 
 

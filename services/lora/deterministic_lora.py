@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from temper.services.lora import deterministic as det
 
 STACK_ROWS = 64  # at most this many rows: every adapter on every row costs less than gathering them
+STACKING = True  # off where this machine's stacked products differ from the per-adapter ones (row_invariance.py)
 
 
 def lora_linear(layer, x: torch.Tensor) -> torch.Tensor:
@@ -32,7 +33,7 @@ def lora_linear(layer, x: torch.Tensor) -> torch.Tensor:
     if not present:
         return out
     dtype = layer.router.compute_dtype(x)
-    if not torch.is_grad_enabled() and x.device.type == "cpu" and x.numel() // max(x.shape[-1], 1) <= STACK_ROWS:
+    if STACKING and not torch.is_grad_enabled() and x.device.type == "cpu" and x.numel() // max(x.shape[-1], 1) <= STACK_ROWS:
         # no-grad only (a backward through the stacked rows would sum gradient terms of other rows);
         # CPU only: bmm == per-adapter mm was measured there, not with a GPU's kernels
         return _stacked(layer, x, out, routing, present, dtype)

@@ -9,7 +9,10 @@ rows. So each process probes the model's own shapes (its linears, a LoRA factor'
 at a few row counts, raises the floor when it must (8, 16, 32, 64: a floor that works keeps working
 above it, so the process keeps the largest any of its models needed), and, when none works, says so:
 deterministic requests are then refused (FAILED_PRECONDITION) instead of answered with bits that
-depend on the batch.
+depend on the batch. The decode steps' stacked adapters (``deterministic_lora._stacked``: a broadcast
+matmul and a ``bmm`` over every adapter of one rank) rest on a second property, that those give each
+adapter the bits of its own ``linear``; ``stacking_agrees`` checks it, and where it fails decode runs
+the adapters one by one as the trainer does.
 """
 
 from __future__ import annotations
@@ -95,3 +98,35 @@ def _probe(shapes, dim: int, kv_heads: int, dtype, device, block: int) -> int | 
         if ok and _attention_agrees(dim, kv_heads, floor, counts, dtype, device, block):
             return floor
     return None
+
+
+@torch.no_grad()
+def stacking_agrees(model, floor: int, groups: int = 3) -> bool:
+    """A broadcast matmul over ``groups`` stacked rank-``PROBE_RANK`` A factors and a ``bmm`` over the B
+    factors give each group the bits of its own ``F.linear``s, for the model's linear shapes (one thread)."""
+    param = next(model.parameters())
+    key = ("stacking", _shapes(model), floor, param.dtype, str(param.device))
+    if key not in _checked:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            _checked[key] = _stacking(_shapes(model)[:-1] or _shapes(model), floor, groups, param.dtype, param.device)
+        finally:
+            torch.set_num_threads(threads)
+    return bool(_checked[key])
+
+
+def _stacking(shapes, floor: int, groups: int, dtype, device) -> bool:
+    g = torch.Generator(device="cpu").manual_seed(2)
+    for k, n in shapes:  # the vocabulary head takes no adapter
+        for rows in (floor, floor + 5, 4 * floor + 3):
+            x = torch.randn(rows, k, generator=g).to(device, dtype)
+            lora_a = torch.randn(groups, PROBE_RANK, k, generator=g).to(device, dtype)
+            lora_b = torch.randn(groups, n, PROBE_RANK, generator=g).to(device, dtype)
+            low = torch.matmul(x, lora_a.transpose(1, 2))
+            high = torch.bmm(low, lora_b.transpose(1, 2))
+            for i in range(groups):
+                alone = F.linear(x, lora_a[i])
+                if not (torch.equal(low[i], alone) and torch.equal(high[i], F.linear(alone, lora_b[i]))):
+                    return False
+    return True

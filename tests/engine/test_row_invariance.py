@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from temper.services.lora import deterministic as det
-from temper.services.lora import row_invariance
+from temper.services.lora import deterministic_lora, row_invariance
 
 
 @pytest.fixture
@@ -24,6 +24,7 @@ def fresh(monkeypatch):
     """A process that has checked nothing yet, its floor restored afterwards."""
     monkeypatch.setattr(row_invariance, "_checked", {})
     monkeypatch.setattr(det, "MIN_ROWS", 8)
+    monkeypatch.setattr(deterministic_lora, "STACKING", True)
 
 
 def linear_reducing_otherwise(when):
@@ -41,7 +42,7 @@ def linear_reducing_otherwise(when):
 
 def test_this_machine_is_row_invariant_from_the_floor(model, fresh):
     assert row_invariance.row_floor(model, det.KEY_BLOCK) == 8
-    assert det.unsupported(model) == "" and det.MIN_ROWS == 8
+    assert det.unsupported(model) == "" and det.MIN_ROWS == 8 and deterministic_lora.STACKING
     # and the check can tell: below 4 rows this CPU's BLAS reduces differently
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(40, 64, generator=g), torch.randn(64, 64, generator=g)
@@ -59,3 +60,10 @@ def test_a_blas_that_is_never_row_invariant_turns_deterministic_mode_off(model, 
     monkeypatch.setattr(row_invariance.F, "linear", linear_reducing_otherwise(lambda rows: rows > 64))
     reason = det.unsupported(model)
     assert "different bits depending on the rows beside it" in reason and det.MIN_ROWS == 8
+
+
+def test_stacked_products_that_differ_send_decode_back_to_one_adapter_at_a_time(model, fresh, monkeypatch):
+    real = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda a, b: real(a.double(), b.double()).to(a.dtype))
+    assert det.unsupported(model) == ""  # deterministic mode stays on ...
+    assert not deterministic_lora.STACKING  # ... with the trainer's per-adapter path in decode too
