@@ -10,22 +10,12 @@ from __future__ import annotations
 
 import time
 
-from sqlalchemy import create_engine, text
-
 from fixtures_stack import request_rows, sft_datum
 from test_faults import metric, wait_until
 from test_scaleout import on_each_trainer
-from test_trainer_loss import ADAM, DATA, assert_close_weights, train_alone
+from test_trainer_loss import ADAM, DATA, assert_close_weights, run_field, train_alone
 
 WORKER_TIMEOUT = 4.0
-
-
-def recorded_snapshot(url: str, run_id: str) -> str:
-    engine = create_engine(url)
-    with engine.connect() as conn:
-        key = conn.execute(text("select snapshot_key from training_runs where id = :r"), {"r": run_id}).scalar_one()
-    engine.dispose()
-    return key
 
 
 def test_a_frozen_trainer_holds_its_run_only_until_the_run_moves(tiny_model_dir, new_postgres_database, tmp_path):
@@ -65,7 +55,7 @@ def test_a_frozen_trainer_holds_its_run_only_until_the_run_moves(tiny_model_dir,
             twin = train_alone(client, tiny_model_dir, DATA[:5], rank=4, seed=5)
             assert_close_weights(client, run, twin, tmp_path)
             # no unrecorded snapshot: one the thawed trainer finished after the call was given up is deleted
-            recorded = recorded_snapshot(url, run.model_id)
+            recorded = run_field(url, run.model_id, "snapshot_key")
             folder = tmp_path / "stack" / "checkpoints" / run.model_id / "snapshots"
             wait_until(lambda: sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == [recorded.rsplit("/", 1)[1]],
                        30, f"only the recorded snapshot {recorded} in {folder}")

@@ -43,12 +43,17 @@ def assert_close_weights(client, a, b, tmp_path) -> None:
         np.testing.assert_allclose(got[key], want[key], atol=1e-5, rtol=0, err_msg=key)
 
 
-def placed_on(url: str, run_id: str) -> str:
+def run_field(url: str, run_id: str, column: str):
+    """One column of the run's training_runs row, read from the database."""
     engine = create_engine(url)
     with engine.connect() as conn:
-        trainer = conn.execute(text("select trainer from training_runs where id = :r"), {"r": run_id}).scalar_one()
+        value = conn.execute(text(f"select {column} from training_runs where id = :r"), {"r": run_id}).scalar_one()
     engine.dispose()
-    return trainer
+    return value
+
+
+def placed_on(url: str, run_id: str) -> str:
+    return run_field(url, run_id, "trainer")
 
 
 def test_a_trainer_killed_mid_stream_comes_back_and_its_run_goes_on_exactly(tiny_model_dir, new_postgres_database, tmp_path):
