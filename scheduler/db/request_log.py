@@ -49,7 +49,9 @@ _SKIP_QUEUED = update(REQUESTS).where(*_ONE, REQUESTS.c.status == "queued").valu
 _SKIPPED_FROM = select(REQUESTS.c.seq_id).where(REQUESTS.c.training_run_id == bindparam("b_run"),
                                                 REQUESTS.c.seq_id >= bindparam("b_seq"), REQUESTS.c.status == "skipped")
 ABANDONED = "abandoned by its client before it was recorded (AbandonSeq)"
-_LOCK_SNAPSHOT = select(RUNS.c.snapshot_key).where(RUNS.c.id == bindparam("b_run")).with_for_update()
+# NO KEY UPDATE: it serializes snapshot records without waiting on the run's admissions, whose rows'
+# foreign keys take KEY SHARE on the run (FOR UPDATE waited for them: 0.8-1.5 ms per snapshot under load)
+_LOCK_SNAPSHOT = select(RUNS.c.snapshot_key).where(RUNS.c.id == bindparam("b_run")).with_for_update(key_share=True)
 _SET_SNAPSHOT = update(RUNS).where(RUNS.c.id == bindparam("b_run")).values(snapshot_key=bindparam("b_key"), snapshot_seq=bindparam("b_seq"))
 _SET_RESTORING = update(RUNS).where(RUNS.c.id == bindparam("b_run")).values(restoring=bindparam("b_restoring"))
 _CLEAR_PAYLOADS = update(REQUESTS).where(REQUESTS.c.training_run_id == bindparam("b_run"), REQUESTS.c.seq_id <= bindparam("b_seq"),
