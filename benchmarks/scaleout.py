@@ -16,7 +16,9 @@ It measures, side by side in one run (repetitions interleaved in a rotating orde
                     --window small requests in flight (1 datum x --small-tokens tokens).
                     Side by side, the same clients drive --grpc-floor (``grpc_floor.py``): the public
                     service answered at once by a bare grpc.aio server (no auth, admission, database or
-                    trainer); the ceiling is also read as a fraction of that transport floor.
+                    trainer); the ceiling is also read as a fraction of that transport floor. With
+                    --durable-floor, also ``durable_floor.py``: that server plus two group-committed
+                    Postgres writes per verb, an upper bound for a scheduler of this design.
   (c) latency       open-loop (Poisson) arrivals at --latency-fraction x the (b) median, the same small
                     requests on the largest (a) stack (workers sleeping): p50/p99 per verb of what the
                     scheduler adds, latency minus the time the fake worker spent on the verb's cycle.
@@ -32,7 +34,7 @@ database backends are recorded for every measurement, with the machine's busy fr
     python benchmarks/scaleout.py --only ceiling   # (b) and (c) alone: about 1 minute
 
 The pieces: scaleout_procs.py (processes, databases, stacks, CPU use), scaleout_load.py (the clients, the load
-and what the answers say), grpc_floor.py (the bare gRPC server).
+and what the answers say), grpc_floor.py (the bare gRPC server), durable_floor.py (it, writing each verb twice).
 
 The last stdout line is the result JSON; it is also written to benchmarks/results/scaleout.json, with
 a plot in benchmarks/results/scaleout.png.
@@ -59,10 +61,10 @@ import grpc
 import numpy as np
 
 from scaleout_load import (FB, OPT, Clients, Tenant, closed_loop, connect, create_runs, latency_summary, make_data, median,
-                           open_loop, tokens_per_second, verbs_per_second)
+                           open_loop, summarize_ceiling, tokens_per_second, verbs_per_second)
 from scaleout_procs import DEFAULT_SERVER, HERE, REPO, Databases, Stack, Usage, make_tenants, start_floor, start_stacks
 
-SMALL = ("ceiling", "floor")  # the variants driven with the small verbs
+SMALL = ("ceiling", "floor", "durable_floor")  # the variants driven with the small verbs
 GOAL_FRACTION = 0.9
 
 
@@ -156,11 +158,13 @@ async def measure(args, stacks: dict, databases: Databases, progress) -> dict:
     for n in throughput_ns:
         await create_runs(stacks[f"n{n}"], "throughput", n * args.runs_per_trainer, big)
     await create_runs(stacks["ceiling"], "small", args.ceiling_runs, small)
-    await create_runs(stacks["floor"], "small", args.ceiling_runs, small)
+    for floor in ("floor", "durable_floor"):
+        if floor in stacks:
+            await create_runs(stacks[floor], "small", args.ceiling_runs, small)
     await create_runs(stacks[f"n{max(args.trainers)}"], "small", args.ceiling_runs, small)
     progress.update()
 
-    variants = [f"n{n}" for n in throughput_ns] + ["ceiling", "floor"]
+    variants = [f"n{n}" for n in throughput_ns] + ["ceiling", "floor"] + (["durable_floor"] if "durable_floor" in stacks else [])
     samples: dict[str, list[dict]] = {v: [] for v in variants}
     progress.set_postfix_str("warm-up")
     for v in variants:  # one short pass each: channels, caches, the first cycles
@@ -261,23 +265,6 @@ def summarize(args, samples: dict, latency: dict, clients: Clients, stacks: dict
     }
 
 
-def summarize_ceiling(args, samples: dict) -> dict:
-    c, floor = samples["ceiling"], median([s["verbs_per_s"] for s in samples["floor"]])
-    ceiling = median([s["verbs_per_s"] for s in c])
-    return {
-        "verbs_per_s": ceiling,
-        "grpc_floor_verbs_per_s": floor, "grpc_floor_samples_verbs_per_s": [s["verbs_per_s"] for s in samples["floor"]],
-        "grpc_floor_cores": {k: median([s["usage"]["cores"].get(k) for s in samples["floor"]]) for k in ("scheduler", "client")},
-        "fraction_of_grpc_floor": ceiling / floor if ceiling and floor else None,
-        "samples_verbs_per_s": [s["verbs_per_s"] for s in c],
-        "trainers": args.ceiling_trainers, "runs": args.ceiling_runs, "tenants": args.tenants, "window_per_run": args.window,
-        "cores": {k: median([s["usage"]["cores"].get(k) for s in c]) for k in ("scheduler", "workers", "client", "database")},
-        "machine_busy_fraction": median([s["usage"]["machine_busy_fraction"] for s in c]),
-        "verbs_per_cycle": median([s["verbs_per_s"] * args.duration / s["usage"]["scheduler_cycles"]
-                                   for s in c if s["usage"]["scheduler_cycles"]]),
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 and 2 trainers, 1 rep, short windows (a smoke run)")
@@ -302,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--database-url", default=None,
                         help=f"PostgreSQL server (any database on it; the role may CREATE DATABASE): each stack gets a fresh "
                              f"database there, dropped at the end (default {DEFAULT_SERVER})")
+    parser.add_argument("--durable-floor", action="store_true",
+                        help="also drive durable_floor.py: the bare server plus two group-committed Postgres writes per verb")
     parser.add_argument("--sqlite", action="store_true", help="SQLite files in a temporary folder instead of PostgreSQL")
     parser.add_argument("--scheduler-env", action="append", default=[], metavar="NAME=VALUE",
                         help="extra environment for the schedulers (e.g. TEMPER_SCHEDULER_LOG_LEVEL=WARNING); repeatable")
@@ -332,19 +321,20 @@ def main(argv: list[str] | None = None) -> int:
     stacked = [max(args.trainers)] if args.only == "ceiling" else args.trainers  # the largest one is (c)'s
     stacks = {f"n{n}": Stack(f"n{n}", n, args.seconds_per_1k_tokens) for n in stacked}
     stacks["ceiling"] = Stack("ceiling", args.ceiling_trainers, 0.0)
-    floor = Stack("floor", 0, 0.0)
-    variants = 2 if args.only == "ceiling" else len(args.trainers) + 2
+    floors = [Stack("floor", 0, 0.0)] + ([Stack("durable_floor", 0, 0.0)] if args.durable_floor else [])
+    variants = (2 if args.only == "ceiling" else len(args.trainers) + 2) + (1 if args.durable_floor else 0)
     progress = tqdm(total=len(stacks) * 2 + 2 + args.reps * variants + 1, desc="scaleout", unit="step", file=sys.stderr)
     token = secrets.token_urlsafe(32)
     failed, kept_logs = True, None
     try:
         progress.set_postfix_str("starting schedulers and fake workers")
         start_stacks(list(stacks.values()), databases, log_dir, token, scheduler_env, progress)
-        stacks["floor"] = floor
-        start_floor(floor, log_dir)
+        for floor in floors:
+            stacks[floor.name] = floor
+            start_floor(floor, log_dir, databases if floor.name == "durable_floor" else None)
         progress.set_postfix_str("API keys")
         for stack in stacks.values():
-            if stack is floor:
+            if stack in floors:
                 stack.tenants = [Tenant(f"tenant-{i:02d}", "none") for i in range(args.tenants)]
                 continue
             make_tenants(stack, args.tenants)
@@ -395,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ceiling {c['verbs_per_s']:.0f} verbs/s (scheduler {c['cores']['scheduler'] or 0:.2f} cores, machine busy "
           f"{c['machine_busy_fraction'] or 0:.2f}); bare gRPC server {c['grpc_floor_verbs_per_s']:.0f} verbs/s: "
           f"ceiling / floor {c['fraction_of_grpc_floor'] or 0:.2f}", file=sys.stderr)
+    if "durable_floor_verbs_per_s" in c:
+        print(f"durable floor {c['durable_floor_verbs_per_s']:.0f} verbs/s ({c['durable_floor_verbs_per_s'] / c['grpc_floor_verbs_per_s']:.2f} "
+              f"of the bare server); ceiling / it {c['ceiling_fraction_of_durable_floor'] or 0:.2f}", file=sys.stderr)
     for verb, stats in result["latency"]["per_verb"].items():
         a = stats["added_ms"]
         if a["n"]:

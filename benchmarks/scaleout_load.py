@@ -261,3 +261,29 @@ def latency_summary(done: list[Done], window: tuple[float, float]) -> dict:
 def median(xs: list[float]) -> float | None:
     xs = [x for x in xs if x is not None]
     return float(statistics.median(xs)) if xs else None
+
+
+def summarize_ceiling(args, samples: dict) -> dict:
+    c, floor = samples["ceiling"], median([s["verbs_per_s"] for s in samples["floor"]])
+    ceiling = median([s["verbs_per_s"] for s in c])
+    return {
+        "verbs_per_s": ceiling,
+        "grpc_floor_verbs_per_s": floor, "grpc_floor_samples_verbs_per_s": [s["verbs_per_s"] for s in samples["floor"]],
+        "grpc_floor_cores": {k: median([s["usage"]["cores"].get(k) for s in samples["floor"]]) for k in ("scheduler", "client")},
+        "fraction_of_grpc_floor": ceiling / floor if ceiling and floor else None,
+        "samples_verbs_per_s": [s["verbs_per_s"] for s in c],
+        "trainers": args.ceiling_trainers, "runs": args.ceiling_runs, "tenants": args.tenants, "window_per_run": args.window,
+        "cores": {k: median([s["usage"]["cores"].get(k) for s in c]) for k in ("scheduler", "workers", "client", "database")},
+        "machine_busy_fraction": median([s["usage"]["machine_busy_fraction"] for s in c]),
+        "verbs_per_cycle": median([s["verbs_per_s"] * args.duration / s["usage"]["scheduler_cycles"]
+                                   for s in c if s["usage"]["scheduler_cycles"]]),
+        **(durable_floor(samples["durable_floor"], ceiling) if "durable_floor" in samples else {}),
+    }
+
+
+def durable_floor(d: list[dict], ceiling: float | None) -> dict:
+    """The durable floor (durable_floor.py): the bare server plus two group-committed Postgres writes per verb."""
+    rate = median([s["verbs_per_s"] for s in d])
+    return {"durable_floor_verbs_per_s": rate, "durable_floor_samples_verbs_per_s": [s["verbs_per_s"] for s in d],
+            "durable_floor_cores": {k: median([s["usage"]["cores"].get(k) for s in d]) for k in ("scheduler", "client", "database")},
+            "ceiling_fraction_of_durable_floor": ceiling / rate if ceiling and rate else None}

@@ -200,9 +200,14 @@ def start_stacks(stacks: list[Stack], databases: Databases, log_dir: Path, token
         progress.update()
 
 
-def start_floor(stack: Stack, log_dir: Path) -> None:
-    """The bare gRPC server (grpc_floor.py) as the stack's "scheduler": no workers, no database."""
-    stack.scheduler = launch(stack.name, [sys.executable, str(HERE / "grpc_floor.py"), "--bind", "127.0.0.1:0"], {}, log_dir)
+def start_floor(stack: Stack, log_dir: Path, databases: Databases | None = None) -> None:
+    """The bare gRPC server (grpc_floor.py) as the stack's "scheduler": no workers, no database; with
+    ``databases``, the durable floor (durable_floor.py) on a fresh database of its own."""
+    argv = [sys.executable, str(HERE / "grpc_floor.py"), "--bind", "127.0.0.1:0"]
+    if databases is not None:
+        stack.database_url, stack.database_name = databases.create(stack.name)
+        argv = [sys.executable, str(HERE / "durable_floor.py"), "--bind", "127.0.0.1:0", "--database-url", stack.database_url]
+    stack.scheduler = launch(stack.name, argv, {}, log_dir)
     stack.scheduler.wait_ready(120)
 
 
