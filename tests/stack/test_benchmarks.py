@@ -81,7 +81,7 @@ def test_gpu_benchmark_smoke_runs_on_the_trainer_numerics_without_grpc_protobuf_
 
 def test_scaleout_benchmark_quick_runs_against_a_real_scheduler_and_reports_every_field(postgres_server_url, tmp_path):
     # a real scheduler process per stack on fresh Postgres databases, fake trainers over gRPC
-    result = run_script("scaleout.py", "--quick", "--database-url", postgres_server_url, "--out-dir", str(tmp_path))
+    result = run_script("scaleout.py", "--quick", "--durable-floor", "--database-url", postgres_server_url, "--out-dir", str(tmp_path))
     assert result["benchmark"] == "scaleout"
     assert result["errors"]["count"] == 0, result["errors"]
     throughput = result["throughput"]
@@ -99,6 +99,10 @@ def test_scaleout_benchmark_quick_runs_against_a_real_scheduler_and_reports_ever
     # the bare gRPC server, driven side by side: the ceiling as a fraction of it
     assert len(ceiling["grpc_floor_samples_verbs_per_s"]) == result["config"]["reps"] and ceiling["grpc_floor_verbs_per_s"] > 0
     assert ceiling["fraction_of_grpc_floor"] == pytest.approx(ceiling["verbs_per_s"] / ceiling["grpc_floor_verbs_per_s"])
+    # and the durable floor (each verb written twice to its own Postgres database), side by side too
+    assert len(ceiling["durable_floor_samples_verbs_per_s"]) == result["config"]["reps"] and ceiling["durable_floor_verbs_per_s"] > 0
+    assert ceiling["ceiling_fraction_of_durable_floor"] == pytest.approx(ceiling["verbs_per_s"] / ceiling["durable_floor_verbs_per_s"])
+    assert ceiling["durable_floor_cores"]["database"] > 0  # its writes reached Postgres
     latency = result["latency"]
     assert abs(latency["target_verbs_per_s"] - result["config"]["latency_fraction"] * ceiling["verbs_per_s"]) < 1e-6
     for verb in ("forward_backward", "optim_step", "all"):
