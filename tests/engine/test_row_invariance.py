@@ -1,7 +1,8 @@
 """The start-up check behind deterministic mode (services/lora/row_invariance.py): this machine's
 matmuls for the model's shapes must give a row the same bits whatever rows share the matmul, from
-``MIN_ROWS`` rows on. Here they do at 8; a BLAS that needs more rows raises the floor; one that is
-never row-invariant turns deterministic mode off with a reason (refused, never a best effort)."""
+``MIN_ROWS`` rows on. On the machine this was written on they do at 8; a BLAS that needs more rows
+raises the floor; one that is never row-invariant turns deterministic mode off with a reason
+(refused, never a best effort); stacked adapter products that differ send decode to the per-adapter path."""
 
 from __future__ import annotations
 
@@ -40,20 +41,17 @@ def linear_reducing_otherwise(when):
     return linear
 
 
-def test_this_machine_is_row_invariant_from_the_floor(model, fresh):
-    assert row_invariance.row_floor(model, det.KEY_BLOCK) == 8
-    assert det.unsupported(model) == "" and det.MIN_ROWS == 8 and deterministic_lora.STACKING
-    # and the check can tell: below 4 rows this CPU's BLAS reduces differently
-    g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(40, 64, generator=g), torch.randn(64, 64, generator=g)
-    torch.set_num_threads(1)
-    assert row_invariance._rows_agree(x, w, 8, (8, 9, 17)) and not row_invariance._rows_agree(x, w, 1, (1, 2, 5))
+def test_this_machine_is_row_invariant_from_a_floor_and_uses_it(model, fresh):
+    """8 rows on the machine this was written on; another CPU may need more (then MIN_ROWS says so)."""
+    floor = row_invariance.row_floor(model, det.KEY_BLOCK)
+    assert floor in row_invariance.FLOORS  # the deterministic tests of this suite rely on it
+    assert det.unsupported(model) == "" and det.MIN_ROWS == floor
 
 
 def test_a_blas_that_needs_more_rows_raises_the_floor(model, fresh, monkeypatch):
     monkeypatch.setattr(row_invariance.F, "linear", linear_reducing_otherwise(lambda rows: rows < 16))
     assert det.unsupported(model) == ""
-    assert det.MIN_ROWS == 16  # every deterministic matmul is now padded to 16 rows
+    assert det.MIN_ROWS >= 16  # every deterministic matmul is now padded to at least 16 rows
 
 
 def test_a_blas_that_is_never_row_invariant_turns_deterministic_mode_off(model, fresh, monkeypatch):
