@@ -58,6 +58,7 @@ class TorchSamplerBackend(SamplerBackend):
         if loaded.tokenizer.eos_token_id is not None:
             eos.append(loaded.tokenizer.eos_token_id)
         self.default_stop_ids = tuple(sorted(set(eos)))
+        deterministic_unsupported(loaded.model)  # the row-invariance check (seconds for a large model) before serving, not in GetModelInfo
 
     def describe(self) -> ModelDescription:
         return ModelDescription(

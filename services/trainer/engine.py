@@ -74,6 +74,7 @@ class TrainerEngine:
         # the budget is taken once, at start: the process keeps freed activation memory for reuse
         # (host_allocator, CUDA's caching allocator), so what is "available" later shrinks by it
         self.auto_activation_budget = activation_budget_bytes(self.device, 0, settings.activation_memory_fraction)
+        deterministic.unsupported(self.lora.model)  # the row-invariance check (seconds for a large model) before serving, not in GetModelInfo
         if settings.activation_checkpointing_min_tokens is not None:
             log.warning("TEMPER_TRAINER_ACTIVATION_CHECKPOINTING_MIN_TOKENS is deprecated: passes of %d tokens or more are "
                         "checkpointed whatever memory they need; unset it to let the activation memory budget decide",
