@@ -18,7 +18,6 @@ import json
 from datetime import datetime
 
 _LOCK_RUNS = "SELECT id FROM training_runs WHERE id = ANY(%s) ORDER BY id FOR NO KEY UPDATE"
-_RUN_STEPS = "SELECT id, steps FROM training_runs WHERE id = ANY(%s)"
 _INSERT_REQUESTS = ("INSERT INTO requests (training_run_id, seq_id, kind, payload_sha256, status, error, num_tokens, "
                     "created_at, finished_at, payload) VALUES {values}")
 _REQUEST_ROW = "(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s::bytea)"
@@ -59,11 +58,6 @@ def _many(conn, sql: str, row: str, rows: list[tuple]):
 def lock_runs(conn, run_ids) -> None:
     """Lock the runs' rows in id order, as late in the transaction as their update: admissions touch them too."""
     conn.exec_driver_sql(_LOCK_RUNS, (sorted(set(run_ids)),))
-
-
-def run_steps(conn, run_ids) -> dict[str, int]:
-    """The runs' optimizer steps as committed so far (only this run's lane moves them)."""
-    return {run_id: steps for run_id, steps in conn.exec_driver_sql(_RUN_STEPS, (sorted(set(run_ids)),))}
 
 
 def insert_requests(conn, rows: list, at: datetime) -> None:

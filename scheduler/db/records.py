@@ -20,6 +20,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from temper.common.errors import NotFound
 from temper.scheduler.db import models as m
+from temper.scheduler.db import pg_batch
 from temper.scheduler.db.outage import database_errors
 
 METRICS = m.RunMetric.__table__
@@ -95,7 +96,11 @@ def insert_run_metrics(conn, rows: list[MetricRow], still_open: set[tuple[str, i
     if not runs:
         return
     steps = {run_id: counted for run_id, counted in conn.execute(_RUN_STEPS, {"b_runs": runs})}
-    conn.execute(_INSERT_METRICS_ONCE.get(conn.dialect.name, _INSERT_METRICS), metric_values(rows, still_open, steps))
+    values = metric_values(rows, still_open, steps)
+    if pg_batch.is_psycopg2(conn):
+        pg_batch.insert_metrics(conn, values)  # one multi-row statement
+    else:
+        conn.execute(_INSERT_METRICS_ONCE.get(conn.dialect.name, _INSERT_METRICS), values)
 
 
 def metric_values(rows: list[MetricRow], still_open: set[tuple[str, int]], steps: dict[str, int]) -> list[dict]:

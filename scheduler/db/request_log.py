@@ -21,7 +21,7 @@ from temper.common.errors import AlreadyExists, NotFound
 from temper.scheduler.db import models as m
 from temper.scheduler.db import pg_batch
 from temper.scheduler.db.outage import database_errors, now
-from temper.scheduler.db.records import MetricRow, insert_run_metrics, metric_values
+from temper.scheduler.db.records import MetricRow, insert_run_metrics
 
 REQUESTS = m.RequestRecord.__table__
 RUNS = m.TrainingRun.__table__
@@ -197,19 +197,15 @@ class RequestLogStore:
                     for run_id, seq_id, status, error, result in outcomes if (run_id, seq_id) in still_open]
             if rows:
                 conn.execute(_FINISH, rows)
+        if metrics:  # their steps from the run counters, before these move
+            insert_run_metrics(conn, metrics, still_open)
         counted = {run_id for run_id, _ in still_open}
         runs = [dict(b_run=run_id, b_cut=seq - result_window, b_next=seq,
                      b_tokens=trained_tokens.get(run_id, 0) if run_id in counted else 0,
                      b_steps=steps.get(run_id, 0) if run_id in counted else 0) for run_id, seq in sorted(next_seq.items())]
         if pg_batch.is_psycopg2(conn):
-            if metrics and still_open:  # their steps from the run counters, before these move
-                counted_steps = pg_batch.run_steps(conn, [run_id for run_id, _ in still_open])
-                pg_batch.insert_metrics(conn, metric_values(metrics, still_open, counted_steps))
             pg_batch.count_runs(conn, runs)
-            return
-        if metrics:  # their steps from the run counters, before these move
-            insert_run_metrics(conn, metrics, still_open)
-        if runs:
+        elif runs:
             conn.execute(_CUT_RESULTS, runs)
             conn.execute(_COUNT_RUN, runs)
 
