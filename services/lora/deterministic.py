@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -32,6 +33,7 @@ ATTENTION = "temper_deterministic"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen3", "qwen2")
 
 _state = threading.local()
+_calibrated: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()  # _calibrate's answers
 
 
 def active() -> bool:
@@ -55,7 +57,14 @@ def unsupported(model) -> str:
 
 def _calibrate(model) -> str:
     """Raise ``MIN_ROWS`` to the row count from which this machine's matmuls for ``model`` are
-    row-invariant (``row_invariance.py``); why deterministic mode is off when none is."""
+    row-invariant (``row_invariance.py``); why deterministic mode is off when none is. Once per model:
+    asked again for every deterministic item and GetModelInfo."""
+    if model not in _calibrated:
+        _calibrated[model] = _check_row_invariance(model)
+    return _calibrated[model]
+
+
+def _check_row_invariance(model) -> str:
     global MIN_ROWS
     from temper.services.lora.row_invariance import FLOORS, row_floor, stacking_agrees
 

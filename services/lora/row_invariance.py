@@ -60,7 +60,19 @@ def _attention_agrees(dim: int, kv_heads: int, floor: int, counts: tuple[int, ..
     return True
 
 
-@torch.no_grad()
+def _once(key: tuple, compute):
+    """``compute()`` on one intra-op thread (the deterministic passes' setting), once per ``key``."""
+    if key not in _checked:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with torch.no_grad():
+                _checked[key] = compute()
+        finally:
+            torch.set_num_threads(threads)
+    return _checked[key]
+
+
 def row_floor(model, block: int) -> int | None:
     """The smallest of ``FLOORS`` at which the model's matmuls are row-invariant here (one thread);
     None when none is. Once per model shape set, dtype and device."""
@@ -69,16 +81,8 @@ def row_floor(model, block: int) -> int | None:
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     shapes = _shapes(model)
-    key = (shapes, dim, kv_heads, param.dtype, str(param.device))
-    if key in _checked:
-        return _checked[key]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        _checked[key] = _probe(shapes, dim, kv_heads, param.dtype, param.device, block)
-    finally:
-        torch.set_num_threads(threads)
-    return _checked[key]
+    return _once((shapes, dim, kv_heads, param.dtype, str(param.device)),
+                 lambda: _probe(shapes, dim, kv_heads, param.dtype, param.device, block))
 
 
 def _probe(shapes, dim: int, kv_heads: int, dtype, device, block: int) -> int | None:
@@ -100,20 +104,12 @@ def _probe(shapes, dim: int, kv_heads: int, dtype, device, block: int) -> int | 
     return None
 
 
-@torch.no_grad()
 def stacking_agrees(model, floor: int, groups: int = 3) -> bool:
     """A broadcast matmul over ``groups`` stacked rank-``PROBE_RANK`` A factors and a ``bmm`` over the B
     factors give each group the bits of its own ``F.linear``s, for the model's linear shapes (one thread)."""
-    param = next(model.parameters())
-    key = ("stacking", _shapes(model), floor, param.dtype, str(param.device))
-    if key not in _checked:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            _checked[key] = _stacking(_shapes(model)[:-1] or _shapes(model), floor, groups, param.dtype, param.device)
-        finally:
-            torch.set_num_threads(threads)
-    return bool(_checked[key])
+    param, shapes = next(model.parameters()), _shapes(model)
+    return bool(_once(("stacking", shapes, floor, param.dtype, str(param.device)),
+                      lambda: _stacking(shapes[:-1] or shapes, floor, groups, param.dtype, param.device)))
 
 
 def _stacking(shapes, floor: int, groups: int, dtype, device) -> bool:

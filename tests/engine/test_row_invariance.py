@@ -6,6 +6,8 @@ raises the floor; one that is never row-invariant turns deterministic mode off w
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,7 @@ def model(tiny_model_dir):
 def fresh(monkeypatch):
     """A process that has checked nothing yet, its floor restored afterwards."""
     monkeypatch.setattr(row_invariance, "_checked", {})
+    monkeypatch.setattr(det, "_calibrated", weakref.WeakKeyDictionary())
     monkeypatch.setattr(det, "MIN_ROWS", 8)
     monkeypatch.setattr(deterministic_lora, "STACKING", True)
 
