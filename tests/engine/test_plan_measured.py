@@ -179,35 +179,15 @@ def _rank(rank: int, world: int, init_method: str, folder: str, out) -> None:
         torch.distributed.destroy_process_group()
     except BaseException:
         import traceback
-        out.put((rank, traceback.format_exc()))
+        out.put((rank, RuntimeError(traceback.format_exc())))  # raised by run_ranks in the parent
         raise
 
 
 def _world(folder: str, world: int) -> None:
-    import socket
+    from ranks import free_port, run_ranks  # run as a script: this folder is first on sys.path
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, f"tcp://127.0.0.1:{port}", folder, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    ranks = {}
-    try:
-        while len(ranks) < world:
-            rank, got = out.get(timeout=90)
-            if isinstance(got, str):
-                raise SystemExit(got)
-            ranks[rank] = got
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    ranks = run_ranks(_rank, lambda r, out: (r, world, init_method, folder, out), world, timeout=90)
     print(PREFIX + json.dumps({str(r): ranks[r] for r in sorted(ranks)}), flush=True)
 
 
