@@ -1,6 +1,6 @@
 """Spawned rank processes for the multi-process engine tests (test_sharded, test_trainer_group,
-test_deterministic_wire, test_plan_measured's world-size-2 child): a free port to rendezvous on, and the ranks started, their results
-collected from a queue and the processes reaped."""
+test_deterministic_wire, test_plan_measured's world-size-2 child): a free port to rendezvous on, and
+the ranks started, their results collected from a queue and the processes reaped."""
 
 from __future__ import annotations
 
