@@ -12,7 +12,7 @@ import socket
 
 import grpc
 
-from temper.common.internal_auth import bearer_interceptors, resolve_token
+from temper.common.internal_auth import resolve_token, with_token
 from temper.common.server_options import CHANNEL_OPTIONS
 from temper.common.tls import channel_credentials
 from temper.v1 import registry_pb2, registry_pb2_grpc
@@ -45,16 +45,16 @@ class Registration:
         token = resolve_token(settings, prefix)
         if token is None:
             log.warning("no %sINTERNAL_TOKEN: the scheduler's registry will refuse this %s", prefix, role)
-        self._interceptors = bearer_interceptors(token) if token else []
+        self._token = token
         self.registered = asyncio.Event()  # set at each successful registration (tests wait on it)
 
     def _channel(self) -> grpc.aio.Channel:
         s = self.settings
         options = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 5000)]
         if s.register_tls_ca_file is None:
-            return grpc.aio.insecure_channel(s.register_with, options=options, interceptors=self._interceptors)
+            return with_token(grpc.aio.insecure_channel(s.register_with, options=options), self._token)
         credentials = channel_credentials(s.register_tls_ca_file, s.register_tls_cert_file, s.register_tls_key_file)
-        return grpc.aio.secure_channel(s.register_with, credentials, options=options, interceptors=self._interceptors)
+        return with_token(grpc.aio.secure_channel(s.register_with, credentials, options=options), self._token)
 
     async def run_forever(self) -> None:
         async with self._channel() as channel:

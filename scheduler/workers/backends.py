@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from temper.common.errors import TemperError, Unavailable
-from temper.common.internal_auth import bearer_interceptors, resolve_token
+from temper.common.internal_auth import resolve_token, with_token
 from temper.common.server_options import CHANNEL_OPTIONS
 from temper.common.tls import channel_credentials
 from temper.common.uploads import file_chunks
@@ -134,7 +134,7 @@ class Backends(SamplerRouting, ModelPresence):
         token = resolve_token(settings, "TEMPER_SCHEDULER_")
         if token is None:
             log.warning("no TEMPER_SCHEDULER_INTERNAL_TOKEN: trainers and samplers answer only with internal_auth=disabled")
-        self._interceptors = bearer_interceptors(token) if token else []
+        self._token = token
         self._credentials = None
         if settings.internal_tls_ca_file is not None:
             self._credentials = channel_credentials(settings.internal_tls_ca_file, settings.internal_tls_cert_file,
@@ -144,11 +144,12 @@ class Backends(SamplerRouting, ModelPresence):
         # A worker that restarts is found again within seconds (gRPC's default backoff grows to 2 min).
         options = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 5000)]
         if self._credentials is None:
-            channel = grpc.aio.insecure_channel(address, options=options, interceptors=self._interceptors)
+            channel = grpc.aio.insecure_channel(address, options=options)
         else:
             if self.settings.internal_tls_server_name:
                 options.append(("grpc.ssl_target_name_override", self.settings.internal_tls_server_name))
-            channel = grpc.aio.secure_channel(address, self._credentials, options=options, interceptors=self._interceptors)
+            channel = grpc.aio.secure_channel(address, self._credentials, options=options)
+        channel = with_token(channel, self._token)
         self._channels.append(channel)
         return channel
 

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from temper.common.errors import NotFound, Unavailable
-from temper.common.internal_auth import InternalAuthConfigError, bearer_interceptors, token_authenticator
+from temper.common.internal_auth import InternalAuthConfigError, token_authenticator, with_token
 from temper.common.registration import Registration, advertised_address
 from temper.common.server import build_server
 from temper.scheduler.workers.backends import Backends
@@ -90,12 +90,12 @@ def test_the_registry_admits_the_internal_token_only():
         server, port = await start_registry(settings, membership)
         beat = registry_pb2.WorkerHeartbeatRequest(role=registry_pb2.WORKER_ROLE_TRAINER, address="t:1", incarnation="a")
         try:
-            for interceptors in ([], bearer_interceptors("wrong"), bearer_interceptors("tml-an-api-key")):
-                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", interceptors=interceptors) as channel:
+            for token in (None, "wrong", "tml-an-api-key"):
+                async with with_token(grpc.aio.insecure_channel(f"127.0.0.1:{port}"), token) as channel:
                     with pytest.raises(grpc.aio.AioRpcError) as err:
                         await registry_pb2_grpc.RegistryStub(channel).Heartbeat(beat, timeout=5)
                     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", interceptors=bearer_interceptors(TOKEN)) as channel:
+            async with with_token(grpc.aio.insecure_channel(f"127.0.0.1:{port}"), TOKEN) as channel:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await registry_pb2_grpc.RegistryStub(channel).Heartbeat(beat, timeout=5)
                 assert err.value.code() == grpc.StatusCode.NOT_FOUND  # admitted; this scheduler does not know it
