@@ -21,7 +21,6 @@ _LOCK_RUNS = "SELECT id FROM training_runs WHERE id = ANY(%s) ORDER BY id FOR NO
 _INSERT_REQUESTS = ("INSERT INTO requests (training_run_id, seq_id, kind, payload_sha256, status, error, num_tokens, "
                     "created_at, finished_at, payload) VALUES {values}")
 _REQUEST_ROW = "(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s::bytea)"
-_TOUCH_RUNS = "UPDATE training_runs SET last_request_at = %s WHERE id = ANY(%s)"
 _MARK_RUNNING = ("UPDATE requests AS r SET status = 'running' FROM (VALUES {values}) AS v(run, seq) "
                  "WHERE r.training_run_id = v.run AND r.seq_id = v.seq")
 _KEY_ROW = "(%s, %s::bigint)"
@@ -32,11 +31,16 @@ _FINISH_OPEN = ("UPDATE requests AS r SET status = v.status, error = v.error, re
                 "WHERE r.training_run_id = v.run AND r.seq_id = v.seq AND r.status IN ('queued', 'running') "
                 "RETURNING r.training_run_id, r.seq_id")
 _OUTCOME_ROW = "(%s, %s::bigint, %s, %s::text, %s::bytea, %s::timestamptz)"
-_CUT_RESULTS = ("UPDATE requests AS r SET result = NULL FROM (VALUES {values}) AS v(run, cut) "
-                "WHERE r.training_run_id = v.run AND r.seq_id < v.cut AND r.result IS NOT NULL")
+# From the run's previous cut on (its next_seq_id before this finish, less the same window): the rows
+# below were cut by earlier finishes, so a long run's log is not walked again at every cycle.
+_CUT_RESULTS = ("UPDATE requests AS r SET result = NULL FROM (VALUES {values}) AS v(run, cut, next), training_runs AS t "
+                "WHERE t.id = v.run AND r.training_run_id = v.run AND r.seq_id >= t.next_seq_id - (v.next - v.cut) "
+                "AND r.seq_id < v.cut AND r.result IS NOT NULL")
+_CUT_ROW = "(%s, %s::bigint, %s::bigint)"
 _COUNT_RUNS = ("UPDATE training_runs AS t SET next_seq_id = v.next, tokens_trained = t.tokens_trained + v.tokens, "
-               "steps = t.steps + v.steps FROM (VALUES {values}) AS v(run, next, tokens, steps) WHERE t.id = v.run")
-_COUNT_ROW = "(%s, %s::bigint, %s::bigint, %s::bigint)"
+               "steps = t.steps + v.steps, last_request_at = COALESCE(v.at, t.last_request_at) "
+               "FROM (VALUES {values}) AS v(run, next, tokens, steps, at) WHERE t.id = v.run")
+_COUNT_ROW = "(%s, %s::bigint, %s::bigint, %s::bigint, %s::timestamptz)"
 METRIC_COLUMNS = ("training_run_id", "seq_id", "step", "kind", "status", "error", "loss", "num_tokens", "grad_norm",
                   "learning_rate", "metrics", "queued_seconds", "trainer_seconds", "cobatched_with", "trainer", "cycle",
                   "created_ms", "started_ms", "answered_ms")
@@ -61,16 +65,13 @@ def lock_runs(conn, run_ids) -> None:
 
 
 def insert_requests(conn, rows: list, at: datetime) -> None:
-    """Admitted rows (``request_log.NewRequest``) and their runs' last_request_at, in the caller's transaction."""
-    if not rows:
-        return
-    _many(conn, _INSERT_REQUESTS, _REQUEST_ROW, [
-        (r.run_id, r.seq_id, r.kind, r.sha, r.status, r.error, r.tokens, at, at if r.status != "queued" else None, r.payload)
-        for r in rows])
-    runs = sorted({r.run_id for r in rows})
-    if len(runs) > 1:
-        lock_runs(conn, runs)
-    conn.exec_driver_sql(_TOUCH_RUNS, (at, runs))
+    """Admitted rows (``request_log.NewRequest``), in the caller's transaction. Their runs' rows are not
+    written here (last_request_at moves with the outcomes): admissions and a cycle's finish never wait
+    on each other's row locks."""
+    if rows:
+        _many(conn, _INSERT_REQUESTS, _REQUEST_ROW, [
+            (r.run_id, r.seq_id, r.kind, r.sha, r.status, r.error, r.tokens, at, at if r.status != "queued" else None, r.payload)
+            for r in rows])
 
 
 def mark_running(conn, keys: list[tuple[str, int]]) -> None:
@@ -95,6 +96,6 @@ def count_runs(conn, runs: list[dict]) -> None:
     """Each run's results before its cut cleared and its counters moved (``request_log._finish_requests``'s
     dicts), the runs' rows locked in order first."""
     if runs:
-        _many(conn, _CUT_RESULTS, _KEY_ROW, [(r["b_run"], r["b_cut"]) for r in runs])
+        _many(conn, _CUT_RESULTS, _CUT_ROW, [(r["b_run"], r["b_cut"], r["b_next"]) for r in runs])
         lock_runs(conn, [r["b_run"] for r in runs])
-        _many(conn, _COUNT_RUNS, _COUNT_ROW, [(r["b_run"], r["b_next"], r["b_tokens"], r["b_steps"]) for r in runs])
+        _many(conn, _COUNT_RUNS, _COUNT_ROW, [(r["b_run"], r["b_next"], r["b_tokens"], r["b_steps"], r["b_at"]) for r in runs])

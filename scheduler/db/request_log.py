@@ -12,9 +12,10 @@ its ``training_runs`` row, and the payloads it covers are cleared in the same tr
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Iterable, NamedTuple
 
-from sqlalchemy import bindparam, insert, or_, select, tuple_, update
+from sqlalchemy import bindparam, func, insert, or_, select, tuple_, update
 from sqlalchemy.exc import IntegrityError
 
 from temper.common.errors import AlreadyExists, NotFound
@@ -30,7 +31,6 @@ OPEN = ("queued", "running")
 # scheduler more CPU than executing them (benchmarks/README.md, scaleout). Values are bound per call.
 _KEY = tuple_(REQUESTS.c.training_run_id, REQUESTS.c.seq_id)
 _INSERT_REQUESTS = insert(REQUESTS)
-_TOUCH_RUN = update(RUNS).where(RUNS.c.id == bindparam("b_run")).values(last_request_at=bindparam("b_at"))
 _MARK_RUNNING = update(REQUESTS).where(_KEY.in_(bindparam("b_keys", expanding=True))).values(status="running")
 _STILL_OPEN = select(REQUESTS.c.training_run_id, REQUESTS.c.seq_id).where(
     _KEY.in_(bindparam("b_keys", expanding=True)), REQUESTS.c.status.in_(OPEN))
@@ -41,7 +41,7 @@ _CUT_RESULTS = update(REQUESTS).where(REQUESTS.c.training_run_id == bindparam("b
                                       REQUESTS.c.result.is_not(None)).values(result=None)
 _COUNT_RUN = update(RUNS).where(RUNS.c.id == bindparam("b_run")).values(
     next_seq_id=bindparam("b_next"), tokens_trained=RUNS.c.tokens_trained + bindparam("b_tokens"),
-    steps=RUNS.c.steps + bindparam("b_steps"))
+    steps=RUNS.c.steps + bindparam("b_steps"), last_request_at=func.coalesce(bindparam("b_at"), RUNS.c.last_request_at))
 _ONE = (REQUESTS.c.training_run_id == bindparam("b_run"), REQUESTS.c.seq_id == bindparam("b_seq"))
 _STATUS = select(REQUESTS.c.status).where(*_ONE).with_for_update()
 _SKIP_QUEUED = update(REQUESTS).where(*_ONE, REQUESTS.c.status == "queued").values(
@@ -51,10 +51,13 @@ _SKIPPED_FROM = select(REQUESTS.c.seq_id).where(REQUESTS.c.training_run_id == bi
 ABANDONED = "abandoned by its client before it was recorded (AbandonSeq)"
 # NO KEY UPDATE: it serializes snapshot records without waiting on the run's admissions, whose rows'
 # foreign keys take KEY SHARE on the run (FOR UPDATE waited for them: 0.8-1.5 ms per snapshot under load)
-_LOCK_SNAPSHOT = select(RUNS.c.snapshot_key).where(RUNS.c.id == bindparam("b_run")).with_for_update(key_share=True)
+_LOCK_SNAPSHOT = select(RUNS.c.snapshot_key, RUNS.c.snapshot_seq).where(RUNS.c.id == bindparam("b_run")).with_for_update(key_share=True)
 _SET_SNAPSHOT = update(RUNS).where(RUNS.c.id == bindparam("b_run")).values(snapshot_key=bindparam("b_key"), snapshot_seq=bindparam("b_seq"))
 _SET_RESTORING = update(RUNS).where(RUNS.c.id == bindparam("b_run")).values(restoring=bindparam("b_restoring"))
-_CLEAR_PAYLOADS = update(REQUESTS).where(REQUESTS.c.training_run_id == bindparam("b_run"), REQUESTS.c.seq_id <= bindparam("b_seq"),
+# From the previous snapshot's seq on: the payloads below it were cleared with it (a run's whole log is
+# not walked again at every snapshot)
+_CLEAR_PAYLOADS = update(REQUESTS).where(REQUESTS.c.training_run_id == bindparam("b_run"), REQUESTS.c.seq_id > bindparam("b_from"),
+                                         REQUESTS.c.seq_id <= bindparam("b_seq"),
                                          REQUESTS.c.payload.is_not(None)).values(payload=None)
 
 
@@ -134,8 +137,6 @@ class RequestLogStore:
             dict(training_run_id=r.run_id, seq_id=r.seq_id, kind=r.kind, payload_sha256=r.sha, status=r.status, num_tokens=r.tokens,
                  error=r.error, created_at=at, finished_at=at if r.status != "queued" else None, payload=r.payload, result=None)
             for r in rows])
-        # row by row in run id order, as finish_requests: two transactions never wait on each other's runs in a cycle
-        conn.execute(_TOUCH_RUN, [dict(b_run=run_id, b_at=at) for run_id in sorted({r.run_id for r in rows})])
 
     def skip_request(self, run_id: str, seq_id: int, queued_too: bool) -> str:
         """Its client gave up on (run, seq): a "skipped" row where it has none (with ``queued_too``, also
@@ -170,7 +171,8 @@ class RequestLogStore:
 
     def finish_requests(self, outcomes: Iterable[tuple[str, int, str, str | None, bytes | None]], trained_tokens: dict[str, int],
                         steps: dict[str, int], next_seq: dict[str, int], result_window: int = 0,
-                        metrics: list[MetricRow] = (), running: list[tuple[str, int]] = ()) -> None:
+                        metrics: list[MetricRow] = (), running: list[tuple[str, int]] = (),
+                        last_request: dict[str, datetime] | None = None) -> None:
         """Record (run, seq, status, error, serialized result) outcomes and the runs' counters in one
         transaction; results older than each run's last ``result_window`` seqs are cleared. ``running``:
         requests marked running in the same transaction (the lane's next cycle, ``mark_running``), so
@@ -179,16 +181,17 @@ class RequestLogStore:
         Safe to call again after an error whose commit may nevertheless have happened (the loop
         resends it): only requests still queued or running are recorded, and a run's counters move
         only with them, so a resent call that finds its outcomes recorded counts nothing twice.
-        ``metrics``: the requests' rows of run_metrics (db/records.py), written with their outcomes."""
+        ``metrics``: the requests' rows of run_metrics (db/records.py), written with their outcomes.
+        ``last_request``: per run, the arrival of its newest request here (training_runs.last_request_at)."""
         with self.engine.begin() as conn:
-            self._finish_requests(conn, outcomes, trained_tokens, steps, next_seq, result_window, metrics)
+            self._finish_requests(conn, outcomes, trained_tokens, steps, next_seq, result_window, metrics, last_request)
             if running:
                 self._mark_running(conn, list(running))
 
     @staticmethod
     def _finish_requests(conn, outcomes, trained_tokens: dict[str, int], steps: dict[str, int], next_seq: dict[str, int],
-                         result_window: int = 0, metrics: list[MetricRow] = ()) -> None:
-        outcomes, at = list(outcomes), now()
+                         result_window: int = 0, metrics: list[MetricRow] = (), last_request: dict[str, datetime] | None = None) -> None:
+        outcomes, at, last_request = list(outcomes), now(), last_request or {}
         if pg_batch.is_psycopg2(conn):
             still_open = pg_batch.finish_open(conn, outcomes, at)
         else:
@@ -202,7 +205,8 @@ class RequestLogStore:
         counted = {run_id for run_id, _ in still_open}
         runs = [dict(b_run=run_id, b_cut=seq - result_window, b_next=seq,
                      b_tokens=trained_tokens.get(run_id, 0) if run_id in counted else 0,
-                     b_steps=steps.get(run_id, 0) if run_id in counted else 0) for run_id, seq in sorted(next_seq.items())]
+                     b_steps=steps.get(run_id, 0) if run_id in counted else 0, b_at=last_request.get(run_id))
+                for run_id, seq in sorted(next_seq.items())]
         if pg_batch.is_psycopg2(conn):
             pg_batch.count_runs(conn, runs)
         elif runs:
@@ -226,7 +230,7 @@ class RequestLogStore:
             if found is None:
                 raise NotFound(f"training run {run_id!r} not found")
             conn.execute(_SET_SNAPSHOT, {"b_run": run_id, "b_key": key, "b_seq": seq})
-            conn.execute(_CLEAR_PAYLOADS, {"b_run": run_id, "b_seq": seq})
+            conn.execute(_CLEAR_PAYLOADS, {"b_run": run_id, "b_from": found[1] or 0, "b_seq": seq})
         previous = found[0]
         return previous if previous != key else None
 

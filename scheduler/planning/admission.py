@@ -239,9 +239,10 @@ class Admission:
 
     # ---- the loop's side ----------------------------------------------------------------------
 
-    def ready(self) -> dict[str, list[Work]]:
-        """Each run's work that may go now; a tenant over its train_tokens_per_minute waits."""
-        ready = {run_id: q.ready() for run_id, q in self.queues.items()}
+    def ready(self, include: Callable[[str], bool] | None = None) -> dict[str, list[Work]]:
+        """Each run's work that may go now (of the runs ``include`` takes, if given); a tenant over its
+        train_tokens_per_minute waits."""
+        ready = {run_id: q.ready() for run_id, q in self.queues.items() if q.pending and (include is None or include(run_id))}
         ready = {run_id: works for run_id, works in ready.items() if works and self.quotas.train_wait(works[0].tenant) <= 0}
         # Oldest head first, so a run that has waited longest is served first.
         return dict(sorted(((r, w) for r, w in ready.items() if w), key=lambda item: item[1][0].submitted_at))

@@ -1,58 +1,62 @@
-"""Group commit of request rows: the rows of requests admitted while the previous write was under
-way (or in the same event-loop tick) go to the database together, in one transaction
-(``Store.write_group``), instead of one transaction and commit each. The lanes' "running" marks
-(a cycle's work, before it goes to its trainer) join the same transactions. A cycle's outcomes do
-not: written by this one writer, they waited behind the admissions' commits and the scheduler sat
-idle (benchmarks/README.md, scaleout).
+"""Group commit: what callers hand in while the previous write is under way (or in the same
+event-loop tick) goes to the database together, in one transaction, instead of one transaction
+and commit each. Nothing is acknowledged earlier than before: each caller resumes only once its
+part is committed, and hears its own outcome (a database outage fails the whole group, each
+caller with its own Unavailable).
 
-Nothing is acknowledged earlier than before: each caller resumes only once its row is committed,
-and hears its own outcome (AlreadyExists for a duplicate (run, seq); a database outage fails the
-whole group, each caller with its own Unavailable).
+Two writers on the hot path, each its own transactions:
+- ``RequestWriter``: admitted request rows, with the lanes' "running" marks (a cycle's work, before
+  it goes to its trainer).
+- ``FinishWriter``: the cycles' outcomes, of every lane whose cycle ended meanwhile. Outcomes are
+  not in the request writer's transactions: there they waited behind the admissions' commits and
+  the scheduler sat idle (benchmarks/README.md, scaleout).
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import NamedTuple
+from collections import defaultdict
+from datetime import datetime
+from typing import Generic, NamedTuple, TypeVar
 
 from temper.common.errors import TemperError
+from temper.scheduler.db.records import MetricRow
 from temper.scheduler.db.request_log import NewRequest
 
-
-class Running(NamedTuple):
-    """A mark: these (run, seq) requests are about to go to a trainer (``Store.mark_running``)."""
-    keys: list[tuple[str, int]]
+Item = TypeVar("Item")
 
 
-class RequestWriter:
+class GroupCommit(Generic[Item]):
+    """``add`` waits for its item's write; ``write_group`` (a subclass's) writes a group in a worker
+    thread and returns each item's outcome: None, or the exception its caller raises."""
+
     def __init__(self, store):
         self.store = store
-        self._waiting: list[tuple[NewRequest | Running, asyncio.Future]] = []
-        self._writing = False
+        self._waiting: list[tuple[Item, asyncio.Future]] = []
         self._task: asyncio.Task | None = None  # held: a task nobody references may be collected
-        self.groups = 0  # transactions written (rows / groups: the batching achieved)
+        self.groups = 0  # transactions written (items / groups: the batching achieved)
 
-    async def add(self, row: NewRequest | Running) -> None:
-        """Returns once ``row`` (or the mark) is committed; raises what its write raised."""
+    async def add(self, item: Item) -> None:
+        """Returns once ``item`` is committed; raises what its write raised. A cancelled caller's
+        item is written all the same."""
         future = asyncio.get_running_loop().create_future()
-        self._waiting.append((row, future))
-        if not self._writing:
-            self._writing = True
-            self._task = asyncio.get_running_loop().create_task(self._write())  # after this tick's other admissions joined
+        self._waiting.append((item, future))
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._write())  # after this tick's other items joined
         await future
 
+    def write_group(self, items: list[Item]) -> list[BaseException | None]:
+        raise NotImplementedError
+
     async def _write(self) -> None:
-        group: list[tuple[NewRequest, asyncio.Future]] = []
+        group: list[tuple[Item, asyncio.Future]] = []
         try:
             while self._waiting:
                 group, self._waiting = self._waiting, []
                 self.groups += 1
                 try:
-                    rows = [row for row, _ in group if type(row) is NewRequest]
-                    running = [key for mark, _ in group if type(mark) is Running for key in mark.keys]
-                    added = iter(await asyncio.to_thread(self.store.write_group, rows, running))
-                    outcomes = [next(added) if type(row) is NewRequest else None for row, _ in group]
-                except TemperError as exc:  # Unavailable: the group's rows were not written (or not known to be)
+                    outcomes = await asyncio.to_thread(self.write_group, [item for item, _ in group])
+                except TemperError as exc:  # Unavailable: the group was not written (or not known to be)
                     outcomes = [type(exc)(exc.message) for _ in group]
                 except Exception as exc:  # noqa: BLE001 - a bug: every caller of the group hears it
                     outcomes = [exc] * len(group)
@@ -67,5 +71,57 @@ class RequestWriter:
             for _, future in group + self._waiting:
                 future.cancel()
             raise
-        finally:
-            self._writing = False
+
+
+class Running(NamedTuple):
+    """A mark: these (run, seq) requests are about to go to a trainer (``Store.mark_running``)."""
+    keys: list[tuple[str, int]]
+
+
+class RequestWriter(GroupCommit[NewRequest | Running]):
+    def write_group(self, items: list[NewRequest | Running]) -> list[BaseException | None]:
+        rows = [row for row in items if type(row) is NewRequest]
+        running = [key for mark in items if type(mark) is Running for key in mark.keys]
+        added = iter(self.store.write_group(rows, running))
+        return [next(added) if type(item) is NewRequest else None for item in items]
+
+
+class Finish(NamedTuple):
+    """A cycle's outcomes as ``Store.finish_requests`` records them: (run, seq, status, error, result)
+    rows; per run the tokens trained, optimizer steps, next seq and newest arrival; the run_metrics
+    rows; the next cycle's requests to mark running."""
+    outcomes: list[tuple[str, int, str, str | None, bytes | None]]
+    tokens: dict[str, int]
+    steps: dict[str, int]
+    next_seq: dict[str, int]
+    metrics: list[MetricRow]
+    running: list[tuple[str, int]]
+    last_request: dict[str, datetime]
+
+
+def merged(finishes: list[Finish]) -> Finish:
+    """One Finish of several (different runs': a run's cycles are one at a time, in its lane)."""
+    tokens, steps, next_seq, last = defaultdict(int), defaultdict(int), {}, {}
+    for f in finishes:
+        for run_id, n in f.tokens.items():
+            tokens[run_id] += n
+        for run_id, n in f.steps.items():
+            steps[run_id] += n
+        for run_id, seq in f.next_seq.items():
+            next_seq[run_id] = max(next_seq.get(run_id, seq), seq)
+        for run_id, at in f.last_request.items():
+            last[run_id] = max(last.get(run_id, at), at)
+    return Finish([o for f in finishes for o in f.outcomes], dict(tokens), dict(steps), next_seq,
+                  [m for f in finishes for m in f.metrics], [k for f in finishes for k in f.running], last)
+
+
+class FinishWriter(GroupCommit[Finish]):
+    def __init__(self, store, result_window: int):
+        super().__init__(store)
+        self.result_window = result_window
+
+    def write_group(self, items: list[Finish]) -> list[BaseException | None]:
+        f = merged(items) if len(items) > 1 else items[0]
+        self.store.finish_requests(f.outcomes, f.tokens, f.steps, f.next_seq, self.result_window, f.metrics, f.running,
+                                   f.last_request)
+        return [None] * len(items)

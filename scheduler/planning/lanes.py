@@ -41,6 +41,7 @@ class LaneHost(Protocol):
 
     async def run_cycle(self, trainer: TrainerHandle, plan: CyclePlan) -> None: ...
     def trainer_of(self, work: Work) -> TrainerHandle: ...
+    def trainer_of_run(self, run_id: str) -> TrainerHandle | None: ...
 
 
 class Lane:
@@ -64,7 +65,7 @@ class Lane:
     def ready(self) -> dict[str, list[Work]]:
         """Admission's ready work (oldest head first) of the runs placed on this lane's trainer."""
         mine = {}
-        for run_id, works in self.loop.admission.ready().items():
+        for run_id, works in self.loop.admission.ready(self._may_be_mine).items():
             try:
                 trainer = self.loop.trainer_of(works[0])
             except TemperError as exc:  # placed on a trainer this scheduler does not reach, or none serves its model
@@ -74,6 +75,15 @@ class Lane:
             if trainer is self.trainer and self.loop.in_flight.get(run_id, trainer) is trainer:
                 mine[run_id] = works
         return mine
+
+    def _may_be_mine(self, run_id: str) -> bool:
+        """A cheap first filter (no queue is looked at for another lane's runs): placed on this
+        trainer, or on none this scheduler can name (ready() turns such work away)."""
+        try:
+            trainer = self.loop.trainer_of_run(run_id)
+        except TemperError:
+            return True
+        return trainer is self.trainer or trainer is None
 
     def _turn_away(self, works: list[Work], exc: TemperError) -> None:
         """Work no lane can run: answered UNAVAILABLE now (nothing ran; the client resends it)."""

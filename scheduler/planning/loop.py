@@ -19,17 +19,18 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
+from datetime import datetime, timezone
 
 from temper.common.checkpoints import CheckpointPath, parse_path
 from temper.common.cycles import ITEMS_PER_RUN_PER_CYCLE
-from temper.common.errors import Abandoned, AlreadyExists, FailedPrecondition, Internal, NotFound, TemperError, Unavailable, from_status_number
+from temper.common.errors import Abandoned, AlreadyExists, FailedPrecondition, NotFound, TemperError, Unavailable
 from temper.common.retry import retry
 from temper.scheduler import metrics
 from temper.scheduler.planning.admission import Admission
 from temper.scheduler.workers.backends import Backends, TrainerHandle
 from temper.scheduler.planning.checkpoint_removal import remove_checkpoint
 from temper.scheduler.planning.cycles import build_cycle, cycle_outcomes
-from temper.scheduler.planning.group_commit import Running
+from temper.scheduler.planning.group_commit import Finish, FinishWriter, Running
 from temper.scheduler.planning.lanes import Lane
 from temper.scheduler.planning.policy import CyclePlan, FairShare
 from temper.scheduler.planning.recovery import Recovery, adapter_missing
@@ -55,6 +56,7 @@ class SchedulerLoop:
         self.share = share or FairShare()
         self.cycles = 0
         self.recovery = Recovery(self)
+        self.finishes = FinishWriter(store, settings.durable_results_per_run)
         # run id -> the trainer its planned work is on now: a run moved meanwhile (fail-over) waits for that
         # work's outcome (answered, or held) before its new trainer's lane plans more of it (lanes.py)
         self.in_flight: dict[str, TrainerHandle] = {}
@@ -118,7 +120,12 @@ class SchedulerLoop:
 
     def trainer_of(self, work: Work) -> TrainerHandle:
         """The trainer a run is placed on (backends.py: stable per run), hence its lane."""
-        return self.backends.trainer_for(self.runs.known(work.run_id).base_model, work.run_id)
+        return self.trainer_of_run(work.run_id)
+
+    def trainer_of_run(self, run_id: str) -> TrainerHandle | None:
+        """None: a run this process has not looked up (no work of it can be queued)."""
+        info = self.runs.known(run_id)
+        return self.backends.trainer_for(info.base_model, run_id) if info is not None else None
 
     async def _cycle_on(self, trainer: TrainerHandle, passes: list[Work], steps: list[Work], plan: CyclePlan) -> str:
         request = build_cycle(passes, steps)
@@ -263,10 +270,12 @@ class SchedulerLoop:
 
     async def finish(self, works: list[Work], outcomes: list) -> None:
         """Record each work's outcome (its answer, or the TemperError it failed with), the counters and
-        the answers, kept for retries after a restart, in one transaction; then answer the callers. A
-        database outage delays this; it never turns into a wrong answer."""
-        rows, tokens, steps, next_seq = [], defaultdict(int), defaultdict(int), {}
+        the answers, kept for retries after a restart, in one transaction (group-committed with other
+        lanes' cycles: ``FinishWriter``); then answer the callers. A database outage delays this; it
+        never turns into a wrong answer."""
+        rows, tokens, steps, next_seq, arrived = [], defaultdict(int), defaultdict(int), {}, {}
         for w, outcome in zip(works, outcomes):
+            arrived[w.run_id] = max(arrived.get(w.run_id, 0.0), w.submitted_at)
             self.recovery.finished(w, outcome)
             failed = isinstance(outcome, TemperError)
             rows.append((w.run_id, w.seq_id, "failed" if failed else "done", outcome.message if failed else None,
@@ -277,8 +286,11 @@ class SchedulerLoop:
             if not failed and w.kind is WorkKind.OPTIM_STEP:
                 steps[w.run_id] += 1
         ahead = self._next_passes(next_seq)
-        await self.persist(self.store.finish_requests, rows, tokens, steps, next_seq, self.settings.durable_results_per_run,
-                           metric_rows(works, outcomes), [(w.run_id, w.seq_id) for w in ahead])
+        finish = Finish(rows, tokens, steps, next_seq, metric_rows(works, outcomes), [(w.run_id, w.seq_id) for w in ahead],
+                        wall_clock(arrived))
+        # with the outcomes of the other lanes' cycles that end meanwhile, in one transaction
+        await retry(lambda: self.finishes.add(finish), seconds=None, first_delay=0.1,
+                    what="the database is unavailable, retrying finish_requests")
         for work in ahead:
             work.marked = True
         for w, outcome in zip(works, outcomes):
@@ -323,6 +335,12 @@ class SchedulerLoop:
         else meanwhile: every cycle starts and ends with a write)."""
         return await retry(lambda: asyncio.to_thread(fn, *args), seconds=None, first_delay=0.1,
                            what=f"the database is unavailable, retrying {getattr(fn, '__name__', 'the write')}")
+
+
+def wall_clock(monotonic: dict[str, float]) -> dict[str, datetime]:
+    """Monotonic times (Work.submitted_at) as UTC datetimes; 0 (not known) is left out."""
+    offset = time.time() - time.monotonic()
+    return {key: datetime.fromtimestamp(offset + at, timezone.utc) for key, at in monotonic.items() if at}
 
 
 def _adapter_lost(trainer: TrainerHandle, work: Work, outcome):

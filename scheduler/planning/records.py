@@ -13,6 +13,7 @@ import time
 from temper.common.errors import TemperError
 from temper.common.retry import retry
 from temper.scheduler.db.records import MetricRow, SamplingRow
+from temper.scheduler.planning.group_commit import GroupCommit
 from temper.scheduler.planning.work import Dispatch, Work
 
 log = logging.getLogger(__name__)
@@ -68,38 +69,12 @@ async def prune_once(store, retention_seconds: float, max_rows_per_run: int) -> 
     return deleted
 
 
-class SamplingRecorder:
+class SamplingRecorder(GroupCommit[SamplingRow]):
     """Group commit of sampling records (``Store.record_sampling``, with the sampling clients' token
     counters): the answers that arrive while a write is under way go together in the next one. A
     caller resumes once its record is committed (its answer then goes out); a database outage
     answers each caller of the group UNAVAILABLE, as the counter's own write did before."""
 
-    def __init__(self, store):
-        self.store = store
-        self._waiting: list[tuple[SamplingRow, asyncio.Future]] = []
-        self._task: asyncio.Task | None = None
-
-    async def add(self, row: SamplingRow) -> None:
-        future = asyncio.get_running_loop().create_future()
-        self._waiting.append((row, future))
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._write())
-        await future  # a cancelled caller's record is written all the same
-
-    async def _write(self) -> None:
-        while self._waiting:
-            group, self._waiting = self._waiting, []
-            try:
-                await asyncio.to_thread(self.store.record_sampling, [row for row, _ in group])
-                outcome = None
-            except TemperError as exc:  # Unavailable: each caller hears its own, as from its own write
-                outcome = exc
-            except Exception as exc:  # noqa: BLE001 - a bug: its callers hear it
-                outcome = exc
-            for _, future in group:
-                if future.done():
-                    continue
-                if outcome is None:
-                    future.set_result(None)
-                else:
-                    future.set_exception(type(outcome)(outcome.message) if isinstance(outcome, TemperError) else outcome)
+    def write_group(self, rows: list[SamplingRow]) -> list[BaseException | None]:
+        self.store.record_sampling(rows)
+        return [None] * len(rows)

@@ -69,3 +69,49 @@ def test_finish_with_nothing_open_counts_nothing(new_postgres_database):
     rows, counters = _rows(url, run_id)
     assert rows[1][2] == b"a" and counters == (6, 0, 2)
     store.engine.dispose()
+
+
+def test_results_are_cut_from_the_previous_cut_on(new_postgres_database):
+    """A finish clears the results that left the window since the run's previous finish, and walks no
+    further back: a row below the previous cut is not looked at again (a long run's log is not
+    scanned at every cycle). Seeded here with a result the previous cut would have cleared."""
+    url = new_postgres_database("temper_finish_cut")
+    store, run_id = _store_with_run(url)
+    store.finish_requests([(run_id, s, "done", None, b"r%d" % s) for s in (1, 2, 3)], {run_id: 12}, {run_id: 1}, {run_id: 4},
+                          result_window=2)
+    rows, _ = _rows(url, run_id)
+    assert [rows[s][2] for s in (1, 2, 3)] == [None, b"r2", b"r3"]  # cut below 4 - 2
+    engine = create_engine(url)
+    with engine.begin() as conn:  # a result below the cut of 2: the next finish must not walk back to it
+        conn.execute(text("update requests set result = 'stale' where training_run_id = :r and seq_id = 1"), {"r": run_id})
+    engine.dispose()
+    store.finish_requests([(run_id, s, "done", None, b"r%d" % s) for s in (4, 5)], {run_id: 6}, {run_id: 1}, {run_id: 6},
+                          result_window=2)
+    rows, counters = _rows(url, run_id)
+    assert [rows[s][2] for s in (1, 2, 3, 4, 5)] == [b"stale", None, None, b"r4", b"r5"] and counters[2] == 6
+    store.engine.dispose()
+
+
+def test_a_snapshot_clears_payloads_from_the_previous_snapshot_on(new_postgres_database):
+    """record_snapshot clears the logged payloads its snapshot covers, from the previous snapshot's seq on."""
+    url = new_postgres_database("temper_snapshot_clear")
+    upgrade_schema(url)
+    store = Store(url)
+    session = store.create_session("t", [], {})
+    run_id = store.next_run_id(session.id)
+    store.add_training_run(m.TrainingRun(id=run_id, session_id=session.id, base_model="tiny", lora_rank=4, lora_alpha=8.0,
+                                         lora_dropout=0.0, train_attn=True, train_mlp=True, train_unembed=True, user_metadata={},
+                                         next_seq_id=1))
+    for seq in range(1, 7):
+        store.add_request(run_id, seq, "forward_backward", f"sha{seq}", "queued", 6, payload=b"p%d" % seq)
+    assert store.record_snapshot(run_id, "k2", 2) is None
+    engine = create_engine(url)
+    with engine.begin() as conn:  # below the first snapshot: the second one must not walk back to it
+        conn.execute(text("update requests set payload = 'stale' where training_run_id = :r and seq_id = 1"), {"r": run_id})
+    assert store.record_snapshot(run_id, "k5", 5) == "k2"
+    with engine.connect() as conn:
+        payloads = dict(conn.execute(text("select seq_id, payload from requests where training_run_id = :r"), {"r": run_id}).all())
+    engine.dispose()
+    assert {seq: bytes(p) if p is not None else None for seq, p in payloads.items()} == {
+        1: b"stale", 2: None, 3: None, 4: None, 5: None, 6: b"p6"}
+    store.engine.dispose()
