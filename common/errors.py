@@ -185,17 +185,23 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: 
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}) in {method}; see the server log")
 
 
+_STRING_FIELDS: dict[type, tuple[str, ...] | None] = {}  # request type -> the fields checked here (None: all)
+
+
 def _check_strings(request) -> None:
     """Every unary request's strings are checked before a servicer sees them (common/strings.py)."""
-    from google.protobuf.message import Message
+    kind = type(request)
+    if kind not in _STRING_FIELDS:
+        from google.protobuf.message import Message
 
-    if isinstance(request, Message):
-        from temper.common.strings import check_request_strings
-
+        if not isinstance(request, Message):
+            return  # a stream's request iterator: its messages are the servicer's to check
         # A sequenced request (it carries a seq_id) is checked whole by admission, where a rejection
         # spends its seq; refused here, it would leave a gap its run waits on.
-        sequenced = "seq_id" in request.DESCRIPTOR.fields_by_name
-        check_request_strings(request, only=("training_run_id",) if sequenced else None)
+        _STRING_FIELDS[kind] = ("training_run_id",) if "seq_id" in request.DESCRIPTOR.fields_by_name else None
+    from temper.common.strings import check_request_strings
+
+    check_request_strings(request, only=_STRING_FIELDS[kind])
 
 
 async def _admit(request, context, method: str, authenticate: Authenticator | None) -> None:

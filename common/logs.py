@@ -7,7 +7,6 @@ contextvar, so it follows asyncio tasks and ``asyncio.to_thread``); every record
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import json
 import logging
@@ -16,13 +15,20 @@ import time
 _context: contextvars.ContextVar[dict] = contextvars.ContextVar("temper_log_context", default={})
 
 
-@contextlib.contextmanager
-def request_context(**fields):
-    token = _context.set({**_context.get(), **{k: v for k, v in fields.items() if v is not None}})
-    try:
-        yield
-    finally:
-        _context.reset(token)
+class request_context:  # noqa: N801 - used as a function: ``with request_context(run=...):``
+    """Binds ``fields`` (those not None) to what is logged inside the block. A class rather than a
+    generator context manager: it is entered on every sequenced verb (cheaper by half)."""
+
+    __slots__ = ("_fields", "_token")
+
+    def __init__(self, **fields):
+        self._fields = fields
+
+    def __enter__(self):
+        self._token = _context.set({**_context.get(), **{k: v for k, v in self._fields.items() if v is not None}})
+
+    def __exit__(self, *exc):
+        _context.reset(self._token)
 
 
 class _ContextFilter(logging.Filter):

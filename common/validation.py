@@ -141,10 +141,11 @@ def validate_forward_backward(
             if not (arr.ndim == 1 or two_d) or arr.shape[0] != n:
                 want = f"[{n}] or [{n}, K], 1 <= K <= {MAX_TOPK_TARGETS}" if spec.top_k_targets else f"[{n}]"
                 raise InvalidArgument(f"datum {i}: {name} has shape {list(arr.shape)} but model_input has {n} tokens (expected {want})")
-            if arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
+            peak = float(np.abs(arr).max()) if arr.dtype.kind == "f" and arr.size else 0.0  # a NaN or inf is the max
+            if not math.isfinite(peak):
                 raise InvalidArgument(f"datum {i}: {name} contains NaN or infinite values")
-            if arr.dtype.kind == "f" and arr.size and float(np.abs(arr).max()) > MAX_LOSS_INPUT:
-                raise InvalidArgument(f"datum {i}: {name} has values of magnitude {float(np.abs(arr).max()):.3g}; loss inputs "
+            if peak > MAX_LOSS_INPUT:
+                raise InvalidArgument(f"datum {i}: {name} has values of magnitude {peak:.3g}; loss inputs "
                                       f"must be within +-{MAX_LOSS_INPUT:g} (larger ones overflow the loss in float32)")
             inputs[name] = arr
         shapes = {name: arr.shape for name, arr in inputs.items()}

@@ -76,7 +76,8 @@ class ApiKeyAuth:
         self.store = store
         self.mode = mode
         self.cache_seconds = cache_seconds
-        self._cache: dict[str, tuple[float, KeyIdentity | Unauthenticated]] = {}  # key digest -> (until, key or refusal)
+        # the key as sent -> (until, its identity or refusal): a dict lookup per call, no hash of the key to compute
+        self._cache: dict[str, tuple[float, KeyIdentity | Unauthenticated]] = {}
 
     async def __call__(self, method: str, context: grpc.aio.ServicerContext) -> None:
         if is_open_method(method):
@@ -95,7 +96,8 @@ class ApiKeyAuth:
 
     def forget(self, key_sha256: str) -> None:
         """Drop a key from the cache (it was just revoked here): its next call is looked up again."""
-        self._cache.pop(key_sha256, None)
+        for key in [key for key in self._cache if keys.digest(key) == key_sha256]:
+            del self._cache[key]
 
     async def tenant(self, key: str) -> str:
         return (await self.identity(key)).tenant
@@ -103,8 +105,7 @@ class ApiKeyAuth:
     async def identity(self, key: str) -> KeyIdentity:
         if not key.startswith(keys.PREFIX):
             raise Unauthenticated(f"API keys start with {keys.PREFIX!r}")
-        digest = keys.digest(key)
-        cached = self._cache.get(digest)
+        cached = self._cache.get(key)
         if cached is None or cached[0] < time.monotonic():
             try:
                 cached = (time.monotonic() + self.cache_seconds, await asyncio.to_thread(self.store.key_identity, key))
@@ -112,7 +113,7 @@ class ApiKeyAuth:
                 cached = (time.monotonic() + UNKNOWN_KEY_SECONDS, refusal)
             if len(self._cache) >= MAX_CACHED_KEYS:
                 self._cache.clear()
-            self._cache[digest] = cached
+            self._cache[key] = cached
         if isinstance(cached[1], Unauthenticated):
             raise Unauthenticated(cached[1].message)
         return cached[1]
