@@ -11,7 +11,7 @@ from temper.scheduler.db import models as m
 from temper.scheduler.db.store import Store, upgrade_schema
 
 
-def _store_with_run(url: str) -> tuple[Store, str]:
+def _store_and_run(url: str) -> tuple[Store, str]:
     upgrade_schema(url)
     store = Store(url)
     session = store.create_session("t", [], {})
@@ -19,6 +19,11 @@ def _store_with_run(url: str) -> tuple[Store, str]:
     store.add_training_run(m.TrainingRun(id=run_id, session_id=session.id, base_model="tiny", lora_rank=4, lora_alpha=8.0,
                                          lora_dropout=0.0, train_attn=True, train_mlp=True, train_unembed=True, user_metadata={},
                                          next_seq_id=1))
+    return store, run_id
+
+
+def _store_with_run(url: str) -> tuple[Store, str]:
+    store, run_id = _store_and_run(url)
     for seq, kind in enumerate(("forward_backward", "optim_step", "forward_backward", "optim_step", "forward_backward"), 1):
         store.add_request(run_id, seq, kind, f"sha{seq}", "queued", 6 if kind == "forward_backward" else 0)
     return store, run_id
@@ -95,13 +100,7 @@ def test_results_are_cut_from_the_previous_cut_on(new_postgres_database):
 def test_a_snapshot_clears_payloads_from_the_previous_snapshot_on(new_postgres_database):
     """record_snapshot clears the logged payloads its snapshot covers, from the previous snapshot's seq on."""
     url = new_postgres_database("temper_snapshot_clear")
-    upgrade_schema(url)
-    store = Store(url)
-    session = store.create_session("t", [], {})
-    run_id = store.next_run_id(session.id)
-    store.add_training_run(m.TrainingRun(id=run_id, session_id=session.id, base_model="tiny", lora_rank=4, lora_alpha=8.0,
-                                         lora_dropout=0.0, train_attn=True, train_mlp=True, train_unembed=True, user_metadata={},
-                                         next_seq_id=1))
+    store, run_id = _store_and_run(url)
     for seq in range(1, 7):
         store.add_request(run_id, seq, "forward_backward", f"sha{seq}", "queued", 6, payload=b"p%d" % seq)
     assert store.record_snapshot(run_id, "k2", 2) is None
