@@ -38,6 +38,10 @@ from temper.services.models.catalogue import Catalogue, ModelLayout, check_divid
 log = logging.getLogger("temper.deploy")
 NAMESPACE = "temper"
 LOOPBACK_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray puts every process of a local cluster on 127.0.0.1
+# How long ray.init waits for a local cluster's GCS server to bind its port (Ray's default: 30 s). On a
+# loaded 2-core machine it took longer, and the deployment failed to start ("Timed out waiting for file
+# .../gcs_server_port_..."); an operator's own setting wins.
+GCS_PORT_WAIT = ("RAY_gcs_server_port_wait_time_s", "120")
 
 
 def has_registry() -> bool:
@@ -182,6 +186,7 @@ class RayDeployment:
             # A local cluster is this machine only: keep Ray's own ports on loopback. Ray reads this
             # when it is first imported, so it is set before.
             os.environ.setdefault(LOOPBACK_ONLY, "0")
+            os.environ.setdefault(*GCS_PORT_WAIT)
         import ray
 
         self._ray = ray
