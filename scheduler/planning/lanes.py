@@ -40,7 +40,6 @@ class LaneHost(Protocol):
     in_flight: dict[str, TrainerHandle]
 
     async def run_cycle(self, trainer: TrainerHandle, plan: CyclePlan) -> None: ...
-    def trainer_of(self, work: Work) -> TrainerHandle: ...
     def trainer_of_run(self, run_id: str) -> TrainerHandle | None: ...
 
 
@@ -63,27 +62,25 @@ class Lane:
                 admission.skip_expired_gaps()
 
     def ready(self) -> dict[str, list[Work]]:
-        """Admission's ready work (oldest head first) of the runs placed on this lane's trainer."""
-        mine = {}
-        for run_id, works in self.loop.admission.ready(self._may_be_mine).items():
+        """Admission's ready work (oldest head first) of the runs placed on this lane's trainer; another
+        lane's runs are passed over before their queues are looked at."""
+        refused: dict[str, TemperError] = {}
+
+        def placed_here(run_id: str) -> bool:
             try:
-                trainer = self.loop.trainer_of(works[0])
+                return self.loop.trainer_of_run(run_id) is self.trainer
             except TemperError as exc:  # placed on a trainer this scheduler does not reach, or none serves its model
-                self._turn_away(works, exc)
-                continue
+                refused[run_id] = exc
+                return True
+
+        mine = {}
+        for run_id, works in self.loop.admission.ready(placed_here).items():
+            if run_id in refused:
+                self._turn_away(works, refused[run_id])
             # a run moved here while its work is still on its old trainer waits for that work's outcome
-            if trainer is self.trainer and self.loop.in_flight.get(run_id, trainer) is trainer:
+            elif self.loop.in_flight.get(run_id, self.trainer) is self.trainer:
                 mine[run_id] = works
         return mine
-
-    def _may_be_mine(self, run_id: str) -> bool:
-        """A cheap first filter (no queue is looked at for another lane's runs): placed on this
-        trainer, or on none this scheduler can name (ready() turns such work away)."""
-        try:
-            trainer = self.loop.trainer_of_run(run_id)
-        except TemperError:
-            return True
-        return trainer is self.trainer or trainer is None
 
     def _turn_away(self, works: list[Work], exc: TemperError) -> None:
         """Work no lane can run: answered UNAVAILABLE now (nothing ran; the client resends it)."""

@@ -118,12 +118,9 @@ class SchedulerLoop:
                  len({w.run_id for w in plan.all_work()}), len({w.tenant for w in plan.all_work()}), tokens, len(plan.passes),
                  len(plan.optim_steps), len(plan.barriers), elapsed * 1000)
 
-    def trainer_of(self, work: Work) -> TrainerHandle:
-        """The trainer a run is placed on (backends.py: stable per run), hence its lane."""
-        return self.trainer_of_run(work.run_id)
-
     def trainer_of_run(self, run_id: str) -> TrainerHandle | None:
-        """None: a run this process has not looked up (no work of it can be queued)."""
+        """The trainer a run is placed on (backends.py: stable per run), hence its lane; None: a run this
+        process has not looked up (no work of it can be queued)."""
         info = self.runs.known(run_id)
         return self.backends.trainer_for(info.base_model, run_id) if info is not None else None
 
