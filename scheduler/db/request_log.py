@@ -12,7 +12,7 @@ its ``training_runs`` row, and the payloads it covers are cleared in the same tr
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Iterable, NamedTuple
 
 from sqlalchemy import bindparam, func, insert, or_, select, tuple_, update
@@ -171,8 +171,7 @@ class RequestLogStore:
 
     def finish_requests(self, outcomes: Iterable[tuple[str, int, str, str | None, bytes | None]], trained_tokens: dict[str, int],
                         steps: dict[str, int], next_seq: dict[str, int], result_window: int = 0,
-                        metrics: list[MetricRow] = (), running: list[tuple[str, int]] = (),
-                        last_request: dict[str, datetime] | None = None) -> None:
+                        metrics: list[MetricRow] = (), running: list[tuple[str, int]] = ()) -> None:
         """Record (run, seq, status, error, serialized result) outcomes and the runs' counters in one
         transaction; results older than each run's last ``result_window`` seqs are cleared. ``running``:
         requests marked running in the same transaction (the lane's next cycle, ``mark_running``), so
@@ -181,17 +180,17 @@ class RequestLogStore:
         Safe to call again after an error whose commit may nevertheless have happened (the loop
         resends it): only requests still queued or running are recorded, and a run's counters move
         only with them, so a resent call that finds its outcomes recorded counts nothing twice.
-        ``metrics``: the requests' rows of run_metrics (db/records.py), written with their outcomes.
-        ``last_request``: per run, the arrival of its newest request here (training_runs.last_request_at)."""
+        ``metrics``: the requests' rows of run_metrics (db/records.py), written with their outcomes; a
+        run's last_request_at becomes the arrival of its newest request recorded now."""
         with self.engine.begin() as conn:
-            self._finish_requests(conn, outcomes, trained_tokens, steps, next_seq, result_window, metrics, last_request)
+            self._finish_requests(conn, outcomes, trained_tokens, steps, next_seq, result_window, metrics)
             if running:
                 self._mark_running(conn, list(running))
 
     @staticmethod
     def _finish_requests(conn, outcomes, trained_tokens: dict[str, int], steps: dict[str, int], next_seq: dict[str, int],
-                         result_window: int = 0, metrics: list[MetricRow] = (), last_request: dict[str, datetime] | None = None) -> None:
-        outcomes, at, last_request = list(outcomes), now(), last_request or {}
+                         result_window: int = 0, metrics: list[MetricRow] = ()) -> None:
+        outcomes, at = list(outcomes), now()
         if pg_batch.is_psycopg2(conn):
             still_open = pg_batch.finish_open(conn, outcomes, at)
         else:
@@ -203,9 +202,13 @@ class RequestLogStore:
         if metrics:  # their steps from the run counters, before these move
             insert_run_metrics(conn, metrics, still_open)
         counted = {run_id for run_id, _ in still_open}
+        newest: dict[str, int] = {}  # run -> unix ms of its newest request recorded now
+        for r in metrics:
+            if (r.run_id, r.seq_id) in still_open:
+                newest[r.run_id] = max(newest.get(r.run_id, 0), r.created_ms)
         runs = [dict(b_run=run_id, b_cut=seq - result_window, b_next=seq,
                      b_tokens=trained_tokens.get(run_id, 0) if run_id in counted else 0,
-                     b_steps=steps.get(run_id, 0) if run_id in counted else 0, b_at=last_request.get(run_id))
+                     b_steps=steps.get(run_id, 0) if run_id in counted else 0, b_at=_utc(newest[run_id]) if run_id in newest else None)
                 for run_id, seq in sorted(next_seq.items())]
         if pg_batch.is_psycopg2(conn):
             pg_batch.count_runs(conn, runs)
@@ -243,3 +246,7 @@ class RequestLogStore:
         """The run's adapter now lives on ``trainer`` (restored there after its trainer died)."""
         with self.sessions.begin() as db:
             db.execute(update(m.TrainingRun).where(m.TrainingRun.id == run_id).values(trainer=trainer))
+
+
+def _utc(unix_ms: int) -> datetime:
+    return datetime.fromtimestamp(unix_ms / 1000, timezone.utc)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
-from datetime import datetime
 from typing import Generic, NamedTuple, TypeVar
 
 from temper.common.errors import TemperError
@@ -88,20 +87,19 @@ class RequestWriter(GroupCommit[NewRequest | Running]):
 
 class Finish(NamedTuple):
     """A cycle's outcomes as ``Store.finish_requests`` records them: (run, seq, status, error, result)
-    rows; per run the tokens trained, optimizer steps, next seq and newest arrival; the run_metrics
-    rows; the next cycle's requests to mark running."""
+    rows; per run the tokens trained, optimizer steps and next seq; the run_metrics rows; the next
+    cycle's requests to mark running."""
     outcomes: list[tuple[str, int, str, str | None, bytes | None]]
     tokens: dict[str, int]
     steps: dict[str, int]
     next_seq: dict[str, int]
     metrics: list[MetricRow]
     running: list[tuple[str, int]]
-    last_request: dict[str, datetime]
 
 
 def merged(finishes: list[Finish]) -> Finish:
     """One Finish of several (different runs': a run's cycles are one at a time, in its lane)."""
-    tokens, steps, next_seq, last = defaultdict(int), defaultdict(int), {}, {}
+    tokens, steps, next_seq = defaultdict(int), defaultdict(int), {}
     for f in finishes:
         for run_id, n in f.tokens.items():
             tokens[run_id] += n
@@ -109,10 +107,8 @@ def merged(finishes: list[Finish]) -> Finish:
             steps[run_id] += n
         for run_id, seq in f.next_seq.items():
             next_seq[run_id] = max(next_seq.get(run_id, seq), seq)
-        for run_id, at in f.last_request.items():
-            last[run_id] = max(last.get(run_id, at), at)
     return Finish([o for f in finishes for o in f.outcomes], dict(tokens), dict(steps), next_seq,
-                  [m for f in finishes for m in f.metrics], [k for f in finishes for k in f.running], last)
+                  [m for f in finishes for m in f.metrics], [k for f in finishes for k in f.running])
 
 
 class FinishWriter(GroupCommit[Finish]):
@@ -122,6 +118,5 @@ class FinishWriter(GroupCommit[Finish]):
 
     def write_group(self, items: list[Finish]) -> list[BaseException | None]:
         f = merged(items) if len(items) > 1 else items[0]
-        self.store.finish_requests(f.outcomes, f.tokens, f.steps, f.next_seq, self.result_window, f.metrics, f.running,
-                                   f.last_request)
+        self.store.finish_requests(f.outcomes, f.tokens, f.steps, f.next_seq, self.result_window, f.metrics, f.running)
         return [None] * len(items)

@@ -19,7 +19,6 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from datetime import datetime, timezone
 
 from temper.common.checkpoints import CheckpointPath, parse_path
 from temper.common.cycles import ITEMS_PER_RUN_PER_CYCLE
@@ -270,9 +269,8 @@ class SchedulerLoop:
         the answers, kept for retries after a restart, in one transaction (group-committed with other
         lanes' cycles: ``FinishWriter``); then answer the callers. A database outage delays this; it
         never turns into a wrong answer."""
-        rows, tokens, steps, next_seq, arrived = [], defaultdict(int), defaultdict(int), {}, {}
+        rows, tokens, steps, next_seq = [], defaultdict(int), defaultdict(int), {}
         for w, outcome in zip(works, outcomes):
-            arrived[w.run_id] = max(arrived.get(w.run_id, 0.0), w.submitted_at)
             self.recovery.finished(w, outcome)
             failed = isinstance(outcome, TemperError)
             rows.append((w.run_id, w.seq_id, "failed" if failed else "done", outcome.message if failed else None,
@@ -283,8 +281,7 @@ class SchedulerLoop:
             if not failed and w.kind is WorkKind.OPTIM_STEP:
                 steps[w.run_id] += 1
         ahead = self._next_passes(next_seq)
-        finish = Finish(rows, tokens, steps, next_seq, metric_rows(works, outcomes), [(w.run_id, w.seq_id) for w in ahead],
-                        wall_clock(arrived))
+        finish = Finish(rows, tokens, steps, next_seq, metric_rows(works, outcomes), [(w.run_id, w.seq_id) for w in ahead])
         # with the outcomes of the other lanes' cycles that end meanwhile, in one transaction
         await retry(lambda: self.finishes.add(finish), seconds=None, first_delay=0.1,
                     what="the database is unavailable, retrying finish_requests")
@@ -332,12 +329,6 @@ class SchedulerLoop:
         else meanwhile: every cycle starts and ends with a write)."""
         return await retry(lambda: asyncio.to_thread(fn, *args), seconds=None, first_delay=0.1,
                            what=f"the database is unavailable, retrying {getattr(fn, '__name__', 'the write')}")
-
-
-def wall_clock(monotonic: dict[str, float]) -> dict[str, datetime]:
-    """Monotonic times (Work.submitted_at) as UTC datetimes; 0 (not known) is left out."""
-    offset = time.time() - time.monotonic()
-    return {key: datetime.fromtimestamp(offset + at, timezone.utc) for key, at in monotonic.items() if at}
 
 
 def _adapter_lost(trainer: TrainerHandle, work: Work, outcome):

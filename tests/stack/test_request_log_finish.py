@@ -4,10 +4,13 @@ marks the next cycle's requests running in the same transaction; the portable pa
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
+
 import pytest
 from sqlalchemy import create_engine, text
 
 from temper.scheduler.db import models as m
+from temper.scheduler.db.records import MetricRow
 from temper.scheduler.db.store import Store, upgrade_schema
 
 
@@ -113,4 +116,23 @@ def test_a_snapshot_clears_payloads_from_the_previous_snapshot_on(new_postgres_d
     engine.dispose()
     assert {seq: bytes(p) if p is not None else None for seq, p in payloads.items()} == {
         1: b"stale", 2: None, 3: None, 4: None, 5: None, 6: b"p6"}
+    store.engine.dispose()
+
+
+def test_last_request_at_moves_with_the_requests_recorded(new_postgres_database):
+    """A run's last_request_at becomes the arrival of its newest request recorded by the finish (its
+    run_metrics row's created_ms); a resent finish that records nothing leaves it."""
+    url = new_postgres_database("temper_finish_last")
+    store, run_id = _store_with_run(url)
+    created = [1_800_000_000_000 + 1000 * s for s in (1, 2)]
+    rows = [MetricRow(run_id, s, "forward_backward", "done", None, 1.0, 6, None, None, {}, 0, "t:1", 1, ms, ms, ms + 5)
+            for s, ms in zip((1, 2), created)]
+    outcomes = [(run_id, s, "done", None, b"r") for s in (1, 2)]
+    store.finish_requests(outcomes, {run_id: 12}, {run_id: 0}, {run_id: 3}, metrics=rows)
+    store.finish_requests(outcomes, {run_id: 12}, {run_id: 0}, {run_id: 3}, metrics=rows[:1])  # resent: recorded already
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        at = conn.execute(text("select last_request_at from training_runs where id = :r"), {"r": run_id}).scalar_one()
+    engine.dispose()
+    assert at == datetime.fromtimestamp(created[1] / 1000, timezone.utc)
     store.engine.dispose()

@@ -148,7 +148,7 @@ class FakeStore:
         for key in keys:
             self.requests[key].status = "running"
 
-    def finish_requests(self, outcomes, tokens, steps, next_seq, window=0, metrics=(), running=(), last_request=None):
+    def finish_requests(self, outcomes, tokens, steps, next_seq, window=0, metrics=(), running=()):
         self._check()
         for run_id, seq_id, status, error, result in outcomes:
             record = self.requests[(run_id, seq_id)]

@@ -7,31 +7,26 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from datetime import datetime, timedelta, timezone
 
 import pytest
 
 from temper.common.errors import Unavailable
 from temper.scheduler.planning.group_commit import Finish, FinishWriter, merged
 
-T0 = datetime(2026, 12, 5, tzinfo=timezone.utc)
-
-
-def finish(run: str, seqs: list[int], tokens: int, steps: int, at: datetime, ahead: list[int] = ()) -> Finish:
+def finish(run: str, seqs: list[int], tokens: int, steps: int, ahead: list[int] = ()) -> Finish:
     return Finish([(run, s, "done", None, b"r%d" % s) for s in seqs], {run: tokens}, {run: steps}, {run: max(seqs) + 1},
-                  [f"metric {run}#{s}" for s in seqs], [(run, s) for s in ahead], {run: at})
+                  [f"metric {run}#{s}" for s in seqs], [(run, s) for s in ahead])
 
 
 def test_merged_adds_counters_and_keeps_every_row():
-    a = finish("a", [1, 2], 12, 1, T0, ahead=[3])
-    b = finish("b", [7], 5, 0, T0 + timedelta(seconds=1))
-    c = finish("a", [3], 6, 0, T0 + timedelta(seconds=2))  # a later cycle of run a (same group after a resend)
+    a = finish("a", [1, 2], 12, 1, ahead=[3])
+    b = finish("b", [7], 5, 0)
+    c = finish("a", [3], 6, 0)  # a later cycle of run a (same group after a resend)
     m = merged([a, b, c])
     assert m.outcomes == a.outcomes + b.outcomes + c.outcomes
     assert m.tokens == {"a": 18, "b": 5} and m.steps == {"a": 1, "b": 0}
     assert m.next_seq == {"a": 4, "b": 8}
     assert m.metrics == a.metrics + b.metrics + c.metrics and m.running == [("a", 3)]
-    assert m.last_request == {"a": T0 + timedelta(seconds=2), "b": T0 + timedelta(seconds=1)}
 
 
 class RecordingStore:
@@ -43,21 +38,21 @@ class RecordingStore:
         self.release = threading.Event()
         self.down = False
 
-    def finish_requests(self, outcomes, tokens, steps, next_seq, window, metrics, running, last_request):
+    def finish_requests(self, outcomes, tokens, steps, next_seq, window, metrics, running):
         if not self.calls:
             self.release.wait(10)
         if self.down:
             raise Unavailable("the database is unavailable (fake)")
-        self.calls.append((list(outcomes), dict(tokens), dict(next_seq), window, list(running), dict(last_request)))
+        self.calls.append((list(outcomes), dict(tokens), dict(next_seq), window, list(running)))
 
 
 def test_finishes_of_several_lanes_go_in_one_transaction():
     async def scenario():
         store = RecordingStore()
         writer = FinishWriter(store, result_window=64)
-        first = asyncio.create_task(writer.add(finish("a", [1], 6, 0, T0)))
+        first = asyncio.create_task(writer.add(finish("a", [1], 6, 0)))
         await asyncio.sleep(0.05)  # the first write is under way (blocked in its thread)
-        later = [asyncio.create_task(writer.add(finish(run, [seq], 6, 0, T0))) for run, seq in (("b", 4), ("c", 9))]
+        later = [asyncio.create_task(writer.add(finish(run, [seq], 6, 0))) for run, seq in (("b", 4), ("c", 9))]
         await asyncio.sleep(0.05)
         assert not any(t.done() for t in [first, *later])  # nobody resumes before its outcomes are committed
         store.release.set()
@@ -75,11 +70,11 @@ def test_an_outage_fails_each_caller_of_the_group_with_its_own_unavailable():
         store.release.set()
         store.down = True
         writer = FinishWriter(store, result_window=0)
-        results = await asyncio.gather(*(writer.add(finish(run, [1], 1, 0, T0)) for run in "ab"), return_exceptions=True)
+        results = await asyncio.gather(*(writer.add(finish(run, [1], 1, 0)) for run in "ab"), return_exceptions=True)
         assert all(isinstance(r, Unavailable) for r in results) and results[0] is not results[1]
         assert store.calls == []
         store.down = False  # each lane resends its own finish once the database is back
-        await asyncio.gather(*(writer.add(finish(run, [1], 1, 0, T0)) for run in "ab"))
+        await asyncio.gather(*(writer.add(finish(run, [1], 1, 0)) for run in "ab"))
         assert sorted(o[0] for call in store.calls for o in call[0]) == ["a", "b"]
 
     asyncio.run(scenario())
@@ -90,8 +85,8 @@ def test_a_single_finish_is_written_as_it_is(n):
     store = RecordingStore()
     store.release.set()
     writer = FinishWriter(store, result_window=8)
-    f = finish("a", list(range(1, n + 1)), 6 * n, 0, T0, ahead=[n + 1])
+    f = finish("a", list(range(1, n + 1)), 6 * n, 0, ahead=[n + 1])
     assert writer.write_group([f]) == [None]
-    outcomes, tokens, next_seq, window, running, last = store.calls[0]
+    outcomes, tokens, next_seq, window, running = store.calls[0]
     assert outcomes == f.outcomes and tokens == {"a": 6 * n} and next_seq == {"a": n + 1} and running == [("a", n + 1)]
-    assert window == 8 and last == {"a": T0}
+    assert window == 8
