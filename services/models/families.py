@@ -53,6 +53,24 @@ class ExpertLayout:
 
 
 @dataclass(frozen=True)
+class VisionLayout:
+    """A vision-language family's multimodal details: the config fields holding the ids an image
+    expands into (read from each model's config, never assumed), where its vision tower sits, and the
+    short names of the tower's and merger's linear layers (LoRA targets only when a run names them:
+    ``LoraConfig.train_vision``). Images are counted and turned into pixels by the model's own image
+    processor (``services/models/images.py``)."""
+
+    image_token_field: str = "image_token_id"
+    start_token_field: str = "vision_start_token_id"
+    end_token_field: str = "vision_end_token_id"
+    tower: str = "model.visual"
+    linears: tuple[str, ...] = ("qkv", "proj", "linear_fc1", "linear_fc2")
+
+
+QWEN_VL = VisionLayout()
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     model_types: tuple[str, ...]
@@ -62,6 +80,7 @@ class Family:
     num_experts_field: str = ""                   # config field with the number of routed experts
     mlp: tuple[str, ...] = MLP_LINEARS            # dense MLP / shared-expert linears
     notes: str = ""
+    vision: VisionLayout | None = None            # vision-language families: images in the model input
 
     @property
     def moe(self) -> bool:
@@ -86,6 +105,13 @@ FAMILIES: tuple[Family, ...] = (
                             "qk_nope_head_dim", "v_head_dim"),
            ExpertLayout(("DeepseekV3Experts",), transposed=False, glu=_chunked_glu), num_experts_field="n_routed_experts",
            notes="MLA attention, shared + routed experts, first layers dense"),
+    # vision-language: the language model's config (text_config) decides the family, the wrapper's the vision
+    Family("qwen3_vl", ("qwen3_vl_text",), ATTN_LINEARS, _DENSE_REQUIRED, vision=QWEN_VL,
+           notes="Qwen3-VL: images through the vision tower, multimodal rotary positions"),
+    Family("qwen3_vl_moe", ("qwen3_vl_moe_text",), ATTN_LINEARS,
+           _MOE_REQUIRED + ("num_experts", "moe_intermediate_size"),
+           ExpertLayout(("Qwen3VLMoeTextExperts",), transposed=False, glu=_chunked_glu), num_experts_field="num_experts",
+           vision=QWEN_VL, notes="Qwen3-VL-30B-A3B, Qwen3-VL-235B-A22B"),
 )
 
 

@@ -12,7 +12,7 @@ class SamplerModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SamplerModelInfo(_message.Message):
-    __slots__ = ("base_model", "tokenizer_id", "vocab_size", "max_context_length", "backend", "loaded_adapters", "incarnation", "deterministic_unsupported")
+    __slots__ = ("base_model", "tokenizer_id", "vocab_size", "max_context_length", "backend", "loaded_adapters", "incarnation", "deterministic_unsupported", "vision")
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class SamplerModelInfo(_message.Message):
     LOADED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     DETERMINISTIC_UNSUPPORTED_FIELD_NUMBER: _ClassVar[int]
+    VISION_FIELD_NUMBER: _ClassVar[int]
     base_model: str
     tokenizer_id: str
     vocab_size: int
@@ -29,7 +30,8 @@ class SamplerModelInfo(_message.Message):
     loaded_adapters: _containers.RepeatedScalarFieldContainer[str]
     incarnation: str
     deterministic_unsupported: str
-    def __init__(self, base_model: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., backend: _Optional[str] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., incarnation: _Optional[str] = ..., deterministic_unsupported: _Optional[str] = ...) -> None: ...
+    vision: _types_pb2.VisionInfo
+    def __init__(self, base_model: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., backend: _Optional[str] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., incarnation: _Optional[str] = ..., deterministic_unsupported: _Optional[str] = ..., vision: _Optional[_Union[_types_pb2.VisionInfo, _Mapping]] = ...) -> None: ...
 
 class PushAdapterChunk(_message.Message):
     __slots__ = ("checkpoint_key", "file")
@@ -56,7 +58,7 @@ class SamplerDropAdapterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SamplerSampleRequest(_message.Message):
-    __slots__ = ("checkpoint_key", "prompt_tokens", "num_samples", "sampling_params", "include_prompt_logprobs", "topk_logprobs", "topk_prompt_logprobs", "prompt_logprobs_last_n", "deterministic")
+    __slots__ = ("checkpoint_key", "prompt_tokens", "num_samples", "sampling_params", "include_prompt_logprobs", "topk_logprobs", "topk_prompt_logprobs", "prompt_logprobs_last_n", "deterministic", "prompt")
     CHECKPOINT_KEY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +68,7 @@ class SamplerSampleRequest(_message.Message):
     TOPK_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_LAST_N_FIELD_NUMBER: _ClassVar[int]
     DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
     checkpoint_key: str
     prompt_tokens: bytes
     num_samples: int
@@ -75,19 +78,22 @@ class SamplerSampleRequest(_message.Message):
     topk_prompt_logprobs: int
     prompt_logprobs_last_n: int
     deterministic: bool
-    def __init__(self, checkpoint_key: _Optional[str] = ..., prompt_tokens: _Optional[bytes] = ..., num_samples: _Optional[int] = ..., sampling_params: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., include_prompt_logprobs: _Optional[bool] = ..., topk_logprobs: _Optional[int] = ..., topk_prompt_logprobs: _Optional[int] = ..., prompt_logprobs_last_n: _Optional[int] = ..., deterministic: _Optional[bool] = ...) -> None: ...
+    prompt: _types_pb2.ModelInput
+    def __init__(self, checkpoint_key: _Optional[str] = ..., prompt_tokens: _Optional[bytes] = ..., num_samples: _Optional[int] = ..., sampling_params: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., include_prompt_logprobs: _Optional[bool] = ..., topk_logprobs: _Optional[int] = ..., topk_prompt_logprobs: _Optional[int] = ..., prompt_logprobs_last_n: _Optional[int] = ..., deterministic: _Optional[bool] = ..., prompt: _Optional[_Union[_types_pb2.ModelInput, _Mapping]] = ...) -> None: ...
 
 class SamplerLogprobsRequest(_message.Message):
-    __slots__ = ("checkpoint_key", "prompt_tokens", "prompt_logprobs_last_n", "deterministic")
+    __slots__ = ("checkpoint_key", "prompt_tokens", "prompt_logprobs_last_n", "deterministic", "prompt")
     CHECKPOINT_KEY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_LAST_N_FIELD_NUMBER: _ClassVar[int]
     DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
     checkpoint_key: str
     prompt_tokens: bytes
     prompt_logprobs_last_n: int
     deterministic: bool
-    def __init__(self, checkpoint_key: _Optional[str] = ..., prompt_tokens: _Optional[bytes] = ..., prompt_logprobs_last_n: _Optional[int] = ..., deterministic: _Optional[bool] = ...) -> None: ...
+    prompt: _types_pb2.ModelInput
+    def __init__(self, checkpoint_key: _Optional[str] = ..., prompt_tokens: _Optional[bytes] = ..., prompt_logprobs_last_n: _Optional[int] = ..., deterministic: _Optional[bool] = ..., prompt: _Optional[_Union[_types_pb2.ModelInput, _Mapping]] = ...) -> None: ...
 
 class ComputeLogprobsResponseInternal(_message.Message):
     __slots__ = ("logprobs",)

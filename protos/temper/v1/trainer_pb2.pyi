@@ -12,7 +12,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("base_model", "tokenizer_id", "vocab_size", "max_context_length", "device", "dtype", "incarnation", "family", "num_experts", "num_experts_per_tok", "world_size", "devices", "device_memory_bytes", "device_memory_used_bytes", "deterministic_unsupported")
+    __slots__ = ("base_model", "tokenizer_id", "vocab_size", "max_context_length", "device", "dtype", "incarnation", "family", "num_experts", "num_experts_per_tok", "world_size", "devices", "device_memory_bytes", "device_memory_used_bytes", "deterministic_unsupported", "vision")
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class ModelInfo(_message.Message):
     DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     DETERMINISTIC_UNSUPPORTED_FIELD_NUMBER: _ClassVar[int]
+    VISION_FIELD_NUMBER: _ClassVar[int]
     base_model: str
     tokenizer_id: str
     vocab_size: int
@@ -43,7 +44,8 @@ class ModelInfo(_message.Message):
     device_memory_bytes: _containers.RepeatedScalarFieldContainer[int]
     device_memory_used_bytes: int
     deterministic_unsupported: str
-    def __init__(self, base_model: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., incarnation: _Optional[str] = ..., family: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., world_size: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., device_memory_bytes: _Optional[_Iterable[int]] = ..., device_memory_used_bytes: _Optional[int] = ..., deterministic_unsupported: _Optional[str] = ...) -> None: ...
+    vision: _types_pb2.VisionInfo
+    def __init__(self, base_model: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., incarnation: _Optional[str] = ..., family: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., world_size: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., device_memory_bytes: _Optional[_Iterable[int]] = ..., device_memory_used_bytes: _Optional[int] = ..., deterministic_unsupported: _Optional[str] = ..., vision: _Optional[_Union[_types_pb2.VisionInfo, _Mapping]] = ...) -> None: ...
 
 class CreateAdapterRequest(_message.Message):
     __slots__ = ("training_run_id", "lora_config")

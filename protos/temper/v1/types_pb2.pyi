@@ -56,11 +56,43 @@ class EncodedTextChunk(_message.Message):
     tokens: bytes
     def __init__(self, tokens: _Optional[bytes] = ...) -> None: ...
 
+class ImageChunk(_message.Message):
+    __slots__ = ("data", "format", "expected_tokens")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    format: str
+    expected_tokens: int
+    def __init__(self, data: _Optional[bytes] = ..., format: _Optional[str] = ..., expected_tokens: _Optional[int] = ...) -> None: ...
+
+class ImageAssetPointerChunk(_message.Message):
+    __slots__ = ("location", "format", "expected_tokens")
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    location: str
+    format: str
+    expected_tokens: int
+    def __init__(self, location: _Optional[str] = ..., format: _Optional[str] = ..., expected_tokens: _Optional[int] = ...) -> None: ...
+
+class DmelChunk(_message.Message):
+    __slots__ = ("dmel",)
+    DMEL_FIELD_NUMBER: _ClassVar[int]
+    dmel: bytes
+    def __init__(self, dmel: _Optional[bytes] = ...) -> None: ...
+
 class ModelInputChunk(_message.Message):
-    __slots__ = ("encoded_text",)
+    __slots__ = ("encoded_text", "image", "image_asset_pointer", "dmel")
     ENCODED_TEXT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_ASSET_POINTER_FIELD_NUMBER: _ClassVar[int]
+    DMEL_FIELD_NUMBER: _ClassVar[int]
     encoded_text: EncodedTextChunk
-    def __init__(self, encoded_text: _Optional[_Union[EncodedTextChunk, _Mapping]] = ...) -> None: ...
+    image: ImageChunk
+    image_asset_pointer: ImageAssetPointerChunk
+    dmel: DmelChunk
+    def __init__(self, encoded_text: _Optional[_Union[EncodedTextChunk, _Mapping]] = ..., image: _Optional[_Union[ImageChunk, _Mapping]] = ..., image_asset_pointer: _Optional[_Union[ImageAssetPointerChunk, _Mapping]] = ..., dmel: _Optional[_Union[DmelChunk, _Mapping]] = ...) -> None: ...
 
 class ModelInput(_message.Message):
     __slots__ = ("chunks",)
@@ -122,7 +154,7 @@ class ForwardBackwardOutput(_message.Message):
     def __init__(self, loss_fn_output_type: _Optional[str] = ..., loss_fn_outputs: _Optional[_Iterable[_Union[LossFnOutput, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class LoraConfig(_message.Message):
-    __slots__ = ("rank", "alpha", "seed", "train_attn", "train_mlp", "train_unembed", "dropout", "expert_rank")
+    __slots__ = ("rank", "alpha", "seed", "train_attn", "train_mlp", "train_unembed", "dropout", "expert_rank", "train_vision")
     RANK_FIELD_NUMBER: _ClassVar[int]
     ALPHA_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +163,7 @@ class LoraConfig(_message.Message):
     TRAIN_UNEMBED_FIELD_NUMBER: _ClassVar[int]
     DROPOUT_FIELD_NUMBER: _ClassVar[int]
     EXPERT_RANK_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_VISION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     alpha: float
     seed: int
@@ -139,7 +172,20 @@ class LoraConfig(_message.Message):
     train_unembed: bool
     dropout: float
     expert_rank: int
-    def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., seed: _Optional[int] = ..., train_attn: _Optional[bool] = ..., train_mlp: _Optional[bool] = ..., train_unembed: _Optional[bool] = ..., dropout: _Optional[float] = ..., expert_rank: _Optional[int] = ...) -> None: ...
+    train_vision: bool
+    def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., seed: _Optional[int] = ..., train_attn: _Optional[bool] = ..., train_mlp: _Optional[bool] = ..., train_unembed: _Optional[bool] = ..., dropout: _Optional[float] = ..., expert_rank: _Optional[int] = ..., train_vision: _Optional[bool] = ...) -> None: ...
+
+class VisionInfo(_message.Message):
+    __slots__ = ("image_token_id", "vision_start_token_id", "vision_end_token_id", "image_processor_json")
+    IMAGE_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    VISION_START_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    VISION_END_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_PROCESSOR_JSON_FIELD_NUMBER: _ClassVar[int]
+    image_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    image_processor_json: str
+    def __init__(self, image_token_id: _Optional[int] = ..., vision_start_token_id: _Optional[int] = ..., vision_end_token_id: _Optional[int] = ..., image_processor_json: _Optional[str] = ...) -> None: ...
 
 class AdamParams(_message.Message):
     __slots__ = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")

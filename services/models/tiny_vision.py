@@ -1,0 +1,136 @@
+"""Tiny random vision-language models (Qwen3-VL, Qwen3-VL-MoE) for fast tests, built offline from code.
+
+Each folder is what a real checkpoint of the family holds: the model (a two-layer language model, a
+two-block vision tower with one deepstack merger), a fast tokenizer whose special tokens sit at the real
+Qwen3 ids (``<|vision_start|>`` 151652, ``<|vision_end|>`` 151653, ``<|image_pad|>`` 151655, ...: the
+vocabulary is padded with unreachable filler entries up to them), a chat template that renders image
+parts as Qwen's does, and a ``preprocessor_config.json`` naming the model's own image processor
+(``Qwen2VLImageProcessor``: 16-pixel patches, 2 x 2 merge, so a 64 x 64 image is 4 image tokens). The
+pixel bounds are small (``TINY_MAX_PIXELS``) so that images stay a handful of tokens on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from temper.services.models.tiny import _CORPUS
+
+QWEN3_VOCAB = 151936
+QWEN3_FIRST_SPECIAL = 151643
+# Qwen3's added tokens in id order from 151643 (tokenizer_config.json of the Qwen3 / Qwen3-VL checkpoints)
+QWEN3_SPECIALS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
+    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+    "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
+    "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
+    "<think>", "</think>",
+)
+TINY_MIN_PIXELS = 32 * 32       # at least one image token
+TINY_MAX_PIXELS = 128 * 128     # at most 16 image tokens
+# Qwen-VL's chat template, shortened: text and image parts of a message's content in order
+QWEN_VL_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tiny_vl_model(target: Path, family: str = "qwen3_vl_moe", seed: int = 0, hidden_size: int = 64,
+                        layers: int = 2) -> Path:
+    """Write a tiny ``family`` ("qwen3_vl" or "qwen3_vl_moe") folder to ``target`` (idempotent)."""
+    target = Path(target)
+    if (target / "config.json").is_file() and (target / "preprocessor_config.json").is_file():
+        return target
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    tokenizer = qwen_tokenizer()
+    config = TINY_VL_FAMILIES[family](hidden_size, layers, tokenizer)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+        with torch.no_grad():  # random biases, as in tiny.py, so that tests see them at work
+            for name, param in model.named_parameters():
+                if name.endswith("bias") and not param.any():
+                    param.normal_(0.0, 0.02)
+    target.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    (target / "preprocessor_config.json").write_text(json.dumps(_preprocessor_config(config), indent=2))
+    return target
+
+
+def qwen_tokenizer():
+    """A byte-level BPE trained on a small corpus, its vocabulary padded with filler entries (never
+    produced: no merge leads to them) so that Qwen3's special tokens take their real ids."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=500, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    trained = json.loads(bpe.to_str())["model"]
+    vocab = dict(trained["vocab"])
+    for i in range(len(vocab), QWEN3_FIRST_SPECIAL):
+        vocab[f"\u0000filler{i}"] = i
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
+    padded = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    padded.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    padded.decoder = decoders.ByteLevel()
+    padded.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN3_SPECIALS])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=padded, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = QWEN_VL_TEMPLATE
+    assert tokenizer.convert_tokens_to_ids("<|image_pad|>") == 151655, "Qwen3 special ids moved"
+    return tokenizer
+
+
+def _rope(head_dim: int) -> dict:
+    quarter = head_dim // 8  # mrope sections (temporal, height, width) sum to head_dim / 2
+    return {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [head_dim // 2 - 2 * quarter, quarter, quarter],
+            "mrope_interleaved": True}
+
+
+def _text(hidden: int, layers: int, tokenizer) -> dict:
+    head_dim = hidden // 4
+    return dict(vocab_size=QWEN3_VOCAB, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, rope_parameters=_rope(head_dim),
+                max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                bos_token_id=None)
+
+
+def _vision(hidden: int) -> dict:
+    return dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
+                temporal_patch_size=2, out_hidden_size=hidden, num_position_embeddings=64, deepstack_visual_indexes=[1])
+
+
+def _qwen3_vl(hidden, layers, tokenizer):
+    from transformers import Qwen3VLConfig
+    return Qwen3VLConfig(text_config=_text(hidden, layers, tokenizer), vision_config=_vision(hidden),
+                         tie_word_embeddings=True)
+
+
+def _qwen3_vl_moe(hidden, layers, tokenizer):
+    from transformers import Qwen3VLMoeConfig
+    # 8 routed experts, top-2, as the text MoE tiny models
+    text = dict(_text(hidden, layers, tokenizer), moe_intermediate_size=hidden // 2, num_experts=8,
+                num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True)
+    return Qwen3VLMoeConfig(text_config=text, vision_config=_vision(hidden), tie_word_embeddings=True)
+
+
+def _preprocessor_config(config) -> dict:
+    vision = config.vision_config
+    return {
+        "image_processor_type": "Qwen2VLImageProcessor", "do_resize": True, "do_rescale": True, "do_normalize": True,
+        "do_convert_rgb": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "patch_size": vision.patch_size, "merge_size": vision.spatial_merge_size,
+        "temporal_patch_size": vision.temporal_patch_size,
+        "size": {"shortest_edge": TINY_MIN_PIXELS, "longest_edge": TINY_MAX_PIXELS},
+    }
+
+
+TINY_VL_FAMILIES = {"qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe}
+TINY_VL_NAMES = {family: f"temper/tiny-{family.replace('_', '-')}" for family in TINY_VL_FAMILIES}
