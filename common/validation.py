@@ -14,6 +14,7 @@ import numpy as np
 from temper.common.codec import decode_array, decode_tokens, dtype_name
 from temper.common.errors import InvalidArgument, shown
 from temper.common.prompt_scoring import MAX_TOPK_PROMPT_LOGPROBS, TOPK_MASK_LOGPROB, check_last_n, check_prompt_scoring  # noqa: F401 (re-exported)
+from temper.services.models.images import DEFAULT_LIMITS, ImageInput, ImageLimits, VisionProcessor, flatten
 from temper.v1 import types_pb2
 
 
@@ -58,17 +59,15 @@ MIN_EPS, MAX_EPS = 1e-30, 1e30
 
 @dataclass
 class DecodedDatum:
-    tokens: np.ndarray                  # int32 (N,)
+    tokens: np.ndarray                  # int32 (N,), each image as its image tokens
     inputs: dict[str, np.ndarray]       # loss_fn_inputs, each with leading dim N
+    images: tuple[ImageInput, ...] = () # the images, in order, with where their tokens start
 
 
-def model_input_tokens(model_input: types_pb2.ModelInput) -> np.ndarray:
-    parts = []
-    for chunk in model_input.chunks:
-        if chunk.WhichOneof("chunk") != "encoded_text":
-            raise InvalidArgument("only encoded_text chunks are supported")
-        parts.append(decode_tokens(chunk.encoded_text.tokens))
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+def model_input_tokens(model_input: types_pb2.ModelInput, vision: VisionProcessor | None = None,
+                       limits: ImageLimits = DEFAULT_LIMITS, what: str = "model_input", **flatten_args) -> np.ndarray:
+    """The input's tokens as the model sees them (images as their image tokens: ``images.flatten``)."""
+    return flatten(model_input, vision, limits, what, **flatten_args).tokens
 
 
 def check_token_range(tokens: np.ndarray, vocab_size: int, what: str) -> None:
@@ -105,9 +104,12 @@ def _names(names, most: int = 3) -> str:
 
 
 def validate_forward_backward(
-    data, loss_fn: str, loss_fn_config, vocab_size: int, max_length: int | None = None
+    data, loss_fn: str, loss_fn_config, vocab_size: int, max_length: int | None = None,
+    vision: VisionProcessor | None = None, limits: ImageLimits = DEFAULT_LIMITS, model: str = "the base model",
 ) -> tuple[list[DecodedDatum], dict[str, float]]:
-    """Decode and check a forward_backward request; raise InvalidArgument on the first problem."""
+    """Decode and check a forward_backward request; raise InvalidArgument on the first problem.
+    ``vision``: the base model's (None: text only, an image is refused); images are checked by
+    ``images.flatten`` (bytes, limits, expected_tokens against the model's processor)."""
     if loss_fn not in LOSS_SPECS:
         raise InvalidArgument(f"unknown loss_fn {shown(loss_fn)}; supported: {sorted(LOSS_SPECS)}")
     if not data:
@@ -116,7 +118,8 @@ def validate_forward_backward(
     config = loss_config_values(loss_fn, dict(loss_fn_config))
     decoded = []
     for i, datum in enumerate(data):
-        tokens = model_input_tokens(datum.model_input)
+        flat = flatten(datum.model_input, vision, limits, f"datum {i} model_input", model=model)
+        tokens = flat.tokens
         n = len(tokens)
         if n == 0:
             raise InvalidArgument(f"datum {i}: model_input is empty")
@@ -153,7 +156,7 @@ def validate_forward_backward(
             raise InvalidArgument(f"datum {i}: loss_fn_inputs shapes differ: {shapes}")
         if "target_tokens" in inputs:
             check_token_range(inputs["target_tokens"], vocab_size, f"datum {i} target_tokens")
-        decoded.append(DecodedDatum(tokens=tokens, inputs=inputs))
+        decoded.append(DecodedDatum(tokens=tokens, inputs=inputs, images=flat.images))
     return decoded, config
 
 
