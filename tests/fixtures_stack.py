@@ -20,6 +20,26 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def vl_model_dirs(tmp_path_factory) -> dict[str, str]:
+    """The tiny vision-language models (services/models/tiny_vision.py), family -> folder, built once per session."""
+    from temper.services.models.tiny_vision import TINY_VL_FAMILIES, build_tiny_vl_model
+
+    root = tmp_path_factory.mktemp("vl-models")
+    return {family: str(build_tiny_vl_model(root / family, family)) for family in TINY_VL_FAMILIES}
+
+
+def png_bytes(color: str = "red", size: tuple[int, int] = (64, 64), fmt: str = "PNG") -> bytes:
+    """A solid-colour image file (PNG or JPEG) for image inputs."""
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", size, color).save(out, fmt)
+    return out.getvalue()
+
+
+@pytest.fixture(scope="session")
 def stack(tiny_model_dir, postgres_url, tmp_path_factory):
     """Scheduler + trainer + sampler as separate processes on loopback, scheduler on Postgres."""
     from temper.localstack import LocalStack
