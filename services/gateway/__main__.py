@@ -33,6 +33,7 @@ async def serve(settings: GatewaySettings) -> None:
     app = create_app(Scheduler.from_settings(settings), settings.long_poll_seconds, settings.future_keep_seconds,
                      settings.max_json_body_bytes, settings.max_protobuf_body_bytes)
     app.state.console_max_rows = settings.console_max_rows
+    app.state.image_limits = settings.image_limits()
     sock = _listen(settings.bind)
     tls = {}
     if settings.tls_cert_file is not None:

@@ -2,9 +2,10 @@
 Pure functions: no network, no state.
 
 Request: ``model``, ``max_tokens`` (required), ``messages`` (user / assistant turns, a string or text
-blocks; a last assistant turn is continued, as Anthropic prefills), ``system``, ``temperature``,
-``top_p``, ``top_k``, ``stop_sequences``, ``stream``; ``metadata`` is accepted. What Temper cannot do
-(tools, images and other non-text blocks, extended thinking) is refused with a 400, never ignored.
+and image blocks, images as base64 sources; a last assistant turn is continued, as Anthropic prefills),
+``system`` (text), ``temperature``, ``top_p``, ``top_k``, ``stop_sequences``, ``stream``; ``metadata`` is
+accepted. What Temper cannot do (tools, documents, image URLs, extended thinking) is refused with a 400,
+never ignored.
 Answer: a ``message`` with one text block, ``stop_reason`` (end_turn, max_tokens, stop_sequence) and
 ``usage``; streamed, Anthropic's event sequence. Errors: ``{"type": "error", "error": {type, message}}``.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
-from temper.services.gateway import fields
+from temper.services.gateway import fields, image_parts
 from temper.services.gateway import openai_convert as oc
 from temper.services.gateway.errors import GatewayError, bounded, http_status, invalid
 
@@ -49,18 +50,26 @@ def generation(body: Mapping[str, Any]) -> oc.Generation:
                          stop=tuple(stop), stream=fields.boolean(body, "stream"))
 
 
-def _text(content: Any, where: str) -> str:
+def _text(content: Any, where: str, images: bool = False) -> str | list[dict]:
+    """Text blocks joined into one string; with ``image`` blocks (``images``: a message's content, base64
+    sources only), the blocks in order as text and image parts (chat_prompt.py renders them)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise invalid(f"{where}: a string or a list of text blocks")
-    parts = []
+        raise invalid(f"{where}: a string or a list of text{' and image' if images else ''} blocks")
+    parts: list[dict] = []
     for i, block in enumerate(content):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise invalid(f"{where}[{i}]: only text blocks are supported by Temper, got {kind!r}")
-        parts.append(block["text"])
-    return "".join(parts)
+        kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+        if kind == "text" and isinstance(block.get("text"), str):
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image" and images:
+            parts.append({"type": "image", "image": image_parts.anthropic_image(block, f"{where}[{i}]")})
+        else:
+            allowed = "text and image blocks" if images else "text blocks"
+            raise invalid(f"{where}[{i}]: only {allowed} are supported by Temper, got {kind!r}")
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
 
 
 def chat_messages(body: Mapping[str, Any]) -> tuple[list[dict], bool]:
@@ -75,7 +84,7 @@ def chat_messages(body: Mapping[str, Any]) -> tuple[list[dict], bool]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
             raise invalid(f"messages[{i}].role: user or assistant")
-        out.append({"role": message["role"], "content": _text(message.get("content"), f"messages[{i}].content")})
+        out.append({"role": message["role"], "content": _text(message.get("content"), f"messages[{i}].content", images=True)})
     return out, out[-1]["role"] == "assistant"
 
 

@@ -28,6 +28,7 @@ from temper.services.gateway.errors import (PARSE_ERRORS, GatewayError, error_bo
                                             invalid, request_error)
 from temper.services.gateway.futures import Futures
 from temper.services.gateway.upstream import Scheduler
+from temper.services.models.images import DEFAULT_LIMITS, ImageLimits
 
 log = logging.getLogger("temper.gateway")
 
@@ -67,6 +68,11 @@ class Gateway:
 
 def gateway(request: Request) -> Gateway:
     return request.app.state.gateway
+
+
+def image_limits(request: Request) -> ImageLimits:
+    """What one image may be in the chat routes' early checks (settings: TEMPER_GATEWAY_IMAGE_*)."""
+    return getattr(request.app.state, "image_limits", DEFAULT_LIMITS)
 
 
 # Temper's keys are "tml-" and 43 URL-safe characters; any printable ASCII token up to this length is

@@ -1,9 +1,9 @@
 """Tinker SDK wire shapes <-> Temper's public gRPC messages. Pure functions: no network, no state.
 
 Requests arrive as JSON (``model_dump(exclude_none=True, mode="json")`` of the SDK's types) or, for
-forward_backward, as the protobuf of tinker_wire.proto; results leave as JSON, or as protobuf for
-ForwardBackwardOutput and SampleResponse when the SDK asks for it (it must, from 0.25). Shapes:
-shared/docs/tinker-wire-spec.md sections 2 and 4.
+forward_backward, as the protobuf of tinker_wire.proto (image chunks either way: image_parts.py);
+results leave as JSON, or as protobuf for ForwardBackwardOutput and SampleResponse when the SDK asks
+for it (it must, from 0.25). Shapes: shared/docs/tinker-wire-spec.md sections 2 and 4.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from temper.client import types as t
 from temper.common.codec import decode_array, decode_floats, decode_tokens, encode_tokens
 from temper.common.strings import shown
 from temper.common.validation import TOPK_MASK_LOGPROB
-from temper.services.gateway import fields
+from temper.services.gateway import fields, image_parts
 from temper.services.gateway import tinker_wire_pb2 as wire
 from temper.services.gateway.errors import invalid
 from temper.services.gateway.tensors import Budget, frombuffer, tensor_from_json, tensor_from_wire
@@ -66,19 +66,20 @@ def model_input_from_json(obj: Any, label: str = "model_input") -> types_pb2.Mod
         if not isinstance(chunk, Mapping):
             raise invalid(f"{where} must be an object")
         kind = fields.string(chunk, "type", default="encoded_text", where=f"{where}.")
-        if kind != "encoded_text":
-            raise invalid(f"{shown(kind)} chunks are not supported by Temper (text tokens only)")
+        if kind != "encoded_text":  # images (base64) and pointers; audio refused (image_parts.py)
+            chunks.append(image_parts.chunk_from_json(chunk, kind, where))
+            continue
         tokens = fields.integers(fields.array(chunk, "tokens", default=[], where=f"{where}."), f"{where}.tokens", *fields.INT32)
         chunks.append(types_pb2.ModelInputChunk(encoded_text=types_pb2.EncodedTextChunk(tokens=encode_tokens(tokens))))
     return types_pb2.ModelInput(chunks=chunks)
 
 
-def _model_input_from_wire(chunks) -> types_pb2.ModelInput:
+def _model_input_from_wire(chunks, label: str) -> types_pb2.ModelInput:
     out = []
-    for chunk in chunks:
-        kind = chunk.WhichOneof("chunk")
-        if kind != "encoded_text":
-            raise invalid(f"{kind} chunks are not supported by Temper (text tokens only)")
+    for i, chunk in enumerate(chunks):
+        if chunk.WhichOneof("chunk") != "encoded_text":
+            out.append(image_parts.chunk_from_wire(chunk, f"{label}.model_input[{i}]"))
+            continue
         frombuffer(chunk.encoded_text.tokens, np.int32)  # whole int32 values
         out.append(types_pb2.ModelInputChunk(encoded_text=types_pb2.EncodedTextChunk(tokens=chunk.encoded_text.tokens)))
     return types_pb2.ModelInput(chunks=out)
@@ -94,9 +95,9 @@ def datum_from_json(obj: Any, budget: Budget, label: str) -> types_pb2.Datum:
                                            for k, v in inputs.items()})
 
 
-def datum_from_wire(msg: wire.Datum, budget: Budget) -> types_pb2.Datum:
+def datum_from_wire(msg: wire.Datum, budget: Budget, label: str = "datum") -> types_pb2.Datum:
     # Provenance spans serve only stable_reinforce, which Temper does not have yet: ignored.
-    return types_pb2.Datum(model_input=_model_input_from_wire(msg.model_input),
+    return types_pb2.Datum(model_input=_model_input_from_wire(msg.model_input, label),
                            loss_fn_inputs={k: tensor_from_wire(v, budget) for k, v in msg.loss_fn_inputs.items()})
 
 
@@ -123,7 +124,7 @@ def forward_backward_from_wire(msg: wire.ForwardBackwardRequest) -> service_pb2.
         config[key] = value.text if value.WhichOneof("value") == "text" else value.number
     budget = Budget()
     return service_pb2.ForwardBackwardRequest(
-        training_run_id=msg.model_id, seq_id=msg.seq_id, data=[datum_from_wire(d, budget) for d in msg.data],
+        training_run_id=msg.model_id, seq_id=msg.seq_id, data=[datum_from_wire(d, budget, f"data[{i}]") for i, d in enumerate(msg.data)],
         loss_fn=msg.loss_fn, loss_fn_config=loss_config(config), forward_only=msg.forward_only)
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from temper.common.codec import decode_array, decode_floats, decode_tokens, encode_tokens
 from temper.common.strings import shown
-from temper.services.gateway import fields
+from temper.services.gateway import fields, image_parts
 from temper.services.gateway.errors import GatewayError, bounded, http_status, invalid
 from temper.v1 import types_pb2
 
@@ -129,8 +129,26 @@ def completion_prompts(body: Mapping[str, Any]) -> list[str | list[int]]:
     raise invalid("'prompt' must be a string, a list of strings, a list of token ids or a list of such lists (not empty)")
 
 
-def chat_messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
-    """``messages`` as the chat template takes them: role and text content (text parts joined)."""
+def _content_parts(content: list, where: str) -> str | list[dict]:
+    """Text parts joined into one string; with ``image_url`` parts (data: URLs only), the parts in
+    order, each image unwrapped (chat_prompt.py renders them)."""
+    parts: list[dict] = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url":
+            parts.append({"type": "image", "image": image_parts.openai_image(part, f"{where}[{j}]")})
+        else:
+            raise invalid(f"{where}[{j}]: only text and image_url parts are supported by Temper")
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def chat_messages(body: Mapping[str, Any]) -> list[dict]:
+    """``messages`` as the chat template takes them: role and content, text parts joined into a
+    string unless the message has images (then a list of text and image parts)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("'messages' must be a non-empty list")
@@ -140,13 +158,11 @@ def chat_messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
             raise invalid(f"messages[{i}] must be an object with a 'role'")
         content = message.get("content")
         if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-                raise invalid(f"messages[{i}].content: only text parts are supported by Temper")
-            content = "".join(p["text"] for p in content)
+            content = _content_parts(content, f"messages[{i}].content")
         elif content is None:
             content = ""
         elif not isinstance(content, str):
-            raise invalid(f"messages[{i}].content must be a string or a list of text parts")
+            raise invalid(f"messages[{i}].content must be a string or a list of text and image_url parts")
         if message.get("tool_calls"):
             raise invalid(f"messages[{i}]: tool calls are not supported by Temper")
         out.append({"role": message["role"], "content": content})

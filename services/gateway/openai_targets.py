@@ -1,5 +1,6 @@
 """What the OpenAI routes sample with: an OpenAI ``model`` resolved, per API key, to a Temper sampling
-client, plus the base model's tokenizer (for chat templates and decoding) and context length.
+client, plus the base model's tokenizer (for chat templates and decoding), context length and, for a
+vision-language model whose folder is on this machine, its image processor (chat images).
 
 OpenAI requests carry no session, so the gateway opens one session per API key (tag ``openai``) and
 one sampling client per (key, model), and reuses them; a sampling client that stops answering
@@ -19,9 +20,11 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 import grpc
 
+from temper.services.gateway.chat_prompt import ChatModel
 from temper.services.gateway.errors import GatewayError, invalid
 from temper.services.gateway.openai_convert import model_source
 from temper.services.gateway.upstream import Scheduler
+from temper.services.models.images import VisionProcessor
 from temper.v1 import service_pb2
 
 MAX_SAMPLERS = 10_000
@@ -43,12 +46,19 @@ class Target:
     base_model: str
     tokenizer: Any
     max_context_length: int
+    vision: VisionProcessor | None = None
+    no_vision: str = "it is a text-only model"  # why ``vision`` is None
+
+    def chat_model(self) -> ChatModel:
+        return ChatModel(self.base_model, self.tokenizer, self.vision, self.no_vision)
 
 
 @dataclass
 class _Model:
     tokenizer: Any
     max_context_length: int
+    vision: VisionProcessor | None = None
+    no_vision: str = "it is a text-only model"
 
 
 class _Fetched:
@@ -104,7 +114,8 @@ class Targets:
                     self._samplers.popitem(last=False)
             self._samplers.move_to_end(ident)
         found = await self.model(info.base_model, info.tokenizer_id, key)
-        return Target(info.sampler_id, info.base_model, found.tokenizer, found.max_context_length)
+        return Target(info.sampler_id, info.base_model, found.tokenizer, found.max_context_length, found.vision,
+                      found.no_vision)
 
     async def _create(self, model: str, key: str) -> service_pb2.SamplingClientInfo:
         kind, value, expected_base = model_source(model)
@@ -131,7 +142,9 @@ class Targets:
         async with self._lock(("model", base_model)):
             if base_model not in self._models:
                 tokenizer = await self._tokenizer(base_model, tokenizer_id, key)
-                self._models[base_model] = _Model(tokenizer, await self._context_length(base_model, tokenizer, key))
+                vision, no_vision = await asyncio.to_thread(vision_of, tokenizer_id)
+                self._models[base_model] = _Model(tokenizer, await self._context_length(base_model, tokenizer, key),
+                                                  vision, no_vision)
             return self._models[base_model]
 
     async def _tokenizer(self, base_model: str, tokenizer_id: str, key: str) -> Any:
@@ -160,6 +173,18 @@ class Targets:
                 return int(m.max_context_length)
         limit = getattr(tokenizer, "model_max_length", 0) or 0
         return int(limit) if 0 < limit < 1_000_000 else DEFAULT_CONTEXT
+
+
+def vision_of(folder: str) -> tuple[VisionProcessor | None, str]:
+    """The model's image token ids and processor (images.VisionProcessor, from its config.json and
+    preprocessor_config.json) when its folder is on this machine, else None and why: the public API
+    does not carry a model's VisionInfo, and the tokenizer files GetTokenizer sends hold neither file."""
+    if not (folder and os.path.isfile(os.path.join(folder, "config.json"))):
+        return None, "the gateway counts image tokens with the model's own processor, read from its folder, which is not on " \
+                     "this machine"
+    from transformers import AutoConfig
+
+    return VisionProcessor.from_model(AutoConfig.from_pretrained(folder), folder), "it is a text-only model"
 
 
 def _digest(key: str) -> str:

@@ -15,9 +15,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from temper.services.gateway import anthropic_convert as ac
-from temper.services.gateway.app import api_key, gateway, json_body
+from temper.services.gateway import chat_prompt
+from temper.services.gateway.app import api_key, gateway, image_limits, json_body
+from temper.services.gateway.chat_prompt import ChatPrompt
 from temper.services.gateway.detokenize import TextStream
-from temper.services.gateway.errors import GatewayError, http_headers, invalid, request_error
+from temper.services.gateway.errors import GatewayError, http_headers, request_error
 from temper.services.gateway.openai_stream import SSE_HEADERS
 from temper.services.gateway.openai_targets import ModelNotFound, Target
 from temper.services.gateway.routes_openai import sample_request, targets
@@ -34,15 +36,8 @@ def anthropic_error(error: GatewayError) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=http_headers(status))
 
 
-def _prompt(target: Target, messages: list[dict], continued: bool) -> list[int]:
-    tokenizer = target.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
-        raise invalid(f"{target.base_model} has no chat template: use /v1/completions")
-    if continued:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
-    else:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
+def _prompt(request: Request, target: Target, messages: list[dict], continued: bool) -> list[int] | ChatPrompt:
+    return chat_prompt.render(target.chat_model(), messages, continued, image_limits(request))
 
 
 async def messages(request: Request):
@@ -64,7 +59,7 @@ async def _whole(request: Request, gen, chat: list[dict], continued: bool) -> di
     scheduler, key = gateway(request).scheduler, api_key(request)
 
     async def use(target: Target):
-        prompt = _prompt(target, chat, continued)
+        prompt = _prompt(request, target, chat, continued)
         sample, _ = sample_request(target, gen, prompt)
         return prompt, await scheduler.verb("Sample", sample, key)
 
@@ -82,7 +77,7 @@ async def _streamed(request: Request, gen, chat: list[dict], continued: bool) ->
     scheduler, key = gateway(request).scheduler, api_key(request)
 
     async def use(target: Target):
-        prompt = _prompt(target, chat, continued)
+        prompt = _prompt(request, target, chat, continued)
         sample, _ = sample_request(target, gen, prompt)
         return prompt, await open_deltas(scheduler, key, sample, target.tokenizer, gen.stop)
 

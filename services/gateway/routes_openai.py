@@ -26,8 +26,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from temper.common.codec import encode_tokens
+from temper.services.gateway import chat_prompt
 from temper.services.gateway import openai_convert as oc
-from temper.services.gateway.app import api_key, gateway, json_body
+from temper.services.gateway.app import api_key, gateway, image_limits, json_body
+from temper.services.gateway.chat_prompt import ChatPrompt
 from temper.services.gateway.errors import GatewayError, http_headers, invalid, request_error
 from temper.services.gateway.openai_stream import SSE_HEADERS, chat_events, completion_events
 from temper.services.gateway.openai_targets import ModelNotFound, Target, Targets
@@ -78,17 +80,19 @@ async def _sample(request: Request, gen: oc.Generation, build) -> tuple[Target, 
     return await targets(request).call(gen.model, key, use)
 
 
-def sample_request(target: Target, gen: oc.Generation, prompt: list[int]) -> tuple[service_pb2.SampleRequest, int]:
-    """The Sample call for one prompt (Sample and SampleStream alike), and its max_tokens."""
+def sample_request(target: Target, gen: oc.Generation, prompt: list[int] | ChatPrompt) -> tuple[service_pb2.SampleRequest, int]:
+    """The Sample call for one prompt (token ids, or a chat's prompt with images; Sample and SampleStream
+    alike), and its max_tokens."""
     room = target.max_context_length - len(prompt)
     max_tokens = gen.max_tokens if gen.max_tokens is not None else room
     if max_tokens > room or room < 1:
         raise invalid(f"this model's maximum context length is {target.max_context_length} tokens; the prompt has "
                       f"{len(prompt)} and max_tokens is {max_tokens}")
     eos = [target.tokenizer.eos_token_id] if target.tokenizer.eos_token_id is not None else []
+    model_input = prompt.model_input if isinstance(prompt, ChatPrompt) else types_pb2.ModelInput(
+        chunks=[types_pb2.ModelInputChunk(encoded_text=types_pb2.EncodedTextChunk(tokens=encode_tokens(prompt)))])
     sample = service_pb2.SampleRequest(
-        sampler_id=target.sampler_id, prompt=types_pb2.ModelInput(chunks=[types_pb2.ModelInputChunk(
-            encoded_text=types_pb2.EncodedTextChunk(tokens=encode_tokens(prompt)))]),
+        sampler_id=target.sampler_id, prompt=model_input,
         num_samples=gen.n, sampling_params=oc.sampling_params(gen, max(max_tokens, 1), eos),
         include_prompt_logprobs=gen.echo and gen.logprobs is not None, topk_logprobs=gen.logprobs or 0)
     return sample, max_tokens
@@ -177,11 +181,8 @@ async def chat_completions(request: Request):
     body = await json_body(request)
     gen, messages = oc.generation(body, chat=True), oc.chat_messages(body)
 
-    def build(target: Target) -> list[list[int]]:
-        if not getattr(target.tokenizer, "chat_template", None):
-            raise invalid(f"{target.base_model} has no chat template: use /v1/completions")
-        text = target.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return [target.tokenizer.encode(text, add_special_tokens=False)]
+    def build(target: Target) -> list[list[int] | ChatPrompt]:
+        return [chat_prompt.render(target.chat_model(), messages, limits=image_limits(request))]
 
     if gen.stream:
         target, [tokens], [stream] = await _streams(request, gen, build)

@@ -38,8 +38,8 @@ def test_json_forward_backward_and_params():
     assert (req.training_run_id, req.seq_id, req.loss_fn, req.forward_only) == ("s:train:0", 3, "ppo", False)
     assert req.loss_fn_config["clip_low_threshold"].number == 0.7 and req.loss_fn_config["mode"].text == "x"
     assert decode_tokens(req.data[0].model_input.chunks[0].encoded_text.tokens).tolist() == [1, 2, 3]
-    with pytest.raises(GatewayError, match="image"):
-        convert.model_input_from_json({"chunks": [{"type": "image", "data": "", "format": "png"}]})
+    with pytest.raises(GatewayError, match="not valid base64"):  # images themselves: test_gateway_images.py
+        convert.model_input_from_json({"chunks": [{"type": "image", "data": "#", "format": "png"}]})
     adam = convert.adam_from_json({"adam_params": {"learning_rate": 0.01, "beta2": 0.99}})
     assert (adam.learning_rate, adam.beta1, adam.beta2) == (0.01, 0.9, 0.99)
     with pytest.raises(GatewayError, match="dimuon"):
@@ -248,10 +248,10 @@ def test_routes_json_body_futures_and_protobuf_results():
 
         # a body the gateway refuses after reading its seq still spends that seq at the scheduler
         bad = {**body, "seq_id": 3, "forward_backward_input": {**body["forward_backward_input"], "data": [
-            {"model_input": {"chunks": [{"type": "image", "data": "", "format": "png"}]}, "loss_fn_inputs": {}}]}}
+            {"model_input": {"chunks": [{"type": "dmel", "dmel": ""}]}, "loss_fn_inputs": {}}]}}
         http.post("/api/v1/forward_backward", json=bad, headers=headers)
         failed = http.post("/api/v1/retrieve_future", json={"request_id": "s:train:0:3"}, headers=headers).json()
-        assert "'image' chunks" in failed["error"] and failed["category"] == "user"
+        assert "audio (dmel)" in failed["error"] and failed["category"] == "user"
         assert fake.sent[-1][1].seq_id == 3 and not fake.sent[-1][1].data
 
         assert http.post("/api/v1/create_session", json={}).status_code == 401
