@@ -16,9 +16,43 @@ _STOP = {types_pb2.STOP_REASON_STOP: "stop", types_pb2.STOP_REASON_LENGTH: "leng
 
 
 def model_input_to_proto(model_input: t.ModelInput) -> types_pb2.ModelInput:
-    return types_pb2.ModelInput(
-        chunks=[types_pb2.ModelInputChunk(encoded_text=types_pb2.EncodedTextChunk(tokens=encode_tokens(c.tokens))) for c in model_input.chunks]
-    )
+    return types_pb2.ModelInput(chunks=[chunk_to_proto(c) for c in model_input.chunks])
+
+
+def chunk_to_proto(chunk: t.ModelInputChunk) -> types_pb2.ModelInputChunk:
+    """A text chunk's tokens, an image's bytes or an uploaded image's location (with expected_tokens when known)."""
+    if isinstance(chunk, t.EncodedTextChunk):
+        return types_pb2.ModelInputChunk(encoded_text=types_pb2.EncodedTextChunk(tokens=encode_tokens(chunk.tokens)))
+    if isinstance(chunk, t.ImageChunk):
+        return types_pb2.ModelInputChunk(image=types_pb2.ImageChunk(data=bytes(chunk.data), format=chunk.format,
+                                                                    expected_tokens=chunk.expected_tokens))
+    if isinstance(chunk, t.ImageAssetPointerChunk):
+        return types_pb2.ModelInputChunk(image_asset_pointer=types_pb2.ImageAssetPointerChunk(
+            location=chunk.location, format=chunk.format, expected_tokens=chunk.expected_tokens))
+    raise TypeError(f"a model input chunk is an EncodedTextChunk, ImageChunk or ImageAssetPointerChunk, not {type(chunk).__name__}")
+
+
+def model_input_from_proto(message: types_pb2.ModelInput) -> t.ModelInput:
+    chunks = []
+    for chunk in message.chunks:
+        kind = chunk.WhichOneof("chunk")
+        if kind == "encoded_text":
+            chunks.append(t.EncodedTextChunk(tokens=decode_tokens(chunk.encoded_text.tokens).tolist()))
+        elif kind in ("image", "image_asset_pointer"):
+            given = getattr(chunk, kind)
+            expected = given.expected_tokens if given.HasField("expected_tokens") else None
+            chunks.append(t.ImageChunk(data=given.data, format=given.format, expected_tokens=expected) if kind == "image" else
+                          t.ImageAssetPointerChunk(location=given.location, format=given.format, expected_tokens=expected))
+        else:
+            raise ValueError(f"model input chunk {kind!r} has no client type")
+    return t.ModelInput(chunks=chunks)
+
+
+def image_asset_from_proto(message: service_pb2.ImageAsset) -> t.ImageAsset:
+    return t.ImageAsset(location=message.location, format=message.format, width=message.width, height=message.height,
+                        size_bytes=message.size_bytes, time=datetime.fromtimestamp(message.created_unix_ms / 1000, tz=timezone.utc),
+                        created=message.created,
+                        expected_tokens=message.expected_tokens if message.HasField("expected_tokens") else None)
 
 
 def tensor_to_proto(tensor: t.TensorData) -> types_pb2.Tensor:

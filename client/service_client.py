@@ -19,7 +19,7 @@ from temper.client.runtime import DEFAULT_BASE_URL, open_runtime  # noqa: F401  
 from temper.client.sampling_client import SamplingClient
 from temper.client.training_client import TrainingClient
 from temper.common.checkpoints import WEIGHT_FILES
-from temper.common.uploads import file_chunks
+from temper.common.uploads import CHUNK_BYTES, file_chunks
 from temper.v1 import service_pb2
 
 HEARTBEAT_SECONDS = 10.0
@@ -177,6 +177,7 @@ class ServiceClient:
             "tenant": r.tenant, "weight": r.weight, "tokens_trained": r.tokens_trained, "tokens_sampled": r.tokens_sampled,
             "steps": r.steps, "runs": {u.training_run_id: {"tokens_trained": u.tokens_trained, "steps": u.steps} for u in r.runs},
             "samplers": {u.sampler_id: u.tokens_sampled for u in r.samplers}, "storage_bytes": r.storage_bytes,
+            "image_bytes": r.image_bytes,
             "limits": {u.name: {"limit": u.limit, "used": u.used, "wait_seconds": u.wait_seconds} for u in r.limits},
         }
 
@@ -243,6 +244,30 @@ class ServiceClient:
                                           state_path=state.tinker_path if state else None,
                                           checkpoint=convert.checkpoint_from_proto(r.checkpoint), state_checkpoint=state)
 
+    # ---- images -------------------------------------------------------------------------------
+
+    def upload_image(self, source: bytes | str | os.PathLike, format: str | None = None, *,
+                     base_model: str | None = None) -> t.ImageAsset:
+        """Upload a PNG or JPEG image (its bytes, or a file) for sampling prompts: ``.pointer()`` is the
+        ImageAssetPointerChunk of it (location "temper-image://<sha256>"). Uploading the same bytes again
+        is the same image (``created`` False). ``format``: "png" or "jpeg" (None: from the bytes).
+        ``base_model``: also answer ``expected_tokens``, the image tokens that model makes of it. Counted
+        in your storage (max_storage_bytes); only you can point to it."""
+        data = bytes(source) if isinstance(source, (bytes, bytearray, memoryview)) else Path(source).read_bytes()
+        header = service_pb2.UploadImageHeader(format=format or _image_format(data), base_model=base_model or "")
+        messages = [service_pb2.UploadImageChunk(header=header),
+                    *(service_pb2.UploadImageChunk(data=data[i: i + CHUNK_BYTES]) for i in range(0, len(data), CHUNK_BYTES))]
+        return convert.image_asset_from_proto(self.runtime.upload("UploadImage", messages).result())
+
+    def list_images(self, limit: int = 100, offset: int = 0) -> list[t.ImageAsset]:
+        """Your uploaded images, newest first."""
+        r = self.runtime.rpc("ListImages", service_pb2.ListImagesRequest(limit=limit, offset=offset)).result()
+        return [convert.image_asset_from_proto(image) for image in r.images]
+
+    def delete_image(self, location: str) -> int:
+        """Delete one of your uploaded images; returns the bytes freed."""
+        return self.runtime.rpc("DeleteImage", service_pb2.DeleteImageRequest(location=location)).result().freed_bytes
+
     # ---- lifecycle ----------------------------------------------------------------------------
 
     def close(self, status: str = "success", detail: str | None = None) -> APIFuture[None]:
@@ -261,6 +286,15 @@ class ServiceClient:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close("success" if exc_type is None else "errored")
+
+
+def _image_format(data: bytes) -> str:
+    """png or jpeg by the file's first bytes (the server checks the whole file; no image library here)."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "png"
+    if data.startswith(b"\xff\xd8\xff"):
+        return "jpeg"
+    raise ValueError("upload_image: the bytes are neither PNG nor JPEG; give format= to have the server say why")
 
 
 def _check_optimizer(optimizer: Any) -> None:

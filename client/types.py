@@ -106,12 +106,51 @@ class EncodedTextChunk:
         return len(self.tokens)
 
 
-ModelInputChunk = EncodedTextChunk  # Temper's inputs are text chunks only
+ImageFormat = Literal["png", "jpeg"]
+
+
+def _image_length(chunk, kind: str) -> int:
+    if chunk.expected_tokens is None:
+        raise ValueError(f"{kind} expected_tokens needs to be set in order to compute the length (the image tokens "
+                         f"the model makes of it: UploadImage with base_model, or the model's image processor, tells it)")
+    return chunk.expected_tokens
+
+
+@dataclass
+class ImageChunk:
+    """An image the model sees as ``expected_tokens`` image tokens (PNG or JPEG bytes, as the file is)."""
+
+    data: bytes
+    format: ImageFormat
+    expected_tokens: int | None = None  # checked by the server against the model's own image processor
+    type: Literal["image"] = "image"
+
+    @property
+    def length(self) -> int:
+        return _image_length(self, "ImageChunk")
+
+
+@dataclass
+class ImageAssetPointerChunk:
+    """An image you uploaded (``ServiceClient.upload_image``), by its location "temper-image://<sha256>".
+    Sampling only, as in the Tinker SDK."""
+
+    location: str
+    format: ImageFormat
+    expected_tokens: int | None = None
+    type: Literal["image_asset_pointer"] = "image_asset_pointer"
+
+    @property
+    def length(self) -> int:
+        return _image_length(self, "ImageAssetPointerChunk")
+
+
+ModelInputChunk = EncodedTextChunk | ImageChunk | ImageAssetPointerChunk
 
 
 @dataclass
 class ModelInput:
-    chunks: list[EncodedTextChunk] = field(default_factory=list)
+    chunks: list[ModelInputChunk] = field(default_factory=list)
 
     @classmethod
     def from_ints(cls, tokens: Sequence[int]) -> "ModelInput":
@@ -122,13 +161,18 @@ class ModelInput:
         return cls(chunks=[])
 
     def to_ints(self) -> list[int]:
+        """The tokens; a ValueError when the input has images (they are not tokens until the server expands them)."""
+        if not all(isinstance(chunk, EncodedTextChunk) for chunk in self.chunks):
+            raise ValueError(f"to_ints only supported for ModelInput with EncodedTextChunks, got "
+                             f"{[type(chunk).__name__ for chunk in self.chunks]}")
         return [t for chunk in self.chunks for t in chunk.tokens]
 
     @property
     def length(self) -> int:
+        """The context the input takes: its tokens, and each image's expected_tokens (a ValueError when unset)."""
         return sum(chunk.length for chunk in self.chunks)
 
-    def append(self, chunk: EncodedTextChunk) -> "ModelInput":
+    def append(self, chunk: ModelInputChunk) -> "ModelInput":
         return ModelInput(chunks=[*self.chunks, chunk])
 
     def append_int(self, token: int) -> "ModelInput":
@@ -220,6 +264,23 @@ class Checkpoint:
     expires_at: datetime | None = None  # deleted then (a TTL); None: kept until deleted
     user_metadata: dict[str, str] | None = None  # as given to save_state / save_weights_for_sampler
     base_model: str | None = None                # the base model of its run (Tinker 0.39's field)
+
+
+@dataclass
+class ImageAsset:
+    """An image you uploaded (``ServiceClient.upload_image``); ``location`` goes in an ImageAssetPointerChunk."""
+
+    location: str                 # "temper-image://<sha256>"
+    format: str                   # "png" | "jpeg"
+    width: int
+    height: int
+    size_bytes: int
+    time: datetime
+    created: bool = False         # upload_image: False when you had already uploaded these bytes
+    expected_tokens: int | None = None  # upload_image with base_model: the image tokens that model makes of it
+
+    def pointer(self) -> "ImageAssetPointerChunk":
+        return ImageAssetPointerChunk(location=self.location, format=self.format, expected_tokens=self.expected_tokens)
 
 
 @dataclass

@@ -14,8 +14,26 @@ LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 LogFormat = Literal["text", "json"]
 
 
-class ProcessSettings(BaseSettings):
-    """What any Temper server process has: where it listens, how it logs, where its metrics are."""
+class ImageSettings(BaseModel):
+    """What one image of a request may be (services/models/images.py checks them). Every process that
+    reads images has these: the scheduler and the gateway refuse early, the trainer and sampler again."""
+
+    image_max_bytes: int = Field(10 << 20, gt=0, description="Bytes of one image file (PNG or JPEG); larger: RESOURCE_EXHAUSTED.")
+    image_max_pixels: int = Field(4096 * 4096, gt=0, description="Pixels (width x height) of one image; more: RESOURCE_EXHAUSTED.")
+    image_max_side: int = Field(8192, gt=0, description="Pixels of an image's longer side; more: RESOURCE_EXHAUSTED.")
+    image_max_images: int = Field(64, gt=0, description="Images in one model input; more: RESOURCE_EXHAUSTED.")
+
+    def image_limits(self):
+        """These settings as ``services.models.images.ImageLimits`` (imported here: settings load without Pillow)."""
+        from temper.services.models.images import ImageLimits
+
+        return ImageLimits(max_bytes=self.image_max_bytes, max_pixels=self.image_max_pixels, max_side=self.image_max_side,
+                           max_images=self.image_max_images)
+
+
+class ProcessSettings(BaseSettings, ImageSettings):
+    """What any Temper server process has: where it listens, how it logs, where its metrics are, and
+    the image limits (every Temper process reads images: the scheduler, trainer, sampler and gateway)."""
 
     bind: str = Field("127.0.0.1:0", description="host:port of the gRPC server (port 0 picks a free one).")
     metrics_bind: str = Field(

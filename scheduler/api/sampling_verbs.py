@@ -19,16 +19,17 @@ import numpy as np
 from temper.common.checkpoints import parse_path
 from temper.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from temper.common.defaults import sampling_with_defaults
-from temper.common.validation import (check_last_n, check_prompt_scoring, check_sample_counts, check_sampling_params,
-                                     check_token_range, model_input_tokens)
+from temper.common.validation import check_last_n, check_prompt_scoring, check_sample_counts, check_sampling_params, check_token_range
 from temper.scheduler import metrics
 from temper.scheduler.tenancy.auth import caller
+from temper.scheduler.api.image_inputs import CheckedPrompt, check_prompt, has_images, pointer_digests, serves_images, vision_of
 from temper.scheduler.api.lookup_verbs import check_deterministic
 from temper.scheduler.db import models as m
 from temper.scheduler.db.records import SamplingRow
 from temper.scheduler.planning.records import SamplingRecorder, unix_ms
 from temper.scheduler.workers.sampler_streams import stream_on_a_sampler
 from temper.scheduler.workers.samplers import SamplerHandle
+from temper.services.models.images import DEFAULT_LIMITS, ImageLimits
 from temper.v1 import sampler_pb2, service_pb2, types_pb2
 
 REQUEST_TAG = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -40,17 +41,25 @@ class SamplingTarget:
     base_model: str         # any of its samplers may serve the request (backends.call_samplers)
     info: sampler_pb2.SamplerModelInfo
     checkpoint_key: str     # "" for the base model
-    tokens: np.ndarray      # the prompt
+    tokens: np.ndarray      # the prompt as the model sees it: each image as its N image tokens
     tenant: str
     model_path: str | None = None  # the checkpoint's path; its last use is written once the request is accepted
     session_id: str = ""           # the sampling client's session (its sampling records)
     deterministic: bool = False    # the client samples deterministically (docs/deterministic.md)
+    prompt: types_pb2.ModelInput | None = None  # with images: for the sampler, pointers resolved (image_inputs.py)
+
+    def to_sampler(self, request) -> None:
+        """The prompt into a sampler's request: its tokens, and the prompt itself when it has images."""
+        request.prompt_tokens = self.tokens.astype("<i4").tobytes()
+        if self.prompt is not None:
+            request.prompt.CopyFrom(self.prompt)
 
 
 class SamplingVerbs:
     """Mixed into TemperServicer (store, backends, runs, admission come from it)."""
 
-    def _init_sampling(self) -> None:
+    def _init_sampling(self, image_limits: ImageLimits = DEFAULT_LIMITS) -> None:
+        self._image_limits = image_limits  # the scheduler's (settings): also the uploads' (image_verbs.py)
         self._samplers: dict[str, tuple[m.SamplingClient, str]] = {}  # sampler id -> (row, tenant)
         self._touched: dict[str, float] = {}
         self._sampling_records = SamplingRecorder(self.store)  # each answer's record, group-committed
@@ -118,7 +127,7 @@ class SamplingVerbs:
             path = parse_path(row.model_path)
             checkpoint_key = path.key
             await self._still_readable(str(path), tenant)
-        tokens = model_input_tokens(prompt)
+        tokens, with_images = await self._checked_prompt(prompt, info, tenant, row.base_model)
         if tokens.size == 0:
             raise InvalidArgument("prompt is empty")
         check_token_range(tokens, info.vocab_size, "prompt")
@@ -127,7 +136,20 @@ class SamplingVerbs:
         if row.deterministic:  # its sampler may have been replaced by one that cannot (refused, nothing sampled)
             check_deterministic(info, row.base_model)
         return SamplingTarget(row.base_model, info, checkpoint_key, tokens, tenant, row.model_path or None, row.session_id,
-                              bool(row.deterministic))
+                              bool(row.deterministic), with_images)
+
+    async def _checked_prompt(self, prompt: types_pb2.ModelInput, info, tenant: str, base_model: str):
+        """(tokens, the sampler's prompt with images or None), every chunk checked (image_inputs.py).
+        Image pointers resolve to the tenant's own uploads only; images are decoded in a thread."""
+        limits = self._image_limits
+        if not has_images(prompt) and not serves_images(info):  # a text model's text prompt: no thread hop
+            checked = check_prompt(prompt, None, limits, {}, base_model)
+            return checked.tokens, checked.prompt
+        digests = pointer_digests(prompt) if serves_images(info) else []  # a text model refuses them unread
+        uploads = await asyncio.to_thread(self.store.image_data, tenant, digests) if digests else {}
+        checked: CheckedPrompt = await asyncio.to_thread(
+            lambda: check_prompt(prompt, vision_of(info), limits, uploads, base_model))
+        return checked.tokens, checked.prompt
 
     async def _still_readable(self, path: str, tenant: str) -> None:
         """On every call, adapter held by a sampler or not: the checkpoint is still there, unexpired and
@@ -180,10 +202,10 @@ class SamplingVerbs:
         await self._touch(target)
         await self.admission.quotas.wait_to_sample(target.tenant)
         sample = sampler_pb2.SamplerSampleRequest(
-            checkpoint_key=target.checkpoint_key, prompt_tokens=target.tokens.astype("<i4").tobytes(),
-            num_samples=request.num_samples, sampling_params=request.sampling_params,
+            checkpoint_key=target.checkpoint_key, num_samples=request.num_samples, sampling_params=request.sampling_params,
             include_prompt_logprobs=request.include_prompt_logprobs, topk_logprobs=request.topk_logprobs,
             topk_prompt_logprobs=request.topk_prompt_logprobs, deterministic=target.deterministic)
+        target.to_sampler(sample)
         if last_n is not None:
             sample.prompt_logprobs_last_n = last_n
         return target, sample, tag
@@ -217,9 +239,8 @@ class SamplingVerbs:
         started = unix_ms()
         await self.backends.wait_ready()
         target = await self._sampling_target(request.sampler_id, request.prompt)
-        logprobs = sampler_pb2.SamplerLogprobsRequest(checkpoint_key=target.checkpoint_key,
-                                                      prompt_tokens=target.tokens.astype("<i4").tobytes(),
-                                                      deterministic=target.deterministic)
+        logprobs = sampler_pb2.SamplerLogprobsRequest(checkpoint_key=target.checkpoint_key, deterministic=target.deterministic)
+        target.to_sampler(logprobs)
         if request.HasField("prompt_logprobs_last_n"):
             check_last_n(len(target.tokens), request.prompt_logprobs_last_n)
             logprobs.prompt_logprobs_last_n = request.prompt_logprobs_last_n

@@ -13,7 +13,7 @@ from collections import defaultdict
 
 from temper.common.checkpoints import KIND_DIRS, check_name, parse_path
 from temper.common.defaults import adam_with_defaults, lora_with_defaults
-from temper.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
+from temper.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, TemperError, Unavailable
 from temper.common.logs import request_context
 from temper.common.validation import validate_adam, validate_forward_backward
 from temper.scheduler.planning.admission import Admission
@@ -22,6 +22,8 @@ from temper.scheduler.workers.backends import Backends
 from temper.scheduler.api.audit_verbs import AuditVerbs
 from temper.scheduler.api.checkpoint_verbs import CheckpointVerbs, check_ttl
 from temper.scheduler.api.cluster_status import ClusterStatusVerbs
+from temper.scheduler.api.image_inputs import has_images, serves_images, vision_of
+from temper.scheduler.api.image_verbs import ImageVerbs
 from temper.scheduler.api.import_verbs import ImportVerbs
 from temper.scheduler.api.record_verbs import RecordVerbs
 from temper.scheduler.api.lookup_verbs import (CheckpointSource, LookupVerbs, check_deterministic, check_lora, check_lora_for_model,
@@ -52,8 +54,8 @@ def needs_workers(method):
     return wrapper
 
 
-class TemperServicer(AuditVerbs, ClusterStatusVerbs, SamplingVerbs, CheckpointVerbs, ImportVerbs, LookupVerbs, TokenizerVerbs, RecordVerbs,
-                     service_pb2_grpc.TemperServicer):
+class TemperServicer(AuditVerbs, ClusterStatusVerbs, SamplingVerbs, CheckpointVerbs, ImportVerbs, ImageVerbs, LookupVerbs, TokenizerVerbs,
+                     RecordVerbs, service_pb2_grpc.TemperServicer):
     def __init__(self, store, backends: Backends, runs: RunRegistry, admission: Admission):
         self.store = store
         self.backends = backends
@@ -61,7 +63,7 @@ class TemperServicer(AuditVerbs, ClusterStatusVerbs, SamplingVerbs, CheckpointVe
         self.admission = admission
         self._closed_sessions: set[str] = set()   # closed in this process (sampling clients check it)
         self._creating_runs: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)  # per tenant: the run limit holds exactly
-        self._init_sampling()
+        self._init_sampling(admission.settings.image_limits())
 
     # ---- sessions -----------------------------------------------------------------------------
 
@@ -199,11 +201,11 @@ class TemperServicer(AuditVerbs, ClusterStatusVerbs, SamplingVerbs, CheckpointVe
 
     # ---- the sequenced verbs: admission owns them ---------------------------------------------
 
-    async def _submit(self, request, kind: WorkKind, check=None, check_async=None):
+    async def _submit(self, request, kind: WorkKind, check=None, check_async=None, offload: bool = False):
         await self.backends.wait_ready()
         with request_context(run=request.training_run_id, seq=request.seq_id, verb=kind.value):
             return await self.admission.submit(request.training_run_id, request.seq_id, kind, request, check, check_async,
-                                               tenant=caller())
+                                               tenant=caller(), offload=offload)
 
     async def AbandonSeq(self, request, context):
         """A seq its client gave up on (retries spent in an outage, or the request failed before it was
@@ -214,12 +216,26 @@ class TemperServicer(AuditVerbs, ClusterStatusVerbs, SamplingVerbs, CheckpointVe
 
     async def ForwardBackward(self, request, context):
         def check(run: RunInfo) -> int:
-            trainer = self.backends.trainer_for(run.base_model, run.run_id)
-            data, _ = validate_forward_backward(request.data, request.loss_fn, request.loss_fn_config, trainer.info.vocab_size,
-                                                trainer.info.max_context_length)
+            # images are checked, counted (N each, by the model's own processor) and expanded here: the
+            # context length, the token count (rates, usage, cycle budgets) are the flattened input's
+            info = self.backends.trainer_for(run.base_model, run.run_id).info
+            data, _ = validate_forward_backward(request.data, request.loss_fn, request.loss_fn_config, info.vocab_size,
+                                                info.max_context_length, vision=vision_of(info), limits=self._image_limits,
+                                                model=run.base_model)
             return sum(len(d.tokens) for d in data)
 
-        return await self._submit(request, WorkKind.FORWARD if request.forward_only else WorkKind.FORWARD_BACKWARD, check)
+        kind = WorkKind.FORWARD if request.forward_only else WorkKind.FORWARD_BACKWARD
+        return await self._submit(request, kind, check, offload=self._check_in_thread(request))
+
+    def _check_in_thread(self, request) -> bool:
+        """Decoding images, or a vision model's first build of its processor, is CPU work for a thread."""
+        if any(has_images(datum.model_input) for datum in request.data):
+            return True
+        run = self.runs.known(request.training_run_id)
+        try:
+            return run is not None and serves_images(self.backends.trainer_for(run.base_model, run.run_id).info)
+        except TemperError:  # no trainer now: the check answers that, inline
+            return False
 
     async def OptimStep(self, request, context):
         def check(run: RunInfo) -> int:
@@ -288,6 +304,7 @@ class TemperServicer(AuditVerbs, ClusterStatusVerbs, SamplingVerbs, CheckpointVe
         response.steps = sum(r.steps for r in runs)
         response.tokens_sampled = sum(s.tokens_sampled for s in samplers)
         response.storage_bytes = await asyncio.to_thread(self.store.storage_bytes, tenant)
+        response.image_bytes = await asyncio.to_thread(self.store.image_bytes, tenant)
         limits, quotas = await self.admission.quotas.limits(tenant), self.admission.quotas
         held, parked = self.admission.depth_by_tenant().get(tenant, (0, 0))
         resident = max((sum(1 for owner in s.loaded.values() if owner == tenant) for s in self.backends.samplers), default=0)

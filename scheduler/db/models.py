@@ -124,6 +124,26 @@ class Checkpoint(Base):
     user_metadata: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # as given to its save (NULL before 0007)
 
 
+class ImageAsset(Base):
+    """An image a tenant uploaded (UploadImage; issue 30), content-addressed per tenant: the same bytes
+    uploaded again by the same tenant are this row. Its bytes live here (images are at most
+    image_max_bytes), counted in the tenant's storage beside its checkpoints. ``data`` is deferred:
+    listing and counting never read it."""
+
+    __tablename__ = "images"
+    __table_args__ = (UniqueConstraint("tenant_id", "sha256", name="uq_image_tenant_sha256"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
+    sha256: Mapped[str] = mapped_column(String(64))   # hex digest of data: the location temper-image://<sha256>
+    format: Mapped[str] = mapped_column(String(8))    # png | jpeg
+    width: Mapped[int] = mapped_column(Integer)
+    height: Mapped[int] = mapped_column(Integer)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    data: Mapped[bytes] = mapped_column(LargeBinary, deferred=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
 class SamplingClient(Base):
     __tablename__ = "sampling_clients"
 

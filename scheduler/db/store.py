@@ -24,6 +24,7 @@ from temper.scheduler.db.outage import database_errors, now
 from temper.scheduler.db.records import RecordsStore
 from temper.scheduler.db.request_log import RequestLogStore
 from temper.scheduler.db.catalog import CatalogStore
+from temper.scheduler.db.images import ImageStore
 from temper.scheduler.db.tenancy import TenancyStore
 
 def executor_threads() -> int:
@@ -77,7 +78,7 @@ def upgrade_schema(url: str) -> None:
 
 
 @database_errors
-class Store(TenancyStore, RequestLogStore, CatalogStore, AuditStore, RecordsStore):
+class Store(TenancyStore, RequestLogStore, CatalogStore, AuditStore, RecordsStore, ImageStore):
     def __init__(self, url: str):
         if url.startswith("sqlite:///"):
             Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)

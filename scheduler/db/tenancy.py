@@ -137,11 +137,15 @@ class TenancyStore:
                              .where(m.Tenant.name == tenant, m.Session.closed_at.is_(None))) or 0
 
     def storage_bytes(self, tenant: str) -> int:
+        """What max_storage_bytes bounds: the tenant's checkpoints and its uploaded images (db/images.py)."""
+        checkpoints = (select(func.coalesce(func.sum(m.Checkpoint.size_bytes), 0)).select_from(m.Checkpoint)
+                       .join(m.TrainingRun, m.TrainingRun.id == m.Checkpoint.training_run_id)
+                       .join(m.Session, m.Session.id == m.TrainingRun.session_id)
+                       .join(m.Tenant, m.Tenant.id == m.Session.tenant_id).where(m.Tenant.name == tenant).scalar_subquery())
+        images = (select(func.coalesce(func.sum(m.ImageAsset.size_bytes), 0)).select_from(m.ImageAsset)
+                  .join(m.Tenant, m.Tenant.id == m.ImageAsset.tenant_id).where(m.Tenant.name == tenant).scalar_subquery())
         with self.sessions() as db:
-            return int(db.scalar(select(func.coalesce(func.sum(m.Checkpoint.size_bytes), 0)).select_from(m.Checkpoint)
-                                 .join(m.TrainingRun, m.TrainingRun.id == m.Checkpoint.training_run_id)
-                                 .join(m.Session, m.Session.id == m.TrainingRun.session_id)
-                                 .join(m.Tenant, m.Tenant.id == m.Session.tenant_id).where(m.Tenant.name == tenant)) or 0)
+            return int(db.scalar(select(checkpoints + images)) or 0)
 
     # ---- ownership ----------------------------------------------------------------------------
 

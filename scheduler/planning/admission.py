@@ -68,13 +68,14 @@ class Admission:
     # ---- the request path ---------------------------------------------------------------------
 
     async def submit(self, run_id: str, seq_id: int, kind: WorkKind, request, check: Check | None = None,
-                     check_async: AsyncCheck | None = None, tenant: str | None = None):
-        """``tenant``: the caller; another tenant's run answers NotFound before anything is looked at."""
+                     check_async: AsyncCheck | None = None, tenant: str | None = None, offload: bool = False):
+        """``tenant``: the caller; another tenant's run answers NotFound before anything is looked at.
+        ``offload``: ``check`` is CPU work (images to decode) and runs in a thread whatever the request's size."""
         run = await self.runs.get(run_id, tenant)
         await self.quotas.limits(run.tenant)  # fresh in the cache for the capacity check below
         if not 1 <= seq_id <= MAX_SEQ_ID:
             raise InvalidArgument(f"seq_id must be in [1, 2**62), got {seq_id}")
-        if request.ByteSize() <= INLINE_CHECK_BYTES:
+        if not offload and request.ByteSize() <= INLINE_CHECK_BYTES:
             sha, tokens, invalid, serialized = _digest_and_check(request, check, run)
         else:
             sha, tokens, invalid, serialized = await asyncio.to_thread(_digest_and_check, request, check, run)

@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import socket
 import time
+import typing
 
 import grpc
 import numpy as np
@@ -149,4 +150,5 @@ def test_types_a_tinker_script_uses():
     assert types.ParsedCheckpointTinkerPath.from_tinker_path("tinker://s:train:0/sampler_weights/a").checkpoint_id == "sampler_weights/a"
     with pytest.raises(ValueError):
         types.ParsedCheckpointTinkerPath.from_tinker_path("tinker://s/other/a")
-    assert types.ModelInputChunk is types.EncodedTextChunk and tc.OptimParams is tc.AdamParams
+    assert set(typing.get_args(types.ModelInputChunk)) == {types.EncodedTextChunk, types.ImageChunk, types.ImageAssetPointerChunk}
+    assert tc.OptimParams is tc.AdamParams

@@ -478,7 +478,7 @@ class SamplerUsage(_message.Message):
     def __init__(self, sampler_id: _Optional[str] = ..., tokens_sampled: _Optional[int] = ...) -> None: ...
 
 class UsageResponse(_message.Message):
-    __slots__ = ("tenant", "weight", "tokens_trained", "tokens_sampled", "steps", "runs", "samplers", "storage_bytes", "limits")
+    __slots__ = ("tenant", "weight", "tokens_trained", "tokens_sampled", "steps", "runs", "samplers", "storage_bytes", "limits", "image_bytes")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_TRAINED_FIELD_NUMBER: _ClassVar[int]
@@ -488,6 +488,7 @@ class UsageResponse(_message.Message):
     SAMPLERS_FIELD_NUMBER: _ClassVar[int]
     STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     weight: float
     tokens_trained: int
@@ -497,7 +498,8 @@ class UsageResponse(_message.Message):
     samplers: _containers.RepeatedCompositeFieldContainer[SamplerUsage]
     storage_bytes: int
     limits: _containers.RepeatedCompositeFieldContainer[LimitUsage]
-    def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[float] = ..., tokens_trained: _Optional[int] = ..., tokens_sampled: _Optional[int] = ..., steps: _Optional[int] = ..., runs: _Optional[_Iterable[_Union[RunUsage, _Mapping]]] = ..., samplers: _Optional[_Iterable[_Union[SamplerUsage, _Mapping]]] = ..., storage_bytes: _Optional[int] = ..., limits: _Optional[_Iterable[_Union[LimitUsage, _Mapping]]] = ...) -> None: ...
+    image_bytes: int
+    def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[float] = ..., tokens_trained: _Optional[int] = ..., tokens_sampled: _Optional[int] = ..., steps: _Optional[int] = ..., runs: _Optional[_Iterable[_Union[RunUsage, _Mapping]]] = ..., samplers: _Optional[_Iterable[_Union[SamplerUsage, _Mapping]]] = ..., storage_bytes: _Optional[int] = ..., limits: _Optional[_Iterable[_Union[LimitUsage, _Mapping]]] = ..., image_bytes: _Optional[int] = ...) -> None: ...
 
 class LimitUsage(_message.Message):
     __slots__ = ("name", "limit", "used", "wait_seconds")
@@ -510,6 +512,70 @@ class LimitUsage(_message.Message):
     used: float
     wait_seconds: float
     def __init__(self, name: _Optional[str] = ..., limit: _Optional[int] = ..., used: _Optional[float] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class UploadImageHeader(_message.Message):
+    __slots__ = ("format", "base_model")
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    format: str
+    base_model: str
+    def __init__(self, format: _Optional[str] = ..., base_model: _Optional[str] = ...) -> None: ...
+
+class UploadImageChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: UploadImageHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[UploadImageHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ImageAsset(_message.Message):
+    __slots__ = ("location", "format", "width", "height", "size_bytes", "created_unix_ms", "created", "expected_tokens")
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    location: str
+    format: str
+    width: int
+    height: int
+    size_bytes: int
+    created_unix_ms: int
+    created: bool
+    expected_tokens: int
+    def __init__(self, location: _Optional[str] = ..., format: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., size_bytes: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., created: _Optional[bool] = ..., expected_tokens: _Optional[int] = ...) -> None: ...
+
+class ListImagesRequest(_message.Message):
+    __slots__ = ("limit", "offset")
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    offset: int
+    def __init__(self, limit: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class ListImagesResponse(_message.Message):
+    __slots__ = ("images", "total")
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    images: _containers.RepeatedCompositeFieldContainer[ImageAsset]
+    total: int
+    def __init__(self, images: _Optional[_Iterable[_Union[ImageAsset, _Mapping]]] = ..., total: _Optional[int] = ...) -> None: ...
+
+class DeleteImageRequest(_message.Message):
+    __slots__ = ("location",)
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
+    location: str
+    def __init__(self, location: _Optional[str] = ...) -> None: ...
+
+class DeleteImageResponse(_message.Message):
+    __slots__ = ("freed_bytes",)
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    freed_bytes: int
+    def __init__(self, freed_bytes: _Optional[int] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ("base_model",)

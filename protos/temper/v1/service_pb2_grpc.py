@@ -156,6 +156,21 @@ class TemperStub:
                 request_serializer=temper_dot_v1_dot_service__pb2.ImportCheckpointChunk.SerializeToString,
                 response_deserializer=temper_dot_v1_dot_service__pb2.ImportCheckpointResponse.FromString,
                 _registered_method=True)
+        self.UploadImage = channel.stream_unary(
+                '/temper.v1.Temper/UploadImage',
+                request_serializer=temper_dot_v1_dot_service__pb2.UploadImageChunk.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_service__pb2.ImageAsset.FromString,
+                _registered_method=True)
+        self.ListImages = channel.unary_unary(
+                '/temper.v1.Temper/ListImages',
+                request_serializer=temper_dot_v1_dot_service__pb2.ListImagesRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_service__pb2.ListImagesResponse.FromString,
+                _registered_method=True)
+        self.DeleteImage = channel.unary_unary(
+                '/temper.v1.Temper/DeleteImage',
+                request_serializer=temper_dot_v1_dot_service__pb2.DeleteImageRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_service__pb2.DeleteImageResponse.FromString,
+                _registered_method=True)
         self.GetUsage = channel.unary_unary(
                 '/temper.v1.Temper/GetUsage',
                 request_serializer=temper_dot_v1_dot_service__pb2.GetUsageRequest.SerializeToString,
@@ -386,6 +401,34 @@ class TemperServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UploadImage(self, request_iterator, context):
+        """---- images (issue 30): the tenant's uploaded images, for image_asset_pointer chunks ----
+        Client stream: an UploadImageHeader, then the file's bytes in pieces (UploadImageChunk.data, in
+        order; at most the scheduler's image_max_bytes in all). The image is checked as any image input is
+        (PNG or JPEG by its bytes, whole, dimensions and pixels within the limits) and stored for the
+        calling tenant, content-addressed: its location is "temper-image://<sha256 of the bytes>". The same
+        bytes uploaded again by the same tenant are the same asset (nothing more is stored or counted).
+        Counted in the tenant's storage (max_storage_bytes, with its checkpoints). INVALID_ARGUMENT: a bad
+        image or stream; RESOURCE_EXHAUSTED: an image over a limit, or storage full (nothing stored).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListImages(self, request, context):
+        """The calling tenant's uploaded images, newest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteImage(self, request, context):
+        """Deletes one of the calling tenant's images by location (another tenant's or none: NOT_FOUND).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetUsage(self, request, context):
         """Usage of the calling tenant (from its API key): tokens trained and sampled, steps, storage, and
         each limit next to its use.
@@ -593,6 +636,21 @@ def add_TemperServicer_to_server(servicer, server):
                     servicer.ImportCheckpoint,
                     request_deserializer=temper_dot_v1_dot_service__pb2.ImportCheckpointChunk.FromString,
                     response_serializer=temper_dot_v1_dot_service__pb2.ImportCheckpointResponse.SerializeToString,
+            ),
+            'UploadImage': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadImage,
+                    request_deserializer=temper_dot_v1_dot_service__pb2.UploadImageChunk.FromString,
+                    response_serializer=temper_dot_v1_dot_service__pb2.ImageAsset.SerializeToString,
+            ),
+            'ListImages': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListImages,
+                    request_deserializer=temper_dot_v1_dot_service__pb2.ListImagesRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_service__pb2.ListImagesResponse.SerializeToString,
+            ),
+            'DeleteImage': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteImage,
+                    request_deserializer=temper_dot_v1_dot_service__pb2.DeleteImageRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_service__pb2.DeleteImageResponse.SerializeToString,
             ),
             'GetUsage': grpc.unary_unary_rpc_method_handler(
                     servicer.GetUsage,
@@ -1298,6 +1356,87 @@ class Temper:
             '/temper.v1.Temper/ImportCheckpoint',
             temper_dot_v1_dot_service__pb2.ImportCheckpointChunk.SerializeToString,
             temper_dot_v1_dot_service__pb2.ImportCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadImage(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/temper.v1.Temper/UploadImage',
+            temper_dot_v1_dot_service__pb2.UploadImageChunk.SerializeToString,
+            temper_dot_v1_dot_service__pb2.ImageAsset.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListImages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Temper/ListImages',
+            temper_dot_v1_dot_service__pb2.ListImagesRequest.SerializeToString,
+            temper_dot_v1_dot_service__pb2.ListImagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteImage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Temper/DeleteImage',
+            temper_dot_v1_dot_service__pb2.DeleteImageRequest.SerializeToString,
+            temper_dot_v1_dot_service__pb2.DeleteImageResponse.FromString,
             options,
             channel_credentials,
             insecure,
