@@ -9,12 +9,12 @@ from pydantic_settings import SettingsConfigDict
 
 from temper.common.settings import ProcessSettings
 from temper.services.gateway.body_limit import JSON_LIMIT, PROTOBUF_LIMIT
-from temper.services.models.images import DEFAULT_LIMITS, ImageLimits
 
 
 class GatewaySettings(ProcessSettings):
-    """bind, metrics_bind, log_level, log_format and the TLS of our own port (tls_cert_file,
-    tls_key_file, tls_client_ca_file: HTTPS, optionally mutual) come from ProcessSettings."""
+    """bind, metrics_bind, log_level, log_format, the TLS of our own port (tls_cert_file,
+    tls_key_file, tls_client_ca_file: HTTPS, optionally mutual) and the image limits of the chat routes'
+    early checks (image_max_*: TEMPER_GATEWAY_IMAGE_MAX_BYTES, ...) come from ProcessSettings."""
 
     model_config = SettingsConfigDict(env_prefix="TEMPER_GATEWAY_")
 
@@ -41,13 +41,3 @@ class GatewaySettings(ProcessSettings):
     console_max_rows: int = Field(20000, gt=0, le=1_000_000,
                                   description="Most kept rows (requests and sampling calls) one console trace or Session "
                                               "Metrics answer reads; a range holding more is refused (400): narrow it.")
-    image_max_bytes: int = Field(DEFAULT_LIMITS.max_bytes, gt=0, description="Largest image file a chat route takes "
-                                                                            "(early check; set as the scheduler's).")
-    image_max_pixels: int = Field(DEFAULT_LIMITS.max_pixels, gt=0, description="Most pixels of one image (early check).")
-    image_max_side: int = Field(DEFAULT_LIMITS.max_side, gt=0, description="Longest side of one image in pixels "
-                                                                          "(early check).")
-    image_max_images: int = Field(DEFAULT_LIMITS.max_images, gt=0, description="Most images in one chat (early check).")
-
-    def image_limits(self) -> ImageLimits:
-        return ImageLimits(max_bytes=self.image_max_bytes, max_pixels=self.image_max_pixels, max_side=self.image_max_side,
-                           max_images=self.image_max_images)

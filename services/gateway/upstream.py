@@ -105,6 +105,14 @@ class Scheduler:
                                   jitter=1.0)
         return _messages(call, first)
 
+    async def upload(self, method: str, messages: list, key: str | None) -> Any:
+        """A client-streaming call (UploadImage): ``messages`` sent in order, one answer; answers at once
+        or fails, as ``call``."""
+        try:
+            return await getattr(self.stub, method)(iter(messages), metadata=_metadata(key), timeout=self.timeout)
+        except grpc.aio.AioRpcError as err:
+            raise GatewayError.of(err) from None
+
     async def stream(self, method: str, request: Any, key: str | None) -> list:
         try:
             return [item async for item in getattr(self.stub, method)(request, metadata=_metadata(key), timeout=self.timeout)]
