@@ -19,6 +19,8 @@ from typing import Callable
 
 import numpy as np
 
+from temper.services.models.images import ImageInput, VisionProcessor
+
 
 @dataclass(frozen=True)
 class SamplingOptions:
@@ -77,6 +79,8 @@ class SampleRequest:
     prompt_logprobs_last_n: int | None = None   # score only the last n prompt positions
     progress: Progress | None = None            # streaming: told each decode step's pieces (module docstring)
     deterministic: bool = False                 # batch-invariant decode (docs/deterministic.md; torch backend)
+    # the prompt's images (vision-language models): ``prompt`` holds each as its N image tokens from ``offset``
+    images: tuple[ImageInput, ...] = ()
 
 
 @dataclass
@@ -88,6 +92,7 @@ class ModelDescription:
     loaded_checkpoints: list[str] = field(default_factory=list)   # checkpoint keys
     # why this backend cannot serve deterministic requests (docs/deterministic.md); "": it can
     deterministic_unsupported: str = "this sampler backend has no deterministic mode"
+    vision: VisionProcessor | None = None   # a vision-language model's image token ids and processor
 
 
 class SamplerBackend(abc.ABC):
@@ -126,11 +131,12 @@ class SamplerBackend(abc.ABC):
 
     @abc.abstractmethod
     def compute_logprobs(self, checkpoint_key: str | None, prompt: np.ndarray, last_n: int | None = None,
-                         deterministic: bool = False) -> np.ndarray:
+                         deterministic: bool = False, images: tuple[ImageInput, ...] = ()) -> np.ndarray:
         """float32 log p(prompt[i] | prompt[:i]) for each position, NaN at position 0 (and before the
         last ``last_n`` positions when given). ``deterministic``: the prompt scored alone with the
         batch-invariant primitives, as the trainer's forward scores it (FailedPrecondition where the
-        backend cannot: ``describe().deterministic_unsupported``)."""
+        backend cannot: ``describe().deterministic_unsupported``). ``images``: the prompt's images, each
+        as its N image tokens in ``prompt`` (one position per token, as for text)."""
 
 
 def whole_pieces(result: SampleResult) -> list[Piece]:

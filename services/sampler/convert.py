@@ -9,10 +9,12 @@ from __future__ import annotations
 import numpy as np
 
 from temper.common.codec import decode_tokens, encode_array, encode_floats, encode_tokens
+from temper.common.errors import InvalidArgument
 from temper.common.validation import (  # noqa: F401 (MAX_TOPK_LOGPROBS, MIN_TEMPERATURE: re-exported)
     MAX_TOPK_LOGPROBS, MIN_TEMPERATURE, check_last_n, check_prompt_scoring, check_sample_counts, check_sampling_params)
 from temper.services.sampler.backend import ModelDescription, Piece, SampleRequest, SampleResult, SamplingOptions
 from temper.common.defaults import sampling_with_defaults
+from temper.services.models.images import DEFAULT_LIMITS, ImageInput, ImageLimits, VisionProcessor, flatten
 from temper.v1 import sampler_pb2, types_pb2
 
 _STOP_REASONS = {"stop": types_pb2.STOP_REASON_STOP, "length": types_pb2.STOP_REASON_LENGTH}
@@ -29,15 +31,33 @@ def sampling_options_from_pb(p: types_pb2.SamplingParams, vocab_size: int) -> Sa
     )
 
 
-def sample_request_from_pb(request: sampler_pb2.SamplerSampleRequest, vocab_size: int, max_num_samples: int) -> SampleRequest:
+def prompt_from_pb(request, vision: VisionProcessor | None, limits: ImageLimits = DEFAULT_LIMITS,
+                   model: str = "the base model") -> tuple[np.ndarray, tuple[ImageInput, ...]]:
+    """(prompt tokens, their images). With ``request.prompt`` set (a prompt with images), it is
+    flattened by the one image path (images checked, each expanded into its N image tokens) and must
+    equal ``prompt_tokens``, which the scheduler flattened the same way. Pointers never reach a
+    sampler (the scheduler resolves them to bytes), so none is resolved here."""
+    tokens = decode_tokens(request.prompt_tokens)
+    if not request.HasField("prompt"):
+        return tokens, ()
+    flat = flatten(request.prompt, vision, limits, "prompt", resolve_pointer=None, model=model)
+    if not np.array_equal(flat.tokens, tokens):
+        raise InvalidArgument(f"prompt_tokens ({len(tokens)} tokens) are not the prompt flattened ({len(flat)} tokens, "
+                              f"each image as its image tokens)")
+    return tokens, flat.images
+
+
+def sample_request_from_pb(request: sampler_pb2.SamplerSampleRequest, vocab_size: int, max_num_samples: int,
+                           vision: VisionProcessor | None = None, limits: ImageLimits = DEFAULT_LIMITS,
+                           model: str = "the base model") -> SampleRequest:
     check_sample_counts(request.num_samples, request.topk_logprobs, request.topk_prompt_logprobs, vocab_size, max_num_samples)
     options = sampling_options_from_pb(request.sampling_params, vocab_size)
-    prompt = decode_tokens(request.prompt_tokens)
+    prompt, images = prompt_from_pb(request, vision, limits, model)
     last_n = request.prompt_logprobs_last_n if request.HasField("prompt_logprobs_last_n") else None
     check_prompt_scoring(len(prompt), request.include_prompt_logprobs, request.topk_prompt_logprobs, last_n)
     return SampleRequest(request.checkpoint_key or None, prompt, request.num_samples, options,
                          request.include_prompt_logprobs, request.topk_logprobs, request.topk_prompt_logprobs, last_n,
-                         deterministic=request.deterministic)
+                         deterministic=request.deterministic, images=images)
 
 
 def sample_result_to_pb(result: SampleResult, topk_logprobs: int) -> types_pb2.SampleResponse:
@@ -81,14 +101,16 @@ def stream_end_to_pb(result: SampleResult) -> types_pb2.SampleStreamChunk:
     return chunk
 
 
-def logprobs_request_from_pb(request: sampler_pb2.SamplerLogprobsRequest) -> tuple[str | None, np.ndarray, int | None, bool]:
+def logprobs_request_from_pb(request: sampler_pb2.SamplerLogprobsRequest, vision: VisionProcessor | None = None,
+                             limits: ImageLimits = DEFAULT_LIMITS, model: str = "the base model",
+                             ) -> tuple[str | None, np.ndarray, int | None, bool, tuple[ImageInput, ...]]:
     """(checkpoint key or None for the base model, prompt tokens, last n positions to score or None,
-    deterministic)."""
-    prompt = decode_tokens(request.prompt_tokens)
+    deterministic, the prompt's images)."""
+    prompt, images = prompt_from_pb(request, vision, limits, model)
     last_n = request.prompt_logprobs_last_n if request.HasField("prompt_logprobs_last_n") else None
     if last_n is not None:
         check_last_n(len(prompt), last_n)
-    return request.checkpoint_key or None, prompt, last_n, request.deterministic
+    return request.checkpoint_key or None, prompt, last_n, request.deterministic, images
 
 
 def logprobs_to_pb(logprobs: np.ndarray) -> sampler_pb2.ComputeLogprobsResponseInternal:
@@ -100,5 +122,5 @@ def model_info_to_pb(description: ModelDescription, backend: str, incarnation: s
     return sampler_pb2.SamplerModelInfo(
         base_model=d.base_model, tokenizer_id=d.tokenizer_id, vocab_size=d.vocab_size, max_context_length=d.max_context_length,
         backend=backend, loaded_adapters=d.loaded_checkpoints, incarnation=incarnation,
-        deterministic_unsupported=d.deterministic_unsupported,
+        deterministic_unsupported=d.deterministic_unsupported, vision=d.vision.info() if d.vision else None,
     )

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from temper.common.checkpoints import WEIGHT_FILES
 from temper.common.errors import AdapterNotLoaded, FailedPrecondition, InvalidArgument
+from temper.services.models.images import DEFAULT_LIMITS, ImageLimits
 from temper.services.sampler import convert, metrics
 from temper.services.sampler.backend import SampleRequest, SampleResult, SamplerBackend
 from temper.services.sampler.residency import Residency
@@ -30,8 +31,9 @@ log = logging.getLogger(__name__)
 
 class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
     def __init__(self, backend: SamplerBackend, adapter_dir: Path, max_num_samples: int, max_batch_sequences: int = 64,
-                 max_adapters: int = 16, max_adapter_bytes: int = 0):
+                 max_adapters: int = 16, max_adapter_bytes: int = 0, image_limits: ImageLimits = DEFAULT_LIMITS):
         self.backend = backend
+        self.image_limits = image_limits  # what one image of a prompt may be (images.flatten checks it)
         # new per process start: the scheduler learns from it that the adapters it pushed before are gone
         self.incarnation = secrets.token_hex(8)
         self.residency = Residency(max_adapters, max_adapter_bytes)
@@ -148,7 +150,8 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
 
     def _decoded_sample(self, request) -> SampleRequest:
         description = self.backend.describe()
-        sample = convert.sample_request_from_pb(request, description.vocab_size, self.max_num_samples)
+        sample = convert.sample_request_from_pb(request, description.vocab_size, self.max_num_samples,
+                                                description.vision, self.image_limits, description.base_model)
         if sample.deterministic:
             self._check_deterministic(description, "sampling")
         return sample
@@ -233,12 +236,14 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         return results
 
     async def ComputeLogprobs(self, request, context):
-        checkpoint_key, prompt, last_n, deterministic = convert.logprobs_request_from_pb(request)
+        description = self.backend.describe()
+        checkpoint_key, prompt, last_n, deterministic, images = convert.logprobs_request_from_pb(
+            request, description.vision, self.image_limits, description.base_model)
         if deterministic:
-            self._check_deterministic(self.backend.describe(), "prompt scoring")
+            self._check_deterministic(description, "prompt scoring")
         with self._pinned(checkpoint_key):
             return convert.logprobs_to_pb(await self._run(self.backend.compute_logprobs, checkpoint_key, prompt, last_n,
-                                                          deterministic))
+                                                          deterministic, images))
 
 
 class _Stream:

@@ -52,7 +52,9 @@ def check_servable(config: dict, tensor_names, *, shared_experts_fused: bool) ->
     - ``kv_a_proj_with_mqa`` is served only fused with ``q_a_proj`` (``fused_qkv_a_proj_with_mqa``):
       alone its tensors match no module, and fail like the above;
     - a shared expert fused into the routed experts (DeepSeek-V3 unless ``disable_shared_experts_fusion``)
-      has no ``shared_experts`` module, so its LoRA would be silently skipped.
+      has no ``shared_experts`` module, so its LoRA would be silently skipped;
+    - a vision-language model's tower and merger (``model.visual.*``) take no LoRA (``sglang_images.py``):
+      their tensors would be skipped silently.
     """
     def refuse(piece: str, fix: str = "use TEMPER_SAMPLER_BACKEND=torch for this adapter") -> InvalidArgument:
         return InvalidArgument(f"SGLang {SGLANG_VERSION} cannot serve {piece}; {fix}")
@@ -77,6 +79,10 @@ def check_servable(config: dict, tensor_names, *, shared_experts_fused: bool) ->
     if any(".kv_a_proj_with_mqa." in n for n in names) and not any(".q_a_proj." in n for n in names):
         raise refuse("LoRA on kv_a_proj_with_mqa without q_a_proj (it serves the two only as one fused "
                      "projection, fused_qkv_a_proj_with_mqa)")
+    tower = [n for n in names if ".visual." in n]
+    if tower:
+        raise refuse(f"LoRA on the vision tower or merger (tensors such as {tower[0]}; its Qwen3-VL models adapt the "
+                     f"language model only: should_apply_lora in srt/models/qwen3_vl.py)")
     if shared_experts_fused and any("shared_experts." in n for n in names):
         raise refuse("LoRA on shared experts fused into the routed experts (no shared_experts module is left)",
                      "drop disable_shared_experts_fusion=false from TEMPER_SAMPLER_SGLANG_ENGINE_ARGS (Temper "

@@ -42,10 +42,13 @@ from typing import Any
 import numpy as np
 
 from temper.common.errors import AdapterNotLoaded, FailedPrecondition, Internal, InvalidArgument
+from temper.services.models.images import VisionProcessor
 from temper.services.models.loading import resolve_model_path
 from temper.services.sampler.backend import ModelDescription, SampleRequest, SampleResult, SamplerBackend
 from temper.services.sampler.settings import SamplerConfigError, SamplerSettings
+from temper.services.sampler import vision_inputs
 from temper.services.sampler.sglang_adapters import SGLANG_VERSION, check_servable, read_adapter
+from temper.services.sampler.sglang_images import check_scoring
 from temper.services.sampler.sglang_requests import (
     ENGINE_ENV,
     Batch,
@@ -53,6 +56,7 @@ from temper.services.sampler.sglang_requests import (
     StreamedBatch,
     build_batch,
     check_output,
+    check_prompt_length,
     generate_error,
     parse_results,
     prompt_logprobs,
@@ -186,7 +190,9 @@ class SGLangSamplerBackend(SamplerBackend):
         self.model_path = resolve_model_path(settings.base_model)
         from transformers import AutoConfig
 
-        check_parallel(settings, AutoConfig.from_pretrained(self.model_path), visible_gpus())
+        config = AutoConfig.from_pretrained(self.model_path)
+        check_parallel(settings, config, visible_gpus())
+        self.vision = VisionProcessor.from_model(config, self.model_path)  # None: a text-only model
         self.tp_size, self.dp_size = settings.tp_size, settings.dp_size
         self.facts, self.max_context_length = model_facts(self.model_path, settings)
         args = engine_kwargs(settings, self.model_path)
@@ -210,7 +216,7 @@ class SGLangSamplerBackend(SamplerBackend):
         return ModelDescription(
             base_model=self.base_model, tokenizer_id=self.model_path, vocab_size=self.facts.vocab_size,
             max_context_length=self.max_context_length, loaded_checkpoints=sorted(self._names),
-            deterministic_unsupported=DETERMINISTIC_UNSUPPORTED,
+            deterministic_unsupported=DETERMINISTIC_UNSUPPORTED, vision=self.vision,
         )
 
     # ---- adapters -----------------------------------------------------------------------------
@@ -258,7 +264,8 @@ class SGLangSamplerBackend(SamplerBackend):
             raise AdapterNotLoaded(checkpoint_key)
         return name
 
-    def _check_prompt(self, prompt: np.ndarray, max_tokens: int = 0) -> None:
+    def _check_prompt(self, prompt: np.ndarray, max_tokens: int = 0, images=()) -> None:
+        vision_inputs.check_images(prompt, images, self.vision, self.base_model)
         if prompt.size == 0:
             raise InvalidArgument("prompt is empty")
         vocab = self.facts.vocab_size
@@ -294,7 +301,10 @@ class SGLangSamplerBackend(SamplerBackend):
         if any(r.deterministic for r in requests):  # never a best effort (the servicer refuses them first)
             raise FailedPrecondition(f"deterministic sampling: {DETERMINISTIC_UNSUPPORTED}")
         for r in requests:
-            self._check_prompt(r.prompt, r.options.max_tokens)
+            self._check_prompt(r.prompt, r.options.max_tokens, r.images)
+            if r.prompt_logprobs or r.topk_prompt_logprobs:
+                last_n = r.prompt_logprobs_last_n
+                check_scoring(r.prompt, r.images, 1 if last_n is None else len(r.prompt) - last_n)
         names = [self._lora_name(r.checkpoint_key) for r in requests]
         batch = build_batch(requests, names, self.facts)
         if not any(r.progress is not None for r in requests):
@@ -323,11 +333,13 @@ class SGLangSamplerBackend(SamplerBackend):
             take(out)
 
     def compute_logprobs(self, checkpoint_key: str | None, prompt: np.ndarray, last_n: int | None = None,
-                         deterministic: bool = False) -> np.ndarray:
+                         deterministic: bool = False, images=()) -> np.ndarray:
         if deterministic:
             raise FailedPrecondition(f"deterministic prompt scoring: {DETERMINISTIC_UNSUPPORTED}")
-        self._check_prompt(prompt)
-        item = scoring_item(prompt, self._lora_name(checkpoint_key), last_n)
+        self._check_prompt(prompt, 0, images)
+        check_scoring(prompt, images, 1 if last_n is None else len(prompt) - last_n)
+        item = scoring_item(prompt, self._lora_name(checkpoint_key), last_n, images)
         (out,) = self._generate(Batch([item]))
         check_output(out)
+        check_prompt_length(item, out["meta_info"])
         return prompt_logprobs(len(prompt), item, out["meta_info"])

@@ -42,6 +42,11 @@ support after temperature, top-k and top-p), the distribution the token was draw
 computes it only for a finite ``1 <= top_k <= sampling_mask_max_tokens``, so top_k 0 is sent as the
 vocabulary size when that fits, else refused (``processed_logprobs``). Greedy rows are a point mass:
 0.0, as the torch backend reports.
+
+Images (vision-language models; ``sglang_images.py`` says what 0.5.23 serves and why): an item carries
+its images as ``image_data`` (data URLs) and its ``input_ids`` with each image as ONE image token, which
+SGLang expands into the image's N tokens itself (``BaseMultimodalProcessor.build_input_ids``); its
+``prompt_tokens`` must then equal Temper's flattened length (else Internal: the two processors differ).
 """
 
 from __future__ import annotations
@@ -82,6 +87,8 @@ class Item:
     logprob_start_len: int = -1  # -1: output tokens only
     top_logprobs_num: int = 0
     sampling_mask: bool = False
+    image_data: list[str] = field(default_factory=list)   # data URLs; input_ids then hold one image token each
+    flat_length: int = 0                                   # the prompt's length with its images expanded
 
 
 @dataclass
@@ -98,6 +105,8 @@ class Batch:
             return_logprob=[True] * len(it), logprob_start_len=[i.logprob_start_len for i in it],
             top_logprobs_num=[i.top_logprobs_num for i in it], lora_path=[i.lora_name for i in it],
         )
+        if any(i.image_data for i in it):  # a list per item ([] for text), as io_struct._normalize_image_data reads it
+            fields["image_data"] = [list(i.image_data) for i in it]
         if any(i.sampling_mask for i in it):
             fields["return_sampling_mask"] = [i.sampling_mask for i in it]
             fields["sampling_logprobs_mode"] = ["selected" if i.sampling_mask else None for i in it]
@@ -153,17 +162,42 @@ def build_batch(requests: list[SampleRequest], lora_names: list[str | None], fac
                     else secrets.randbits(63) if facts.deterministic else None)
             scores_prompt = sample == 0 and (request.prompt_logprobs or request.topk_prompt_logprobs > 0)
             batch.items.append(Item(
-                r_index, sample, [int(t) for t in request.prompt], sampling_params(request.options, seed, facts),
+                r_index, sample, collapsed_ids(request.prompt, request.images), sampling_params(request.options, seed, facts),
                 lora_name, prompt_start(len(request.prompt), request.prompt_logprobs_last_n) if scores_prompt else -1,
                 top, request.options.processed_logprobs and request.options.temperature > 0,
+                image_urls(request.images), len(request.prompt),
             ))
     return batch
 
 
-def scoring_item(prompt: np.ndarray, lora_name: str | None, last_n: int | None) -> Item:
+def scoring_item(prompt: np.ndarray, lora_name: str | None, last_n: int | None, images=()) -> Item:
     """A prefill-only item (max_new_tokens 0) that scores the prompt."""
     params = sampling_params(SamplingOptions(stop_disabled=True), None, ModelFacts(0, frozenset(), False, 0), 0)
-    return Item(0, 0, [int(t) for t in prompt], params, lora_name, prompt_start(len(prompt), last_n))
+    return Item(0, 0, collapsed_ids(prompt, images), params, lora_name, prompt_start(len(prompt), last_n),
+                image_data=image_urls(images), flat_length=len(prompt))
+
+
+def collapsed_ids(prompt: np.ndarray, images) -> list[int]:
+    """``prompt`` with each image's N image tokens as one: SGLang expands an image token followed by
+    anything else into the image's N (``build_input_ids``: one image per position whose next token is
+    the image token), so N tokens sent as they are would read as N images."""
+    ids = [int(t) for t in prompt]
+    for image in sorted(images, key=lambda i: i.offset, reverse=True):
+        del ids[image.offset + 1:image.offset + image.tokens]
+    return ids
+
+
+def image_urls(images) -> list[str]:
+    import base64
+
+    return [f"data:image/{i.format};base64,{base64.b64encode(i.data).decode()}" for i in images]
+
+
+def check_prompt_length(item: Item, meta: dict) -> None:
+    """SGLang's expansion of an item's images must be Temper's: else its positions are not Temper's."""
+    if item.image_data and int(meta.get("prompt_tokens", item.flat_length)) != item.flat_length:
+        raise Internal(f"sglang expanded the images into a {meta.get('prompt_tokens')}-token prompt; the model's image "
+                       f"processor makes {item.flat_length} tokens (SGLang's processor differs from the model's)")
 
 
 def prompt_start(n: int, last_n: int | None) -> int:
@@ -212,6 +246,7 @@ def parse_results(requests: list[SampleRequest], batch: Batch, outputs: list[dic
     for item, out in zip(batch.items, outputs):
         check_output(out)
         request, meta = requests[item.request], out["meta_info"]
+        check_prompt_length(item, meta)
         results[item.request].sequences[item.sample] = _sequence(request, item, out, meta)
         if item.logprob_start_len >= 0:
             _fill_prompt(results[item.request], request, item, meta)

@@ -16,7 +16,7 @@ from temper.common.prompt_scoring import TOPK_MASK_LOGPROB, check_last_n, check_
 from temper.services.lora.deterministic import unsupported as deterministic_unsupported
 from temper.services.lora.model import LoraModel
 from temper.services.models.loading import LoadedModel
-from temper.services.sampler import deterministic_decode
+from temper.services.sampler import deterministic_decode, vision_inputs
 from temper.services.sampler.backend import (
     GeneratedSequence,
     ModelDescription,
@@ -61,10 +61,13 @@ class TorchSamplerBackend(SamplerBackend):
         deterministic_unsupported(loaded.model)  # the row-invariance check (seconds for a large model) before serving, not in GetModelInfo
 
     def describe(self) -> ModelDescription:
+        vision = self.loaded.vision
         return ModelDescription(
             base_model=self.loaded.name, tokenizer_id=self.loaded.path, vocab_size=self.loaded.vocab_size,
             max_context_length=self.loaded.max_context_length, loaded_checkpoints=sorted(self.lora.adapters),
-            deterministic_unsupported=deterministic_unsupported(self.loaded.model),
+            deterministic_unsupported=(vision_inputs.deterministic_refusal(self.loaded.model) if vision is not None
+                                       else deterministic_unsupported(self.loaded.model)),
+            vision=vision,
         )
 
     # ---- adapters -----------------------------------------------------------------------------
@@ -103,7 +106,7 @@ class TorchSamplerBackend(SamplerBackend):
             raise AdapterNotLoaded(checkpoint_key)
         self.lora.remove(checkpoint_key)
 
-    def _check(self, checkpoint_key: str | None, prompt: np.ndarray) -> None:
+    def _check(self, checkpoint_key: str | None, prompt: np.ndarray, images=(), deterministic: bool = False) -> None:
         if checkpoint_key and checkpoint_key not in self.lora.adapters:
             raise AdapterNotLoaded(checkpoint_key)
         if prompt.size == 0:
@@ -113,21 +116,25 @@ class TorchSamplerBackend(SamplerBackend):
             raise InvalidArgument(f"prompt token ids must be in [0, {vocab})")
         if len(prompt) > self.loaded.max_context_length:
             raise InvalidArgument(f"prompt has {len(prompt)} tokens; the context length is {self.loaded.max_context_length}")
+        vision_inputs.check_images(prompt, images, self.loaded.vision, self.loaded.name)
+        vision_inputs.check_deterministic(self.loaded.model, self.loaded.vision, deterministic)
 
     # ---- numerics -----------------------------------------------------------------------------
 
     @torch.no_grad()
     def compute_logprobs(self, checkpoint_key: str | None, prompt: np.ndarray, last_n: int | None = None,
-                         deterministic: bool = False) -> np.ndarray:
-        self._check(checkpoint_key, prompt)
+                         deterministic: bool = False, images=()) -> np.ndarray:
+        self._check(checkpoint_key, prompt, images, deterministic)
         if last_n is not None:
             check_last_n(len(prompt), last_n)
         if deterministic:  # alone, at its true length, with the batch-invariant primitives
             return deterministic_decode.score_prompt(self, checkpoint_key, prompt, last_n)[0]
-        ids = torch.from_numpy(prompt.astype(np.int64)).to(self.device)
+        ids = torch.from_numpy(prompt.astype(np.int64)).to(self.device)[None]
+        extra = (vision_inputs.prefill_inputs(self, ids, torch.ones_like(ids), [(checkpoint_key, tuple(images))]).kwargs
+                 if self.loaded.vision is not None else {})
         with self.lora.route([(checkpoint_key, None)]):
-            logits = self.loaded.model(input_ids=ids[None]).logits[0]
-        return _prompt_logprobs(logits, ids, last_n)[0]
+            logits = self.loaded.model(input_ids=ids, **extra).logits[0]
+        return _prompt_logprobs(logits, ids[0], last_n)[0]
 
     def sample(self, checkpoint_key, prompt, num_samples, options, prompt_logprobs) -> SampleResult:
         return self.sample_batch([SampleRequest(checkpoint_key, prompt, num_samples, options, prompt_logprobs)])[0]
@@ -136,7 +143,7 @@ class TorchSamplerBackend(SamplerBackend):
     def sample_batch(self, requests: list[SampleRequest]) -> list[SampleResult]:
         """Decode every sequence of every request in one left-padded, KV-cached batch."""
         for r in requests:
-            self._check(r.checkpoint_key, r.prompt)
+            self._check(r.checkpoint_key, r.prompt, r.images, r.deterministic)
             check_prompt_scoring(len(r.prompt), r.prompt_logprobs, r.topk_prompt_logprobs, r.prompt_logprobs_last_n)
             if len(r.prompt) + r.options.max_tokens > self.loaded.max_context_length:
                 raise InvalidArgument(
@@ -164,7 +171,13 @@ class TorchSamplerBackend(SamplerBackend):
             ids[row, width - len(prompt):] = torch.from_numpy(prompt.astype(np.int64))
             mask[row, width - len(prompt):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        if self.loaded.vision is not None:  # explicit multimodal positions, text-only rows too (vision_inputs.py)
+            row_inputs = [(s.request.checkpoint_key, s.request.images) for s in live for _ in s.rows]
+            prefill = vision_inputs.prefill_inputs(self, ids, mask, row_inputs)
+            extra, next_position = prefill.kwargs, lengths + prefill.deltas
+        else:
+            extra, next_position = {"position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}, lengths
         groups: dict[str | None, list[int]] = {}
         for state in live:
             groups.setdefault(state.request.checkpoint_key, []).extend(state.rows)
@@ -172,7 +185,7 @@ class TorchSamplerBackend(SamplerBackend):
         model = self.loaded.model
         steps = max(r.options.max_tokens for r in requests)
         with self.lora.route(routing):
-            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+            out = model(input_ids=ids, attention_mask=mask, use_cache=True, **extra)
             for state in live:
                 r = state.request
                 if r.prompt_logprobs or r.topk_prompt_logprobs:
@@ -219,7 +232,7 @@ class TorchSamplerBackend(SamplerBackend):
                 if not any(any(s.alive) for s in live):
                     break
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-                positions = positions[:, -1:] + 1
+                positions = (next_position + step)[:, None]  # the row's length + its rotary delta, never cached state
                 out = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
                 logits, past = out.logits[:, -1].float(), out.past_key_values
         return [
