@@ -48,7 +48,8 @@ async def serve(settings: SamplerSettings, authenticate: Authenticator | None) -
     backend = build_backend(settings)
     base_model = backend.describe().base_model
     servicer = SamplerServicer(backend, settings.adapter_dir, settings.max_num_samples,
-                               max_adapters=settings.max_adapters, max_adapter_bytes=settings.max_adapter_bytes)
+                               max_adapters=settings.max_adapters, max_adapter_bytes=settings.max_adapter_bytes,
+                               image_limits=settings.image_limits())
     registration = (sampler_pb2_grpc.add_SamplerServicer_to_server, servicer, SERVICE)
     server, port, health = build_server([registration], settings.bind, authenticate, credentials)
     metrics_port = serve_metrics(settings.metrics_bind)

@@ -169,7 +169,7 @@ def model_facts(model_path: str, settings: SamplerSettings) -> tuple[ModelFacts,
 
     config = AutoConfig.from_pretrained(model_path)
     eos: set[int] = set()
-    sources = [config.eos_token_id]
+    sources = [getattr(config, "eos_token_id", None)]
     try:
         sources.append(GenerationConfig.from_pretrained(model_path).eos_token_id)
     except OSError:
@@ -177,9 +177,10 @@ def model_facts(model_path: str, settings: SamplerSettings) -> tuple[ModelFacts,
     sources.append(AutoTokenizer.from_pretrained(model_path).eos_token_id)
     for ids in sources:
         eos.update([ids] if isinstance(ids, int) else ids or [])
-    facts = ModelFacts(int(config.vocab_size), frozenset(eos), settings.sglang_deterministic,
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config  # a VL model's language model
+    facts = ModelFacts(int(text.vocab_size), frozenset(eos), settings.sglang_deterministic,
                        settings.sglang_sampling_mask_max_tokens)
-    return facts, int(getattr(config, "max_position_embeddings", 2048) or 2048)
+    return facts, int(getattr(text, "max_position_embeddings", 2048) or 2048)
 
 
 class SGLangSamplerBackend(SamplerBackend):

@@ -81,6 +81,7 @@ class GenerateReqInput:
     lora_path: list | str | None = None
     return_sampling_mask: list | bool | None = None
     sampling_logprobs_mode: list | str | None = None
+    image_data: list | None = None   # per item: a list of images (data URLs here), [] for a text item
     stream: bool = False
 
 
@@ -138,7 +139,7 @@ class Engine:
         """The bare asserts of srt/models/llama.py (qwen2.py alike) in each TP rank's model init."""
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(model_path)
+        config = AutoConfig.from_pretrained(model_path).get_text_config()  # a VL model's language model
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         assert heads % tp == 0
@@ -254,13 +255,17 @@ class Engine:
             processed_logprobs=mask,
         )
         name = item["lora_path"]
+        input_ids, images = self._expand_images(input_ids, item.get("image_data") or [])
         prompt = np.array(input_ids, dtype=np.int32)
         if options.max_tokens == 0:
             tokens, reason, processed = [], "length", []
         else:
-            seq = self.torch.sample(name, prompt, 1, options, False).sequences[0]
+            from temper.services.sampler.backend import SampleRequest
+
+            [result] = self.torch.sample_batch([SampleRequest(name, prompt, 1, options, images=images)])
+            seq = result.sequences[0]
             tokens, reason, processed = seq.tokens, seq.stop_reason, seq.logprobs
-        meta = self._logprobs(name, input_ids, tokens, item, 1.0 if greedy or self.original_logprob else temperature)
+        meta = self._logprobs(name, input_ids, tokens, item, 1.0 if greedy or self.original_logprob else temperature, images)
         meta["finish_reason"] = {"type": reason, "matched": tokens[-1] if reason == "stop" and tokens else None}
         meta.update(prompt_tokens=len(input_ids), completion_tokens=len(tokens), cached_tokens=0)
         if mask:
@@ -273,12 +278,47 @@ class Engine:
             "finish_reason": {"type": "abort", "message": message, "status_code": status, "err_type": None},
             "prompt_tokens": len(input_ids), "completion_tokens": 0, "input_token_logprobs": [], "output_token_logprobs": []}}
 
+    def _expand_images(self, input_ids: list[int], image_data: list) -> tuple[list[int], tuple]:
+        """``srt/multimodal/processors/base_processor.py::build_input_ids``: each position whose next token
+        is the image token starts an image, whose N tokens replace that one image token (N from the
+        model's processor). A count that does not match the images is refused (ValueError)."""
+        if not image_data:
+            return list(input_ids), ()
+        import base64
+
+        from temper.services.models import images as image_path
+
+        vision = self.torch.loaded.vision
+        starts = [i for i in range(len(input_ids) - 1) if input_ids[i + 1] == vision.tokens.image]
+        if len(starts) != len(image_data):
+            raise ValueError("Qwen-VL image artifacts do not match prompt placeholders")
+        out, images, cur = [], [], 0
+        for start, url in zip(starts, image_data):
+            header, payload = url.split(",", 1)
+            data, fmt = base64.b64decode(payload), header.removeprefix("data:image/").split(";")[0]
+            width, height = image_path.open_image(data, fmt)
+            n = vision.count(width, height)
+            out += input_ids[cur:start + 1]
+            images.append(image_path.ImageInput(len(out), n, data, fmt, width, height))
+            out += [vision.tokens.image] * n
+            cur = start + 2
+        return out + list(input_ids[cur:]), tuple(images)
+
     @torch.no_grad()
-    def _logprobs(self, name, input_ids, tokens, item, scale: float) -> dict:
-        """Logprob fields from one forward over prompt + output (the same adapter route)."""
+    def _logprobs(self, name, input_ids, tokens, item, scale: float, images=()) -> dict:
+        """Logprob fields from one forward over prompt + output (the same adapter route). Prompt positions
+        hold the radix cache's pad values in place of image tokens, clamped into the vocabulary
+        (``ScheduleBatch.prepare_for_extend``): they are scored against vocab_size - 1."""
+        from temper.services.sampler import vision_inputs
+
         ids = torch.tensor([list(input_ids) + list(tokens)], dtype=torch.long)
+        extra = (vision_inputs.prefill_inputs(self.torch, ids, torch.ones_like(ids), [(name, images)]).kwargs
+                 if self.torch.loaded.vision is not None else {})
         with self.torch.lora.route([(name, None)]):
-            logits = self.loaded.model(input_ids=ids).logits[0].float()
+            logits = self.loaded.model(input_ids=ids, **extra).logits[0].float()
+        if images:
+            padded = self.loaded.vocab_size - 1
+            input_ids = [padded if t == self.torch.loaded.vision.tokens.image else t for t in input_ids]
         raw, out_lp = logits.log_softmax(-1), (logits / scale).log_softmax(-1)
         n, k, start = len(input_ids), item["top_logprobs_num"] or 0, item["logprob_start_len"]
         triple = lambda lp, t: (float(lp), int(t), None)  # noqa: E731

@@ -513,3 +513,92 @@ def test_the_torch_backend_runs_on_one_device(tiny_model_dir):
                           text=True, timeout=120)
     assert proc.returncode == 1 and "temper sampler: the torch sampler backend runs on one device" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# ---- image prompts (vision-language models; services/sampler/sglang_images.py) -------------------
+
+@pytest.fixture(scope="module")
+def vl(vl_model_dirs, tmp_path_factory):
+    """The SGLang backend and the torch backend on the tiny Qwen3-VL, one language-model adapter pushed to both."""
+    from temper.services.sampler.sglang_backend import SGLangSamplerBackend as Backend
+
+    folder = vl_model_dirs["qwen3_vl"]
+    scratch = LoraModel(load_model(folder).model, folder)
+    scratch.add(A, AdapterSpec(rank=4, alpha=8, targets=("q_proj", "v_proj", "up_proj")), seed=0)
+    with torch.no_grad():
+        for p in scratch.adapters[A].params.values():
+            p.normal_(0, 0.3, generator=torch.Generator().manual_seed(7))
+    adapter = tmp_path_factory.mktemp("vl-adapter")
+    scratch.save(A, adapter)
+    with pytest.MonkeyPatch.context() as patch:
+        sglang_fake.install(patch)
+        backend = Backend(SamplerSettings(base_model=folder, backend="sglang"))
+        reference = TorchSamplerBackend(load_model(folder))
+        for b in (backend, reference):
+            b.load_adapter(A, adapter)
+        yield backend, reference
+        backend.close()
+
+
+def _vl_prompt(vision, *colors):
+    from tests.fixtures_stack import png_bytes
+    from temper.services.models import images as image_path
+
+    text = lambda ids: types_pb2.ModelInputChunk(encoded_text=types_pb2.EncodedTextChunk(tokens=encode_tokens(ids)))  # noqa: E731
+    chunks = [text([5, 17, 99])]
+    for n, color in enumerate(colors):
+        chunks += [text([vision.tokens.start]),
+                   types_pb2.ModelInputChunk(image=types_pb2.ImageChunk(data=png_bytes(color, (64, 64 + 32 * n)),
+                                                                        format="png")),
+                   text([vision.tokens.end])]
+    chunks.append(text([140, 7, 33, 60]))
+    return image_path.flatten(types_pb2.ModelInput(chunks=chunks), vision)
+
+
+def test_image_prompts_with_lora_sample_what_the_torch_backend_samples(vl):
+    backend, reference = vl
+    assert backend.describe().vision.info() == reference.loaded.vision.info()
+    red, two = _vl_prompt(backend.vision, "red"), _vl_prompt(backend.vision, "blue", "green")
+    requests = [SampleRequest(A, red.tokens, 1, GREEDY, images=red.images),
+                SampleRequest(None, two.tokens, 1, GREEDY, prompt_logprobs=True, topk_prompt_logprobs=2,
+                              prompt_logprobs_last_n=4, images=two.images),
+                SampleRequest(A, np.array([5, 6, 7, 8], dtype=np.int32), 1, GREEDY)]
+    got, want = backend.sample_batch(requests), reference.sample_batch(requests)
+    for g, w in zip(got, want):
+        assert g.sequences[0].tokens == w.sequences[0].tokens
+        np.testing.assert_allclose(g.sequences[0].logprobs, w.sequences[0].logprobs, atol=1e-5)
+    np.testing.assert_allclose(got[1].prompt_logprobs, want[1].prompt_logprobs, atol=1e-5, equal_nan=True)
+    np.testing.assert_array_equal(got[1].topk_prompt_ids, want[1].topk_prompt_ids)
+    # what reached SGLang: data URLs per item ([] for text) and one image token per image, which SGLang expands
+    sent = engine_of(backend).generate_calls[-1]
+    image_token = backend.vision.tokens.image
+    assert [len(images) for images in sent.image_data] == [1, 2, 0]
+    assert all(url.startswith("data:image/png;base64,") for url in sent.image_data[1])
+    assert [ids.count(image_token) for ids in sent.input_ids] == [1, 2, 0]
+    assert len(sent.input_ids[1]) == len(two.tokens) - sum(i.tokens - 1 for i in two.images)
+    np.testing.assert_allclose(backend.compute_logprobs(A, red.tokens, last_n=4, images=red.images),
+                               reference.compute_logprobs(A, red.tokens, last_n=4, images=red.images), atol=1e-5,
+                               equal_nan=True)
+
+
+def test_scoring_image_positions_and_tower_lora_are_refused_by_name(vl):
+    from temper.common.errors import FailedPrecondition
+
+    backend, _ = vl
+    red = _vl_prompt(backend.vision, "red")
+    calls = len(engine_of(backend).generate_calls)
+    for call in (lambda: backend.compute_logprobs(A, red.tokens, images=red.images),
+                 lambda: backend.compute_logprobs(None, red.tokens, last_n=6, images=red.images),
+                 lambda: backend.sample_batch([SampleRequest(A, red.tokens, 1, GREEDY, prompt_logprobs=True,
+                                                             images=red.images)])):
+        with pytest.raises(FailedPrecondition, match="SGLang 0.5.23 cannot score prompt positions that hold image "
+                                                     "tokens.*schedule_batch.py"):
+            call()
+    assert len(engine_of(backend).generate_calls) == calls  # refused before SGLang saw it
+    with pytest.raises(InvalidArgument, match="SGLang 0.5.23 cannot serve LoRA on the vision tower"):
+        check_servable({"r": 4, "lora_alpha": 8, "target_modules": ["qkv", "q_proj"]},
+                       ["base_model.model.model.visual.blocks.0.attn.qkv.lora_A.weight",
+                        "base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight"],
+                       shared_experts_fused=False)
+    with pytest.raises(InvalidArgument, match="appears where no image is"):
+        backend.compute_logprobs(None, np.array([5, backend.vision.tokens.image, 6], dtype=np.int32))
