@@ -12,7 +12,7 @@ import time
 import pytest
 
 from fixtures_browser import Console, start_browser
-from fixtures_stack import raw_stub, sft_datum
+from fixtures_stack import png_bytes, raw_stub, sft_datum
 from temper.client import AdamParams, ModelInput, SamplingParams, convert
 from temper.localstack import LocalStack
 from selenium.webdriver.common.by import By  # the dev extra (make venv installs it): missing fails, never skips
@@ -131,7 +131,7 @@ def test_publish_a_checkpoint(console, world):
     console.screenshot("checkpoints")
 
 
-def test_chat_in_the_playground(console, world):
+def test_chat_in_the_playground(console, world, tmp_path):
     console.login(world["keys"]["alice"])
     console.open("playground", "playground")
     options = [o.get_attribute("value") for o in console.driver.find_elements(By.CSS_SELECTOR, "#pg-model option")]
@@ -142,6 +142,17 @@ def test_chat_in_the_playground(console, world):
                           timeout=120, what="the streamed answer")
     assert answer.text.strip() and int(answer.get_attribute("data-chunks")) >= 1
     console.screenshot("playground")
+    # an attached image goes as an image_url part (a data: URL); this tiny model is text-only: the gateway's 400
+    image = tmp_path / "red.png"
+    image.write_bytes(png_bytes("red"))
+    console.driver.find_element(By.ID, "pg-image").send_keys(str(image))
+    console.driver.find_element(By.ID, "pg-input").send_keys("What colour is it?")
+    console.driver.find_element(By.ID, "pg-send").click()
+    error = console.wait(lambda: console.driver.find_element(By.CSS_SELECTOR, "#chat p.error"), timeout=60,
+                         what="the refusal of an image")
+    assert "takes no images" in error.text and "text-only model" in error.text, error.text
+    assert console.driver.find_element(By.CSS_SELECTOR, ".msg.user img.pg-thumb").get_attribute("src").startswith(
+        "data:image/png;base64,")
 
 
 def _trace_file(downloads, session_id, timeout=60.0):

@@ -3,6 +3,17 @@ import { errorBox, h } from "../dom.js";
 
 // Chat with a base model or one of your sampler checkpoints through the OpenAI-compatible route
 // (POST /v1/chat/completions, stream: true): tokens are shown as the server-sent events arrive.
+// An attached PNG or JPEG goes with the message as an image_url part holding a data: URL (a
+// vision-language model sees it; a text-only model answers 400, shown as the error).
+function dataUrl(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error || new Error("could not read the image"));
+    reader.readAsDataURL(file);
+  });
+}
+
 async function* events(resp) {
   const reader = resp.body.getReader(); const decoder = new TextDecoder(); let buffer = "";
   for (;;) {
@@ -26,15 +37,21 @@ export async function render(page) {
   const temperature = h("input", { id: "pg-temperature", type: "number", min: 0, max: 2, step: 0.1, value: 0.7, style: "width:5em" });
   const chat = h("div", { id: "chat" });
   const input = h("textarea", { id: "pg-input", rows: 3, cols: 80, placeholder: "Say something…" });
+  const image = h("input", { id: "pg-image", type: "file", accept: "image/png,image/jpeg" });
   const history = [];
   const send = h("button", { type: "submit", class: "primary", id: "pg-send" }, "Send");
   const form = h("form", { id: "pg-form", onsubmit: async (e) => {
     e.preventDefault();
     const text = input.value.trim();
-    if (!text) return;
-    input.value = ""; send.disabled = true;
-    history.push({ role: "user", content: text });
-    chat.append(h("div", { class: "msg user" }, text));
+    const file = image.files && image.files[0];
+    if (!text && !file) return;
+    send.disabled = true;
+    let url = null;
+    try { url = file ? await dataUrl(file) : null; } catch (err) { chat.append(errorBox(err)); send.disabled = false; return; }
+    input.value = ""; image.value = "";
+    history.push({ role: "user", content: url
+      ? [{ type: "text", text }, { type: "image_url", image_url: { url } }] : text });
+    chat.append(h("div", { class: "msg user" }, url ? h("img", { class: "pg-thumb", src: url, alt: file.name }) : null, text));
     const answer = h("div", { class: "msg assistant", dataset: { chunks: "0" } });
     chat.append(answer);
     try {
@@ -60,7 +77,7 @@ export async function render(page) {
       history.push({ role: "assistant", content });
     } catch (err) { answer.replaceWith(errorBox(err)); history.pop(); }
     send.disabled = false;
-  } }, input, h("div", { class: "toolbar" }, send));
+  } }, input, h("div", { class: "toolbar" }, h("label", {}, "image", image), send));
   page.append(h("h1", {}, "Playground"),
     h("div", { class: "toolbar" }, h("label", {}, "model", model), h("label", {}, "max tokens", maxTokens),
       h("label", {}, "temperature", temperature)),
