@@ -17,7 +17,11 @@ For N = 1, 2, 4, 8 ... up to the device count, one rank's memory:
 - adapters: ``--adapters`` resident LoRA adapters of ``--rank`` on attention and MLP linears (the
   routed experts' per-expert pairs at rank // top_k), float32 weights + gradients + Adam's two
   moments (16 bytes a parameter), replicated on every rank;
-- overhead: a fixed ``--overhead-gib`` per rank (CUDA context, communication buffers, allocator slack).
+- overhead: a fixed ``--overhead-gib`` per rank (CUDA context, communication buffers, allocator slack);
+- images (a vision-language model): ``--images`` per cycle of ``--image-tokens`` tokens each are part
+  of ``--tokens`` (an image is its N tokens in its row); the vision tower's weights are in the base
+  weights, its outputs (and its activations with ``--train-vision``, whose adapters also adapt the
+  tower's and merger's linears) in the pass (``TowerShape``). A sharded group (N > 1) takes no images.
 
 Not estimated: the adapters' per-pass stacked copies and the optimizer step's temporaries, the
 sampler's memory (KV cache), micro-batching a pass below one rank's rows. docs/plan.md says more.
@@ -128,13 +132,14 @@ class ModelCounts:
     family: str
 
 
-def count_parameters(config, rank: int) -> ModelCounts:
+def count_parameters(config, rank: int, train_vision: bool = False) -> ModelCounts:
     """Base parameters, the largest decoder layer, and the LoRA parameters of one adapter of ``rank``
     that trains attention and MLP (as ``LoraModel.group_targets(attn=True, mlp=True)``: every
     nn.Linear of the family's attention and MLP names, dense MLPs and shared experts included; the
-    routed experts' gate_up and down projections per expert at ``rank // top_k``)."""
+    routed experts' gate_up and down projections per expert at ``rank // top_k``; with ``train_vision``
+    the vision tower's and merger's linears too)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from temper.services.models import families
 
@@ -144,16 +149,22 @@ def count_parameters(config, rank: int) -> ModelCounts:
     expert_rank = families.default_expert_rank(rank, top_k) if family.moe else 0
     if family.moe and expert_rank < 1:
         raise ValueError(f"rank {rank} spread over num_experts_per_tok={top_k} leaves no rank per expert: use rank >= {top_k}")
+    if train_vision and family.vision is None:
+        raise ValueError(f"--train-vision needs a vision-language model; {family.name} takes text only")
+    auto = AutoModelForImageTextToText if family.vision is not None else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto.from_config(config)
     params = sum(p.numel() for p in model.parameters())
     decoder = _decoder_layers(model)
     layer_params = [sum(p.numel() for p in layer.parameters()) for layer in decoder]
     linear_names = set(family.attention) | set(family.mlp)
     linear = experts = 0
+    tower = f"{family.vision.tower}." if family.vision is not None else None
     for path, module in model.named_modules():
         short = path.rsplit(".", 1)[-1]
-        if isinstance(module, torch.nn.Linear) and short in linear_names:
+        in_tower = tower is not None and path.startswith(tower)
+        if isinstance(module, torch.nn.Linear) and (short in family.vision.linears and train_vision if in_tower
+                                                    else short in linear_names):
             linear += rank * (module.in_features + module.out_features)
         elif family.experts is not None and type(module).__name__ in family.experts.class_names \
                 and path.endswith(families.EXPERTS_PATH):
@@ -235,10 +246,12 @@ def dtype_bytes(dtype: str) -> int:
 
 def plan_layouts(config, devices: Devices, tokens: int = 8192, adapters: int = 1, rank: int = 32, dtype: str = "bfloat16",
                  width: int = 0, overhead_gib: float = DEFAULT_OVERHEAD_GIB, ranks: list[int] | None = None,
-                 counts: ModelCounts | None = None, model_name: str = "") -> Plan:
+                 counts: ModelCounts | None = None, model_name: str = "", images: int = 0, image_tokens: int = 0,
+                 train_vision: bool = False) -> Plan:
     """Every layout of N ranks (``ranks``; default ``rank_counts(devices.count)``) with one rank's
     memory (the module docstring says what is counted). ``width``: the padded row length (0: the
-    rank's tokens in one row; otherwise at most the rank's tokens)."""
+    rank's tokens in one row; otherwise at most the rank's tokens). ``images`` of ``image_tokens``
+    tokens each: part of ``tokens``, through the vision tower (trained with ``train_vision``)."""
     import torch
 
     from temper.services.trainer.memory import ActivationModel
@@ -248,10 +261,14 @@ def plan_layouts(config, devices: Devices, tokens: int = 8192, adapters: int = 1
         raise ValueError(f"tokens {tokens} must be at least 1")
     if adapters < 0 or rank < 1:
         raise ValueError(f"adapters {adapters} must be >= 0 and rank {rank} >= 1")
+    if images < 0 or image_tokens < 0 or images * image_tokens > tokens:
+        raise ValueError(f"{images} images x {image_tokens} image tokens must be >= 0 and within --tokens {tokens}")
+    if images and getattr(config, "vision_config", None) is None:
+        raise ValueError("--images needs a vision-language model (its config has no vision_config)")
     size = dtype_bytes(dtype)
     torch_dtype = torch.bfloat16 if size == 2 and dtype.lower() in ("bfloat16", "bf16") else (
         torch.float16 if size == 2 else torch.float32)
-    counts = counts or count_parameters(config, rank)
+    counts = counts or count_parameters(config, rank, train_vision)
     activation = ActivationModel.from_config(config, torch_dtype, lora_rank=rank, device=devices.kind)
     chunk = default_logprob_chunk_tokens(torch.device(devices.kind), activation.vocab)
     experts = activation.experts
@@ -267,8 +284,10 @@ def plan_layouts(config, devices: Devices, tokens: int = 8192, adapters: int = 1
         gathered = 0 if n == 1 else (2 * counts.largest_layer_params + counts.root_params) * size
         adapter = adapters * counts.lora_params * ADAPTER_BYTES_PER_PARAM
         fixed = base + gathered + adapter + overhead
-        stored = int(activation.pass_bytes(row_tokens, row, False, chunk))
-        checkpointed = int(activation.pass_bytes(row_tokens, row, True, chunk))
+        mine = math.ceil(images * image_tokens / n)          # image tokens among this rank's
+        trained = mine if train_vision else 0
+        stored = int(activation.pass_bytes(row_tokens, row, False, chunk, mine, trained))
+        checkpointed = int(activation.pass_bytes(row_tokens, row, True, chunk, mine, trained))
         act = min(stored, checkpointed)     # the least the pass needs: checkpointed
         mode = "stored" if fixed + stored <= devices.bytes_each else "checkpointed"
         total = fixed + act
@@ -276,6 +295,8 @@ def plan_layouts(config, devices: Devices, tokens: int = 8192, adapters: int = 1
         spare = devices.bytes_each - (base + gathered + overhead + min(stored, checkpointed))
         max_adapters = max(0, spare // per_adapter) if per_adapter else 0
         notes = []
+        if images and n > 1:
+            notes.append("a sharded trainer group takes no images (image datums need a single-process trainer)")
         if experts and experts % n:
             notes.append(f"{experts} experts % {n} ranks = {experts % n}: no even expert placement")
         layouts.append(RankPlan(ranks=n, tokens_per_rank=per_rank, width=row, base_bytes=base, gathered_bytes=gathered,
@@ -347,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default=None, help="the model's name in the catalogue (default: the config's)")
     parser.add_argument("--catalogue", default=None,
                         help="layout catalogue JSON (default: $TEMPER_MODEL_CATALOGUE); its layout is checked and marked")
+    parser.add_argument("--images", type=int, default=0, help="images per cycle (vision-language models; part of --tokens)")
+    parser.add_argument("--image-tokens", type=int, default=0, help="tokens per image (N: the model's processor's count)")
+    parser.add_argument("--train-vision", action="store_true", help="adapters also train the vision tower and merger")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)
     try:
@@ -357,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         name = args.name or getattr(config, "_name_or_path", "") or str(args.model)
         catalogue = Catalogue.from_json(args.catalogue) if args.catalogue is not None else Catalogue.from_env()
         plan = plan_layouts(config, devices, tokens=args.tokens, adapters=args.adapters, rank=args.rank, dtype=args.dtype,
-                            width=args.width, overhead_gib=args.overhead_gib, model_name=name)
+                            width=args.width, overhead_gib=args.overhead_gib, model_name=name, images=args.images,
+                            image_tokens=args.image_tokens, train_vision=args.train_vision)
         if name in catalogue:
             layout = catalogue.layout(name)
             check_divides(config, layout, name)

@@ -14,7 +14,8 @@ Inside ``deterministic(model)``:
   query at position p iff j <= p), so keys must sit at their positions (``DecodeCache``);
 - ``target_logprobs`` is the one log p(target) = logit - logsumexp both trainer and sampler use.
 
-Families: dense llama and qwen3/qwen2 (``unsupported`` names what refuses the others).
+Families: dense llama and qwen3/qwen2 (``unsupported`` names what refuses the others, the
+vision-language families by name).
 """
 
 from __future__ import annotations
@@ -44,6 +45,14 @@ def unsupported(model) -> str:
     """Why ``model`` cannot compute deterministically; "" when it can."""
     config = getattr(model.config, "text_config", None) or model.config
     model_type = getattr(config, "model_type", None)
+    if getattr(model.config, "vision_config", None) is not None:
+        from temper.services.models.families import UnknownFamily, family_of
+        try:
+            family = family_of(model.config).name
+        except UnknownFamily:
+            family = getattr(model.config, "model_type", model_type)
+        return (f"deterministic mode does not cover the vision-language family {family}: its vision tower, deepstack "
+                f"merges and multimodal positions have no batch-invariant kernels here")
     if model_type not in SUPPORTED_MODEL_TYPES:
         return (f"deterministic mode covers the dense families {list(SUPPORTED_MODEL_TYPES)}; {model_type!r} "
                 f"(mixture-of-experts routing, MLA or attention sinks) has no batch-invariant kernels here")

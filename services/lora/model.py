@@ -123,10 +123,14 @@ class LoraModel:
         except families.UnknownFamily as exc:  # the model still runs; no adapter can be added (``add``)
             self.family, self.family_error = None, str(exc)
         layout = self.family.experts if self.family else None
+        # a vision-language family's tower and merger linears: LoRA targets only when a run names them
+        self.vision: families.VisionLayout | None = self.family.vision if self.family else None
+        vision_prefix = f"{self.vision.tower}." if self.vision else None
         for path, module in list(model.named_modules()):
             short = path.rsplit(".", 1)[-1]
             parent_path, _, name = path.rpartition(".")
-            if isinstance(module, nn.Linear) and short in _LINEAR_NAMES:
+            in_tower = vision_prefix is not None and path.startswith(vision_prefix)
+            if isinstance(module, nn.Linear) and (short in self.vision.linears if in_tower else short in _LINEAR_NAMES):
                 wrapper = MultiLoraLinear(module, self.router)
             elif layout is not None and type(module).__name__ in layout.class_names and path.endswith(EXPERTS_PATH):
                 wrapper = MultiLoraExperts(module, layout, self.router)
@@ -155,19 +159,31 @@ class LoraModel:
         names = {p.rsplit(".", 1)[-1] for p in self.layers}
         return names | (set(EXPERT_TARGETS) if self.experts else set())
 
-    def group_targets(self, attn: bool = False, mlp: bool = False, unembed: bool = False) -> tuple[str, ...]:
+    def group_targets(self, attn: bool = False, mlp: bool = False, unembed: bool = False,
+                      vision: bool = False) -> tuple[str, ...]:
         """The targets of an adapter that trains these groups of this model, sorted: attention (its
         family's projections, MLA's included), MLP (dense MLPs, shared experts and routed experts), the
-        unembedding. Raises ValueError for a model of no known family."""
+        unembedding, the vision tower and merger (a vision-language family's). Raises ValueError for a
+        model of no known family, and for ``vision`` on a text-only one."""
         if self.family is None:
             raise ValueError(self.family_error)
+        if vision and self.vision is None:
+            raise ValueError(f"train_vision needs a vision-language base model; {self.base_model_name} "
+                             f"({self.family.name}) takes text only")
         present = {p.rsplit(".", 1)[-1] for p in self.layers}
         wanted = ((self.family.attention if attn else ()) + (self.family.mlp if mlp else ())
-                  + (UNEMBED_MODULES if unembed else ()))
+                  + (UNEMBED_MODULES if unembed else ()) + (self.vision.linears if vision else ()))
         targets = {t for t in wanted if t in present}
         if mlp and self.experts:
             targets |= set(EXPERT_TARGETS)
         return tuple(sorted(targets))
+
+    def vision_targets(self, key: str) -> tuple[str, ...]:
+        """The vision tower's and merger's layers adapter ``key`` adapts (none: its images see the base tower)."""
+        adapter = self.adapters.get(key)
+        if adapter is None or self.vision is None:
+            return ()
+        return tuple(t for t in adapter.spec.targets if t in self.vision.linears)
 
     def resolve(self, spec: AdapterSpec) -> AdapterSpec:
         """``spec`` checked against this model, its expert rank filled in (ValueError naming the field)."""
@@ -318,6 +334,14 @@ class LoraModel:
     def files(self, key: str) -> dict[str, bytes]:
         """The peft checkpoint of adapter ``key``, file name -> bytes (what ``save`` writes)."""
         config = self.adapters[key].spec.peft_config(self.base_model_name)
+        if self.vision_targets(key):
+            # peft matches target_modules by name suffix: keep it off the tower's modules of those short
+            # names that are no linear (the patch embedding's Conv3d ``proj``), as this model does
+            wrapped = set(self.layers)
+            config["exclude_modules"] = sorted(
+                path for path, _ in self.model.named_modules()
+                if path.startswith(f"{self.vision.tower}.") and path.rsplit(".", 1)[-1] in self.vision.linears
+                and path not in wrapped)
         return {"adapter_model.safetensors": safetensors_bytes(self.state_dict(key)),
                 "adapter_config.json": json.dumps(config, indent=2, sort_keys=True).encode()}
 

@@ -22,12 +22,14 @@ import io
 import json
 import warnings
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from temper.common.codec import decode_tokens
 from temper.common.errors import InvalidArgument, ResourceExhausted, shown
-from temper.v1 import types_pb2
+
+if TYPE_CHECKING:  # protobuf where a message is built: the trainer's engine and numerics import no protobuf
+    from temper.v1 import types_pb2
 
 IMAGE_FORMATS = ("png", "jpeg")
 _MAGIC = {"png": (b"\x89PNG\r\n\x1a\n",), "jpeg": (b"\xff\xd8\xff",)}
@@ -169,6 +171,7 @@ class VisionProcessor:
                           info.image_processor_json)
 
     def info(self) -> types_pb2.VisionInfo:
+        from temper.v1 import types_pb2
         return types_pb2.VisionInfo(image_token_id=self.tokens.image, vision_start_token_id=self.tokens.start,
                                     vision_end_token_id=self.tokens.end, image_processor_json=self.processor_json)
 
@@ -220,6 +223,8 @@ def flatten(model_input: types_pb2.ModelInput, vision: VisionProcessor | None, l
     ``expected_tokens`` when given. ``resolve_pointer(location, format)``: the bytes of the caller's
     own uploaded image (None: pointers are refused, as forward_backward does). Token ranges are the
     caller's to check."""
+    from temper.common.codec import decode_tokens  # protobuf: not at import (see the TYPE_CHECKING import)
+
     parts, images, at, typed_image_tokens = [], [], 0, 0
     for i, chunk in enumerate(model_input.chunks):
         kind = chunk.WhichOneof("chunk")
@@ -271,6 +276,7 @@ def _image_chunk(chunk, kind, vision, limits, where, resolve_pointer, model, off
 
 def image_chunk(image: ImageInput) -> types_pb2.ModelInputChunk:
     """The chunk that carries ``image`` (a resolved pointer becomes one for the workers)."""
+    from temper.v1 import types_pb2
     return types_pb2.ModelInputChunk(image=types_pb2.ImageChunk(data=image.data, format=image.format,
                                                                 expected_tokens=image.tokens))
 

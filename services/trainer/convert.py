@@ -18,6 +18,7 @@ from temper.common.defaults import adam_with_defaults
 from temper.common.validation import validate_adam, validate_forward_backward
 from temper.services.lora.model import AdapterSpec, LoraModel
 from temper.services.models import families
+from temper.services.models.images import DEFAULT_LIMITS, ImageLimits, VisionProcessor
 from temper.services.trainer.adapters import lora_targets
 from temper.services.trainer.checkpoints import FilePiece
 from temper.services.trainer.engine import AdamParams, ForwardBackwardItem, ForwardBackwardResult, OptimStepItem, Refused
@@ -38,13 +39,16 @@ def adapter_from_pb(cfg: types_pb2.LoraConfig, default_alpha: float, lora: LoraM
     if not 0 <= cfg.expert_rank <= cfg.rank:
         raise InvalidArgument(f"LoRA expert_rank must be in [0, rank={cfg.rank}] (0: rank // num_experts_per_tok), "
                               f"got {cfg.expert_rank}")
+    vision = cfg.HasField("train_vision") and cfg.train_vision
+    if vision and lora is None:
+        raise InvalidArgument("train_vision needs a vision-language base model")
     try:
-        targets = (lora.group_targets(cfg.train_attn, cfg.train_mlp, cfg.train_unembed) if lora is not None
+        targets = (lora.group_targets(cfg.train_attn, cfg.train_mlp, cfg.train_unembed, vision) if lora is not None
                    else lora_targets(cfg.train_attn, cfg.train_mlp, cfg.train_unembed))
-    except ValueError as exc:  # a model of no known family
+    except ValueError as exc:  # a model of no known family; train_vision on a text-only model
         raise InvalidArgument(str(exc)) from None
     if not targets:
-        raise InvalidArgument("LoRA config trains nothing: enable train_attn, train_mlp or train_unembed")
+        raise InvalidArgument("LoRA config trains nothing: enable train_attn, train_mlp, train_unembed or train_vision")
     spec = AdapterSpec(rank=cfg.rank, alpha=cfg.alpha or default_alpha, targets=targets, dropout=cfg.dropout,
                        expert_rank=cfg.expert_rank)
     return spec, (cfg.seed if cfg.HasField("seed") else None)
@@ -56,9 +60,13 @@ def imported_lora_to_pb(lora: ImportedLora) -> types_pb2.LoraConfig:
                                 train_mlp=lora.train_mlp, train_unembed=lora.train_unembed, expert_rank=lora.expert_rank)
 
 
-def forward_backward_from_pb(item: trainer_pb2.ForwardBackwardItem, vocab_size: int,
-                             max_length: int | None = None) -> ForwardBackwardItem:
-    data, config = validate_forward_backward(item.data, item.loss_fn, item.loss_fn_config, vocab_size, max_length)
+def forward_backward_from_pb(item: trainer_pb2.ForwardBackwardItem, vocab_size: int, max_length: int | None = None,
+                             vision: VisionProcessor | None = None, limits: ImageLimits = DEFAULT_LIMITS,
+                             model: str = "the base model") -> ForwardBackwardItem:
+    """``vision``: the base model's processor (LoadedModel.vision; None: text only, an image is refused),
+    which expands each image into its image tokens and checks it against ``limits``."""
+    data, config = validate_forward_backward(item.data, item.loss_fn, item.loss_fn_config, vocab_size, max_length,
+                                             vision=vision, limits=limits, model=model)
     return ForwardBackwardItem(run_id=item.training_run_id, data=data, loss_fn=item.loss_fn, loss_config=config,
                                forward_only=item.forward_only, seq_id=item.seq_id, deterministic=item.deterministic)
 
@@ -77,11 +85,13 @@ def optim_step_from_pb(item: trainer_pb2.OptimStepItem) -> OptimStepItem:
 Item = TypeVar("Item")
 
 
-def cycle_from_pb(request: trainer_pb2.CycleRequest, vocab_size: int, max_length: int | None = None
+def cycle_from_pb(request: trainer_pb2.CycleRequest, vocab_size: int, max_length: int | None = None,
+                  vision: VisionProcessor | None = None, limits: ImageLimits = DEFAULT_LIMITS, model: str = "the base model",
                   ) -> tuple[list[ForwardBackwardItem | Refused], list[OptimStepItem | Refused]]:
     """Every item of the cycle decoded and checked, in order; an item that fails its check becomes a
     ``Refused`` carrying the error (the engine refuses that item's run, the others go on)."""
-    return ([_decoded(forward_backward_from_pb, item, vocab_size, max_length) for item in request.forward_backward],
+    return ([_decoded(forward_backward_from_pb, item, vocab_size, max_length, vision, limits, model)
+             for item in request.forward_backward],
             [_decoded(optim_step_from_pb, item) for item in request.optim_step])
 
 
@@ -149,4 +159,5 @@ def model_info_to_pb(loaded, device: str, dtype: str, incarnation: str = "", wor
                                  incarnation=incarnation, family=family, num_experts=moe.num_experts if moe else 0,
                                  num_experts_per_tok=moe.top_k if moe else 0, world_size=world_size,
                                  devices=devices or [device], device_memory_bytes=device_memory or [],
-                                 deterministic_unsupported=deterministic_unsupported)
+                                 deterministic_unsupported=deterministic_unsupported,
+                                 vision=loaded.vision.info() if getattr(loaded, "vision", None) is not None else None)

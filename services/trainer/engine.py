@@ -32,7 +32,7 @@ from temper.services.trainer.items import ForwardBackwardItem, OptimStepItem, Re
 from temper.services.trainer.memory import ActivationModel, activation_budget_bytes
 from temper.services.trainer.numerics import ForwardBackwardResult, LossGroup, PassOptions, default_logprob_chunk_tokens
 from temper.services.trainer.settings import TrainerSettings
-from temper.services.trainer.sharded import sharded_not_deterministic
+from temper.services.trainer.sharded import sharded_no_images, sharded_not_deterministic
 from temper.services.trainer.snapshots import SnapshotInfo
 
 # AdamParams is checked where it is built from a request (convert.py, common.validation.validate_adam).
@@ -63,7 +63,8 @@ class TrainerEngine:
         self.store = CheckpointStore(settings.checkpoint_dir)
         # (groups, options) -> results: one process's passes; a trainer group's ranks swap in sharded.forward_backward
         # (group.build_engine, which sets ``sharded`` and ``world_size`` too)
-        self.passes = lambda groups, options: numerics.forward_backward(self.lora, groups, options, self.device, _observe_pass)
+        self.passes = lambda groups, options: numerics.forward_backward(self.lora, groups, options, self.device, _observe_pass,
+                                                                       loaded.vision)
         self.sharded = None
         self.world_size = 1
         if settings.activation_checkpointing and self.lora.family is not None:  # other models take no adapter
@@ -90,6 +91,11 @@ class TrainerEngine:
         """Bytes one pass's activations may use: the setting, else the share of memory available at start."""
         mib = self.settings.activation_memory_mib
         return mib << 20 if mib > 0 else self.auto_activation_budget
+
+    @property
+    def image_limits(self):
+        """What one image of a request may be (the settings' image limits)."""
+        return self.settings.image_limits()
 
     @property
     def deterministic_unsupported(self) -> str:
@@ -184,6 +190,8 @@ class TrainerEngine:
             return answer
         if isinstance(item, ForwardBackwardItem):
             check_forward_backward(item)
+            if self.sharded is not None and any(getattr(datum, "images", ()) for datum in item.data):
+                raise FailedPrecondition(sharded_no_images(self.world_size))
             if item.deterministic and (missing := self.deterministic_unsupported):
                 raise FailedPrecondition(f"run {item.run_id} asks for deterministic mode: {missing}")
         return None

@@ -126,7 +126,8 @@ def build_engine(loaded, settings: TrainerSettings, group: Group):
     """This rank's TrainerEngine: base model sharded over the group, passes through sharded.forward_backward."""
     from temper.services.trainer.engine import TrainerEngine
 
-    engine = TrainerEngine(_Unsharded(loaded.name, loaded.path, loaded.model, loaded.tokenizer, loaded.vocab_size), settings)
+    engine = TrainerEngine(_Unsharded(loaded.name, loaded.path, loaded.model, loaded.tokenizer, vision=loaded.vision,
+                                      vocab=loaded.vocab_size), settings)
     model = sharded.shard_base_model(engine.lora, group.mesh)
     engine.sharded, engine.world_size = model, group.world  # deterministic items refused (engine.deterministic_unsupported)
     engine.passes = lambda groups, options: sharded.forward_backward(model, groups, options, engine.device)

@@ -11,7 +11,8 @@ of an 8B model on a GPU ~30 GB.
 
 The estimate counts the tensors autograd saves in a Llama-style decoder layer (frozen base weights,
 LoRA on every linear; see ``layer_elements``) plus the backward pass's working set and the
-logprob head's chunk; for the mixture-of-experts families (``families.moe_shape``) their routed
+logprob head's chunk; for a vision-language model its images as their N tokens in the rows plus the
+vision tower's outputs, and its activations where an adapter trains the tower (``TowerShape``); for the mixture-of-experts families (``families.moe_shape``) their routed
 experts as ``MultiLoraExperts`` runs them (top_k sorted copies of every token, LoRA on the experts),
 the router, shared experts and dense first layers; for DeepSeek's multi-head latent attention its
 low-rank q and compressed kv. ``benchmarks/memory_estimate.py`` checks it against measured peak
@@ -36,6 +37,52 @@ EXPERT_PADDING = 1.25
 
 # families whose transformers model has no sdpa attention: eager unless flash/flex is asked for
 NO_SDPA_FAMILIES = ("gpt_oss",)
+
+
+@dataclass(frozen=True)
+class TowerShape:
+    """A vision-language model's vision tower (Qwen3-VL's: ``depth`` blocks of LayerNorm, fused-qkv
+    attention over each image's patches and a GELU MLP; a merger of ``merge`` patches into each image
+    token, and one more merger per deepstack layer, whose outputs join the decoder's first layers)."""
+
+    hidden: int
+    intermediate: int
+    depth: int
+    merge: int                  # patches per image token (spatial_merge_size squared)
+    out_hidden: int             # an image token's embedding (the decoder's hidden size)
+    deepstack: int = 0
+
+    @classmethod
+    def from_config(cls, config) -> "TowerShape | None":
+        vision = getattr(config, "vision_config", None)
+        if vision is None:
+            return None
+        text = getattr(config, "text_config", None) or config
+        return cls(hidden=int(vision.hidden_size), intermediate=int(vision.intermediate_size), depth=int(vision.depth),
+                   merge=int(vision.spatial_merge_size) ** 2,
+                   out_hidden=int(getattr(vision, "out_hidden_size", None) or text.hidden_size),
+                   deepstack=len(getattr(vision, "deepstack_visual_indexes", None) or ()))
+
+    def block_elements(self, lora_rank: int) -> float:
+        """Per patch, what one tower block saves when gradients run through it (an adapter trains the
+        tower): its input and two LayerNorm outputs (3 h), qkv's output (3 h), q and k after rotary (2 h),
+        attention's output (h), the residual (h), the MLP's fc1 output and its GELU (2 i), and a LoRA
+        intermediate per adapted linear (qkv, proj, fc1, fc2: 4 r)."""
+        return float(10 * self.hidden + 2 * self.intermediate + 4 * lora_rank)
+
+    def merger_elements(self, lora_rank: int) -> float:
+        """Per image token, each merger (the final one and the deepstack ones): its LayerNorm output,
+        fc1's output and GELU (3 x merge h), its output (out_hidden) and 2 LoRA intermediates."""
+        return float((1 + self.deepstack) * (3 * self.merge * self.hidden + self.out_hidden + 2 * lora_rank))
+
+    def trained_elements(self, image_tokens: int, lora_rank: int) -> float:
+        """A tower pass with gradients over images of ``image_tokens`` tokens: what it saves."""
+        patches = image_tokens * self.merge
+        return patches * self.depth * self.block_elements(lora_rank) + image_tokens * self.merger_elements(lora_rank)
+
+    def output_elements(self, image_tokens: int) -> float:
+        """The tower's outputs a pass holds: per image token its embedding and deepstack features."""
+        return float(image_tokens * (1 + self.deepstack) * self.out_hidden)
 
 
 @dataclass(frozen=True)
@@ -80,6 +127,9 @@ class ActivationModel:
     # families (GPT-OSS has no sdpa), and MLA on sdpa off CUDA (its v head is narrower than q/k,
     # which the fused CPU kernel refuses: sdpa falls back to its math kernel).
     attention_probabilities: bool = False
+    # a vision-language model's tower (None: text only); images count as their N tokens in the
+    # decoder's rows, the tower's own activations on top (``pass_bytes``'s image arguments)
+    tower: TowerShape | None = None
 
     @classmethod
     def from_config(cls, config, dtype: torch.dtype, lora_rank: int = 64, device=None) -> "ActivationModel":
@@ -122,7 +172,7 @@ class ActivationModel:
             layers=int(text.num_hidden_layers), hidden=hidden, intermediate=int(intermediate), heads=heads,
             kv_heads=int(getattr(text, "num_key_value_heads", None) or heads), head_dim=head_dim,
             vocab=int(text.vocab_size), dtype_bytes=DTYPE_BYTES.get(dtype, 4), lora_rank=lora_rank,
-            eager_attention=eager, **extra,
+            eager_attention=eager, tower=TowerShape.from_config(config), **extra,
         )
 
     @property
@@ -243,8 +293,19 @@ class ActivationModel:
         """The logprob head: one chunk's float32 logits and their gradient buffer (target_logprobs)."""
         return 3.0 * chunk_tokens * self.vocab * 4
 
-    def pass_bytes(self, tokens: int, width: int, checkpointed: bool, chunk_tokens: int) -> float:
-        """Peak activation memory of one forward+backward pass over ``tokens`` padded tokens."""
+    def tower_elements(self, image_tokens: int, trained_tokens: int) -> tuple[float, float]:
+        """A pass's vision-tower memory: the outputs of its ``image_tokens`` image tokens (held until
+        the decoder's backward), and what the tower saves for the ``trained_tokens`` of them whose
+        adapter trains it (0 for the rest: the base tower runs without gradients)."""
+        if self.tower is None or not image_tokens:
+            return 0.0, 0.0
+        trained = self.tower.trained_elements(trained_tokens, self.lora_rank) if trained_tokens else 0.0
+        return self.tower.output_elements(image_tokens), trained
+
+    def pass_bytes(self, tokens: int, width: int, checkpointed: bool, chunk_tokens: int, image_tokens: int = 0,
+                   trained_image_tokens: int = 0) -> float:
+        """Peak activation memory of one forward+backward pass over ``tokens`` padded tokens, of which
+        ``image_tokens`` are images (``trained_image_tokens`` of them through a tower an adapter trains)."""
         rows = tokens // max(1, width)
         if checkpointed:  # every layer's input, one layer's activations at a time
             per_token = self.layers * self.hidden + self.layer_elements(width)
@@ -253,7 +314,11 @@ class ActivationModel:
             per_token = self.decoder_elements(width)
             factors = self.moe_layers * self.expert_factor_elements(rows, tokens)
         per_token += self.backward_elements(width) + 2 * self.hidden  # + final hidden states and their gradient
-        return self.overhead * ((tokens * per_token + factors) * self.dtype_bytes + self.head_bytes(min(tokens, chunk_tokens)))
+        decoder = tokens * per_token + factors
+        outputs, tower = self.tower_elements(image_tokens, trained_image_tokens)
+        # checkpointed, a trained tower is recomputed after the decoder's backward freed its activations
+        elements = outputs + (max(decoder, tower) if checkpointed else decoder + tower)
+        return self.overhead * (elements * self.dtype_bytes + self.head_bytes(min(tokens, chunk_tokens)))
 
     def stored_tokens(self, budget: float, width: int, chunk_tokens: int) -> int:
         """The most padded tokens (rows of ``width``) whose stored activations fit ``budget``."""

@@ -26,6 +26,7 @@ from temper.services.trainer.deterministic_passes import deterministic_passes
 from temper.services.trainer.losses import LOSS_FNS, loss_positions
 from temper.services.trainer.memory import ActivationModel
 from temper.services.trainer.target_logprobs import target_logprobs
+from temper.services.trainer.vision import ImageFeatures, PassImages
 
 
 class TokenDatum(Protocol):
@@ -90,8 +91,10 @@ class PassOptions:
             return self.pass_bytes(padded_tokens, width, False) > self.activation_budget
         return self.checkpoint_min_tokens is not None and padded_tokens >= self.checkpoint_min_tokens
 
-    def pass_bytes(self, padded_tokens: int, width: int, checkpointed: bool) -> float:
-        return self.activations.pass_bytes(padded_tokens, width, checkpointed, self.logprob_chunk_tokens)
+    def pass_bytes(self, padded_tokens: int, width: int, checkpointed: bool, image_tokens: int = 0,
+                   trained_image_tokens: int = 0) -> float:
+        return self.activations.pass_bytes(padded_tokens, width, checkpointed, self.logprob_chunk_tokens, image_tokens,
+                                           trained_image_tokens)
 
 
 @dataclass
@@ -99,6 +102,8 @@ class Row:
     group: int                # index of the LossGroup
     index: int                # datum index within the group
     datum: TokenDatum
+    image_tokens: int = 0     # of its tokens, images' (the tower's memory: plan_passes)
+    tower_trained: bool = False  # its images go through a tower its adapter trains, with gradients
 
 
 PassHook = Callable[[bool, int, float], None]  # (gradients on, tokens, seconds), after each pass
@@ -116,9 +121,12 @@ def default_logprob_chunk_tokens(device: torch.device, vocab_size: int) -> int:
 
 
 def forward_backward(lora: LoraModel, groups: list[LossGroup], options: PassOptions, device: torch.device,
-                     on_pass: PassHook | None = None) -> list[ForwardBackwardResult]:
+                     on_pass: PassHook | None = None, vision=None) -> list[ForwardBackwardResult]:
     """Every group's datums in shared passes (training groups with gradients, forward-only groups
-    in no-grad passes); gradients accumulate into each group's own adapter."""
+    in no-grad passes); gradients accumulate into each group's own adapter. ``vision``: a
+    vision-language model's ``images.VisionProcessor`` (its rows' images go through the tower once
+    per call: ``vision.ImageFeatures``); None for a text-only model."""
+    features = ImageFeatures(lora, vision) if vision is not None and lora.vision is not None else None
     logprobs = [[None] * len(g.data) for g in groups]
     losses = [[None] * len(g.data) for g in groups]
     totals = [0.0] * len(groups)
@@ -126,7 +134,7 @@ def forward_backward(lora: LoraModel, groups: list[LossGroup], options: PassOpti
     # Rows of one adapter side by side: the LoRA layers then work on views of the batch, not copies.
     adapter_rank = {key: n for n, key in enumerate(dict.fromkeys(g.adapter for g in groups))}
     with lora.stacking():  # stacked adapter weights built once for all passes; gradients handed back at the end
-        _passes(lora, groups, options, device, on_pass, adapter_rank, logprobs, losses, totals, stat_sums)
+        _passes(lora, groups, options, device, on_pass, adapter_rank, logprobs, losses, totals, stat_sums, features)
     results = []
     for i, g in enumerate(groups):
         metrics = {"loss:sum": totals[i], "num_tokens:sum": float(sum(len(d.tokens) for d in g.data))}
@@ -135,7 +143,7 @@ def forward_backward(lora: LoraModel, groups: list[LossGroup], options: PassOpti
     return results
 
 
-def _passes(lora, groups, options, device, on_pass, adapter_rank, logprobs, losses, totals, stat_sums) -> None:
+def _passes(lora, groups, options, device, on_pass, adapter_rank, logprobs, losses, totals, stat_sums, features) -> None:
     def record(grad, batch, lp, elementwise, stats, seconds):
         for r, row in enumerate(batch):
             n, shape = len(row.datum.tokens), row.datum.inputs["target_tokens"].shape
@@ -151,7 +159,9 @@ def _passes(lora, groups, options, device, on_pass, adapter_rank, logprobs, loss
             on_pass(grad, sum(len(row.datum.tokens) for row in batch), seconds)
 
     for grad in (True, False):
-        rows = [Row(i, j, d) for i, g in enumerate(groups) if g.forward_only != grad for j, d in enumerate(g.data)]
+        rows = [Row(i, j, d, sum(image.tokens for image in getattr(d, "images", ())),
+                    grad and bool(features is not None and lora.vision_targets(g.adapter)))
+                for i, g in enumerate(groups) if g.forward_only != grad for j, d in enumerate(g.data)]
         rows.sort(key=lambda row: adapter_rank[groups[row.group].adapter])  # stable
         alone = [[row] for row in rows if groups[row.group].deterministic]
         shared = [row for row in rows if not groups[row.group].deterministic]
@@ -161,12 +171,12 @@ def _passes(lora, groups, options, device, on_pass, adapter_rank, logprobs, loss
             start = time.perf_counter()
             scope = deterministic(lora.model) if groups[batch[0].group].deterministic else contextlib.nullcontext()
             with torch.set_grad_enabled(grad), scope:
-                lp, elementwise, stats = run_pass(lora, groups, batch, options, device, checkpointed)
+                lp, elementwise, stats = run_pass(lora, groups, batch, options, device, checkpointed, features)
                 if grad:
                     elementwise.sum().backward()
             record(grad, batch, lp, elementwise, stats, time.perf_counter() - start)
         if workers > 1:
-            deterministic_passes(lora.model, alone, grad, workers, lambda batch: run_pass(lora, groups, batch, options, device, False),
+            deterministic_passes(lora.model, alone, grad, workers, lambda batch: run_pass(lora, groups, batch, options, device, False, features),
                                  lambda batch: _trained_params(lora, groups, batch), record)
 
 
@@ -198,7 +208,8 @@ def plan_passes(rows: list[Row], options: PassOptions, grad: bool = True) -> Ite
         return
 
     def fits(checkpointed: bool):
-        return lambda n, width: (not cap or n * width <= cap) and options.pass_bytes(n * width, width, checkpointed) <= options.activation_budget
+        return lambda n, width, images, trained: (not cap or n * width <= cap) and options.pass_bytes(
+            n * width, width, checkpointed, images, trained) <= options.activation_budget
 
     at = 0
     while at < len(rows):
@@ -218,12 +229,14 @@ def plan_passes(rows: list[Row], options: PassOptions, grad: bool = True) -> Ite
         at += len(batch)
 
 
-def _take(rows: list[Row], fits: Callable[[int, int], bool]) -> list[Row]:
-    """The longest prefix of ``rows`` that ``fits(rows, longest row)``."""
-    longest = 0
+def _take(rows: list[Row], fits: Callable[[int, int, int, int], bool]) -> list[Row]:
+    """The longest prefix of ``rows`` that ``fits(rows, longest row, image tokens, of them through a trained tower)``."""
+    longest = images = trained = 0
     for n, row in enumerate(rows):
         longest = max(longest, len(row.datum.tokens))
-        if not fits(n + 1, longest):
+        images += row.image_tokens
+        trained += row.image_tokens if row.tower_trained else 0
+        if not fits(n + 1, longest, images, trained):
             return rows[:n]
     return rows
 
@@ -246,10 +259,11 @@ def _greedy(rows: list[Row], fits: Callable[[int, int], bool]) -> Iterator[list[
 
 
 def run_pass(lora: LoraModel, groups: list[LossGroup], batch: list[Row], options: PassOptions, device: torch.device,
-             checkpointed: bool | None = None):
+             checkpointed: bool | None = None, features: ImageFeatures | None = None):
     """One micro-batch: target logprobs and elementwise loss, both (B, T, K), and per-group sums of
     each loss statistic with its token count (for ``name:mean`` metrics). ``checkpointed`` None:
-    as ``options.checkpoint_decoder`` says for a pass this size."""
+    as ``options.checkpoint_decoder`` says for a pass this size. ``features``: the cycle's image work
+    of a vision-language model (its rows, with images or not, get explicit multimodal positions)."""
     ids, mask, targets = pack_rows(batch, device)
     rows_of: dict[str, list[int]] = defaultdict(list)
     for r, row in enumerate(batch):
@@ -257,9 +271,18 @@ def run_pass(lora: LoraModel, groups: list[LossGroup], batch: list[Row], options
     routing = [(key, torch.tensor(rs, device=device)) for key, rs in rows_of.items()]
     if checkpointed is None:
         checkpointed = options.checkpoint_decoder(ids.numel(), ids.shape[1])
-    lp = target_logprobs_pass(lora, ids, mask, targets, routing, options.logprob_chunk_tokens, checkpointed)
+    images = None
+    if features is not None:
+        images = features.pass_inputs(ids, mask, [(groups[row.group].adapter, _images(row)) for row in batch], checkpointed)
+    elif any(_images(row) for row in batch):
+        raise ValueError("rows with images need the model's vision processor (numerics.forward_backward's vision)")
+    lp = target_logprobs_pass(lora, ids, mask, targets, routing, options.logprob_chunk_tokens, checkpointed, images)
     elementwise, stats = apply_losses(lp, mask, groups, batch)
     return lp, elementwise, stats
+
+
+def _images(row: Row) -> tuple:
+    return getattr(row.datum, "images", ())
 
 
 def pack_rows(batch: list[Row], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -328,13 +351,14 @@ def apply_losses(lp: torch.Tensor, mask: torch.Tensor, groups: list[LossGroup], 
 
 
 def target_logprobs_pass(lora: LoraModel, ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor, routing,
-                         chunk_tokens: int, checkpoint_decoder: bool = False) -> torch.Tensor:
+                         chunk_tokens: int, checkpoint_decoder: bool = False, images: PassImages | None = None) -> torch.Tensor:
     """log p(target) at every position and target column, temperature 1, full vocabulary, (B, T, K).
 
     ``routing``: [(adapter key, row indices)]. The lm_head + log-softmax runs over chunks of real
     (unpadded) positions, recomputed in the backward pass, so the B x T x V logits tensor never
     exists at once. ``checkpoint_decoder`` recomputes the decoder layers in the backward pass too
-    (when ``lora.checkpoint_decoder_layers()`` wrapped them).
+    (when ``lora.checkpoint_decoder_layers()`` wrapped them). ``images``: a vision-language model's
+    explicit positions and tower outputs (``vision.ImageFeatures.pass_inputs``).
     """
     model = lora.model
     if getattr(model.config, "final_logit_softcapping", None):
@@ -343,7 +367,11 @@ def target_logprobs_pass(lora: LoraModel, ids: torch.Tensor, mask: torch.Tensor,
             logits = model(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits.float()
         return logits.log_softmax(-1).gather(-1, targets) * mask[..., None]
     with lora.route(routing), lora.checkpointing_enabled(checkpoint_decoder):
-        hidden = model.get_decoder()(input_ids=ids, attention_mask=mask.long(), use_cache=False).last_hidden_state
+        if images is not None:  # the multimodal wrapper: image features merged in, positions as given
+            hidden = model.model(input_ids=ids, attention_mask=mask.long(), position_ids=images.position_ids,
+                                 mm_encoder_outputs=images.encoder_outputs, use_cache=False).last_hidden_state
+        else:
+            hidden = model.get_decoder()(input_ids=ids, attention_mask=mask.long(), use_cache=False).last_hidden_state
     head = model.get_output_embeddings()
     flat_hidden, flat_targets = hidden[mask], targets[mask]
     # the adapter of every real token, for the head's routing

@@ -65,7 +65,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def _cycle(self, request: trainer_pb2.CycleRequest) -> trainer_pb2.CycleResponse:
         # on the compute thread: decoding a big cycle is real work, and the event loop stays free
         loaded = self.engine.loaded
-        forward_backward, optim_step = convert.cycle_from_pb(request, loaded.vocab_size, loaded.max_context_length)
+        forward_backward, optim_step = convert.cycle_from_pb(request, loaded.vocab_size, loaded.max_context_length,
+                                                             loaded.vision, self.engine.image_limits, loaded.name)
         results, steps = self.engine.run_cycle(forward_backward, optim_step)
         for outcome in [*results, *steps]:
             if isinstance(outcome, TemperError):  # a refused item: answered in the response (the call succeeds)

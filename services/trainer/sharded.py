@@ -189,6 +189,12 @@ def sharded_not_deterministic(world_size: int) -> str:
             f"deterministic runs need a single-process trainer")
 
 
+def sharded_no_images(world_size: int) -> str:
+    """Why a trainer group's ranks refuse images (their passes run the decoder alone, sharded)."""
+    return (f"a sharded trainer group ({world_size} ranks) does not take images: its FSDP-sharded passes run the "
+            f"language model's decoder alone, without the vision tower; image datums need a single-process trainer")
+
+
 def forward_backward(sharded: ShardedModel, groups: list[LossGroup], options: PassOptions, device: torch.device,
                      comm: dict | None = None) -> list[ForwardBackwardResult]:
     """``numerics.forward_backward`` over the ranks: this rank's share of the rows, LoRA gradients and
