@@ -235,6 +235,11 @@ def flatten(model_input: types_pb2.ModelInput, vision: VisionProcessor | None, l
                 typed_image_tokens += int(np.count_nonzero(tokens == vision.tokens.image))
         elif kind in ("image", "image_asset_pointer"):
             image = _image_chunk(chunk, kind, vision, limits, where, resolve_pointer, model, at)
+            if images and images[-1].offset + images[-1].tokens == at:
+                # the model finds an image as one run of image tokens: two touching would be read as one
+                raise InvalidArgument(f"{where}: an image right after another, with no token between; separate images "
+                                      f"with text (the model's vision end and start tokens, {vision.tokens.end} and "
+                                      f"{vision.tokens.start})")
             if len(images) >= limits.max_images:
                 raise ResourceExhausted(f"{what}: more than {limits.max_images} images in one model input")
             images.append(image)

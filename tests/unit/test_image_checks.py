@@ -77,14 +77,22 @@ def test_every_process_reads_its_image_limits_from_its_own_prefix(monkeypatch):
 def test_a_prompt_with_an_image_and_a_pointer_is_flattened_and_the_sampler_gets_their_bytes(vision):
     red, blue = png_bytes("red"), png_bytes("blue", (128, 64))
     digest = image_inputs.image_sha256(f"temper-image://{hashlib.sha256(blue).hexdigest()}")
-    prompt = types_pb2.ModelInput(chunks=[text(1, 2), image(red, expected=4), pointer(f"temper-image://{digest}"), text(3)])
+    prompt = types_pb2.ModelInput(chunks=[text(1, START), image(red, expected=4), text(END, START),
+                                          pointer(f"temper-image://{digest}"), text(END)])
     checked = image_inputs.check_prompt(prompt, vision, ImageLimits(), {digest: ("png", blue)}, "m")
     n_blue = vision.count(128, 64)
-    assert checked.tokens.tolist() == [1, 2, *[IMAGE] * 4, *[IMAGE] * n_blue, 3]
+    assert n_blue == 8 and checked.tokens.tolist() == [1, START, *[IMAGE] * 4, END, START, *[IMAGE] * n_blue, END]
     sent = checked.prompt
-    assert [c.WhichOneof("chunk") for c in sent.chunks] == ["encoded_text", "image", "image", "encoded_text"]
+    assert [c.WhichOneof("chunk") for c in sent.chunks] == ["encoded_text", "image", "encoded_text", "image", "encoded_text"]
     assert (sent.chunks[1].image.data, sent.chunks[1].image.expected_tokens) == (red, 4)
-    assert (sent.chunks[2].image.data, sent.chunks[2].image.format, sent.chunks[2].image.expected_tokens) == (blue, "png", n_blue)
+    assert (sent.chunks[3].image.data, sent.chunks[3].image.format, sent.chunks[3].image.expected_tokens) == (blue, "png", n_blue)
+
+
+def test_two_images_with_no_token_between_are_refused(vision):
+    # Qwen-VL's rotary positions find an image as one run of image tokens: touching images would be read as one
+    prompt = types_pb2.ModelInput(chunks=[text(1), image(png_bytes()), image(png_bytes("blue")), text(2)])
+    with pytest.raises(InvalidArgument, match="chunk 2: an image right after another"):
+        image_inputs.check_prompt(prompt, vision, ImageLimits(), {}, "m")
 
 
 def test_a_text_prompt_goes_to_the_sampler_as_tokens_only(vision):
