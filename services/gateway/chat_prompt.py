@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 
 from temper.common.codec import encode_tokens
-from temper.common.errors import ResourceExhausted, TemperError
+from temper.common.errors import ResourceExhausted
 from temper.services.gateway.errors import GatewayError, invalid
-from temper.services.gateway.image_parts import ImageBytes
-from temper.services.models.images import DEFAULT_LIMITS, ImageLimits, VisionProcessor, open_image
+from temper.services.gateway.image_parts import ImageBytes, checked
+from temper.services.models.images import DEFAULT_LIMITS, ImageLimits, VisionProcessor
 from temper.v1 import types_pb2
 
 
@@ -95,13 +95,7 @@ def render(model: ChatModel, messages: list[dict], continued: bool = False,
 
 def _checked(image: ImageBytes, i: int, vision: VisionProcessor, limits: ImageLimits) -> int:
     """N, the image tokens image ``i`` becomes, once its bytes pass the one image path's checks."""
-    try:
-        width, height = open_image(image.data, image.format, limits, what=f"image {i}")
-    except ResourceExhausted as exc:  # too large is final, not backpressure: 413 (429 would be resent)
-        raise GatewayError(exc.code, exc.message, status=413) from None
-    except TemperError as exc:
-        raise GatewayError.of(exc) from None
-    return vision.count(width, height)
+    return vision.count(*checked(image.data, image.format, limits, f"image {i}"))
 
 
 def _with_images(ids: np.ndarray, images: list[ImageBytes], counts: list[int], model: ChatModel) -> ChatPrompt:

@@ -3,10 +3,10 @@
 Three shapes arrive: the Tinker SDK's chunks (JSON: ``{"type": "image", "data": base64, "format",
 "expected_tokens"}`` and ``{"type": "image_asset_pointer", "location", "format", "expected_tokens"}``;
 protobuf: tinker_wire.ImageChunk), OpenAI's ``image_url`` content parts with a ``data:`` URL, and
-Anthropic's ``image`` blocks with a base64 source. Here they are only unwrapped (base64, media type,
+Anthropic's ``image`` blocks with a base64 source. They are unwrapped here (base64, media type,
 format); what the bytes are (a whole PNG or JPEG within the limits) and how many tokens an image
-becomes are for services/models/images.py, the one image path, which the scheduler calls and the chat
-routes call early (chat_prompt.py). Audio (dmel) is refused here, with the reason.
+becomes are for services/models/images.py, the one image path, which the scheduler calls and the
+gateway calls early (``check_images``, chat_prompt.py). Audio (dmel) is refused here, with the reason.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from temper.common.errors import ResourceExhausted, TemperError
 from temper.common.strings import shown
 from temper.services.gateway import fields
-from temper.services.gateway.errors import invalid
-from temper.services.models.images import IMAGE_FORMATS, POINTER_SCHEME
+from temper.services.gateway.errors import GatewayError, invalid
+from temper.services.models.images import IMAGE_FORMATS, POINTER_SCHEME, ImageLimits, open_image
 from temper.v1 import types_pb2
 
 # what an image's base64 may take in a JSON body: the body limit bounds it anyway (body_limit.py)
@@ -107,6 +108,27 @@ def chunk_from_wire(chunk, where: str) -> types_pb2.ModelInputChunk:
     if kind == "dmel":
         raise invalid(f"{where}: {AUDIO_REFUSED}")
     raise invalid(f"{where}: an empty chunk (set encoded_text or image)")
+
+
+def check_images(model_inputs, limits: ImageLimits, what: str = "model_input") -> None:
+    """Each ImageChunk of ``model_inputs`` through the one image path's checks (``open_image``), before
+    the scheduler sees it: an image over a size limit is refused here as final (413), since the
+    scheduler's RESOURCE_EXHAUSTED would read as backpressure, which the gateway resends. Pointers are
+    the scheduler's to resolve (their uploads were checked). CPU work: call it in a thread."""
+    for i, model_input in enumerate(model_inputs):
+        for j, chunk in enumerate(model_input.chunks):
+            if chunk.WhichOneof("chunk") == "image":
+                checked(chunk.image.data, chunk.image.format, limits, f"{what} {i} chunk {j}")
+
+
+def checked(data: bytes, fmt: str, limits: ImageLimits, what: str) -> tuple[int, int]:
+    """``open_image``'s (width, height), its refusals as the gateway answers them (too large: 413)."""
+    try:
+        return open_image(data, fmt, limits, what)
+    except ResourceExhausted as exc:
+        raise GatewayError(exc.code, exc.message, status=413) from None
+    except TemperError as exc:
+        raise GatewayError.of(exc) from None
 
 
 # ---- chat APIs ----------------------------------------------------------------------------------------

@@ -3,12 +3,13 @@ a one-token sample with prompt logprobs)."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 from fastapi import APIRouter, Request
 
-from temper.services.gateway import convert, fields
-from temper.services.gateway.app import Result, api_key, fingerprint, gateway, json_body
+from temper.services.gateway import convert, fields, image_parts
+from temper.services.gateway.app import Result, api_key, fingerprint, gateway, image_limits, json_body
 from temper.services.gateway.errors import invalid
 from temper.v1 import service_pb2
 
@@ -73,6 +74,8 @@ async def asample(request: Request):
     is never joined with another."""
     gw, key, body = gateway(request), api_key(request), await json_body(request)
     sample = sample_request(body)
+    if any(c.HasField("image") for c in sample.prompt.chunks):
+        await asyncio.to_thread(image_parts.check_images, [sample.prompt], image_limits(request), "prompt")
     request_id = f"{sample.sampler_id}:{sample.request_tag}"
     sequence_ids = [f"{request_id}:{i}" for i in range(sample.num_samples)]  # as the scheduler names them
 

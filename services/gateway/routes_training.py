@@ -18,10 +18,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from temper.common.strings import shown
-from temper.services.gateway import convert, fields, results
+from temper.services.gateway import convert, fields, image_parts, results
 from temper.services.gateway.abandon import abandon_unless_settled
-from temper.services.gateway.app import Gateway, Result, api_key, fingerprint, gateway, json_body
+from temper.services.gateway.app import Gateway, Result, api_key, fingerprint, gateway, image_limits, json_body
 from temper.services.gateway.errors import GatewayError, failed_result, invalid, request_error
+from temper.services.models.images import DEFAULT_LIMITS, ImageLimits
 from temper.v1 import service_pb2, types_pb2
 
 log = logging.getLogger("temper.gateway")
@@ -38,11 +39,14 @@ async def _spend(gw: Gateway, key: str, run: str, seq: int, error: GatewayError)
     raise error
 
 
-async def _build(gw: Gateway, key: str, run: str, seq: int, build):
-    """``build(seq)``, the request; whatever it raises is the caller's request refused (INVALID_ARGUMENT
-    unless it carries a code of its own), and the seq is spent."""
+async def _build(gw: Gateway, key: str, run: str, seq: int, build, limits: ImageLimits = DEFAULT_LIMITS):
+    """``build(seq)``, the request, its images checked (in a thread); whatever it raises is the caller's
+    request refused (INVALID_ARGUMENT unless it carries a code of its own), and the seq is spent."""
     try:
-        return build(seq)
+        out = build(seq)
+        if any(c.HasField("image") for d in getattr(out, "data", ()) for c in d.model_input.chunks):
+            await asyncio.to_thread(image_parts.check_images, [d.model_input for d in out.data], limits, "datum")
+        return out
     except Exception as exc:  # noqa: BLE001 - any failure to read the request spends its seq
         error = request_error(exc)
         if error.code == grpc.StatusCode.INTERNAL:  # a request it takes too much to read is refused all the same
@@ -56,10 +60,10 @@ def _run_and_seq(body: dict) -> tuple[str, int]:
 
 async def _sequenced(request: Request, run: str, seq: int, build, method: str, render) -> dict:
     """Submit one sequenced verb: ``build(seq)`` makes the request, ``render(response)`` the Result."""
-    gw, key = gateway(request), api_key(request)
+    gw, key, limits = gateway(request), api_key(request), image_limits(request)
 
     async def work():
-        request = await _build(gw, key, run, seq, build)
+        request = await _build(gw, key, run, seq, build, limits)
         try:
             response = await gw.scheduler.verb(method, request, key)
         except BaseException as exc:

@@ -349,63 +349,20 @@ def test_tinker_routes_pass_images_on_and_refuse_bad_base64():
         [(_, sent)] = [c for c in scheduler.calls if c[0] == "ForwardBackward"]
         assert sent.data[0].model_input.chunks[1].image.expected_tokens == 4 and sent.data[0].model_input.chunks[1].image.data == RED
 
+        # checked early with the one image path: too large is a final 413 (the scheduler's RESOURCE_EXHAUSTED
+        # would read as backpressure, which the gateway resends), corrupt a 400; nothing reaches Sample
+        wide = {"type": "image", "data": b64(png_bytes("red", (9000, 1))), "format": "png"}
+        resp = http.post("/api/v1/asample", headers=KEY, json={**body, "seq_id": 3, "prompt": {"chunks": [wide]}})
+        assert resp.status_code == 413 and "9000x1 has a side over the limit" in resp.json()["error"], resp.text
+        corrupt = {"type": "image", "data": b64(RED[:40]), "format": "png"}
+        resp = http.post("/api/v1/asample", headers=KEY, json={**body, "seq_id": 4, "prompt": {"chunks": [corrupt]}})
+        assert resp.status_code == 400 and "prompt 0 chunk 0: corrupt PNG" in resp.json()["error"], resp.text
+        assert len([c for c in scheduler.calls if c[0] == "Sample"]) == 1
+        fb = _sdk_forward_backward(tt.ImageChunk(data=png_bytes("red", (9000, 1)), format="png"))
+        future = http.post("/api/v1/forward_backward", headers={**KEY, "Content-Type": "application/x-protobuf"},
+                           content=fb.replace(b"s:train:0", b"s:train:1")).json()
+        failed = http.post("/api/v1/retrieve_future", headers=KEY, json=future).json()
+        assert "datum 0 chunk 1: 9000x1 has a side over the limit" in failed["error"]
+        # the seq is spent with an empty forward_backward: no datum with the image reached the scheduler
+        assert [len(r.data) for m, r in scheduler.calls if m == "ForwardBackward"] == [1, 0]
 
-class Uploads:
-    """UploadImage, ListImages and DeleteImage as the scheduler answers them; records the streams."""
-
-    def __init__(self, error: GatewayError | None = None):
-        self.streams, self.calls, self.error = [], [], error
-
-    async def upload(self, method, messages, key):
-        self.streams.append((method, messages, key))
-        if self.error:
-            raise self.error
-        data = b"".join(m.data for m in messages[1:])
-        return service_pb2.ImageAsset(location="temper-image://" + "0" * 64, format=messages[0].header.format, width=64,
-                                      height=64, size_bytes=len(data), created_unix_ms=0, created=True, expected_tokens=4)
-
-    async def call(self, method, request, key):
-        self.calls.append((method, request))
-        if method == "ListImages":
-            return service_pb2.ListImagesResponse(images=[service_pb2.ImageAsset(location="temper-image://" + "0" * 64)], total=1)
-        return service_pb2.DeleteImageResponse(freed_bytes=7)
-
-    async def close(self):
-        pass
-
-
-def test_image_upload_routes():
-    from temper.common.errors import HARD_LIMIT_PREFIX
-
-    scheduler = Uploads()
-    with TestClient(create_app(scheduler)) as http:
-        raw = http.post("/api/v1/images?base_model=tiny-vl", headers={**KEY, "Content-Type": "image/png"}, content=RED)
-        assert raw.status_code == 200, raw.text
-        assert raw.json()["location"] == "temper-image://" + "0" * 64 and raw.json()["expected_tokens"] == 4
-        method, messages, key = scheduler.streams[-1]
-        assert (method, key, messages[0].header.format, messages[0].header.base_model) == ("UploadImage", "tml-k", "png", "tiny-vl")
-        assert b"".join(m.data for m in messages[1:]) == RED
-        as_json = http.post("/api/v1/images", headers=KEY, json={"data": b64(BLUE), "format": "jpeg"})
-        assert as_json.status_code == 200 and as_json.json()["size_bytes"] == len(BLUE)
-        assert scheduler.streams[-1][1][0].header.format == "jpeg" and not scheduler.streams[-1][1][0].header.base_model
-        assert http.get("/api/v1/images?limit=5", headers=KEY).json()["total"] == 1
-        assert scheduler.calls[-1][1].limit == 5
-        deleted = http.delete("/api/v1/images/" + "0" * 64, headers=KEY).json()
-        assert deleted == {"location": "temper-image://" + "0" * 64, "freed_bytes": 7}
-        streams = len(scheduler.streams)
-        for resp, words in [
-            (http.post("/api/v1/images", headers=KEY, json={"data": "**", "format": "png"}), "data is not valid base64"),
-            (http.post("/api/v1/images", headers=KEY, json={"data": b64(RED), "format": "gif"}), "format must be one of"),
-            (http.post("/api/v1/images", headers={**KEY, "Content-Type": "image/gif"}, content=RED), "image/gif"),
-            (http.delete("/api/v1/images/abc", headers=KEY), "temper-image://<sha256>"),
-        ]:
-            assert resp.status_code == 400 and words in resp.json()["error"], resp.text
-        assert http.post("/api/v1/images", json={"data": b64(RED), "format": "png"}).status_code == 401
-        assert len(scheduler.streams) == streams
-        # the scheduler's refusals: too large is final (413), a full storage quota 403, a bad image 400
-        for error, status in [(GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, "image: over the limit of 9 bytes"), 413),
-                              (GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, HARD_LIMIT_PREFIX + "max_storage_bytes"), 403),
-                              (GatewayError(grpc.StatusCode.INVALID_ARGUMENT, "image: corrupt PNG image"), 400)]:
-            scheduler.error = error
-            resp = http.post("/api/v1/images", headers={**KEY, "Content-Type": "image/png"}, content=RED)
-            assert resp.status_code == status and resp.headers["x-should-retry"] == "false", resp.text
