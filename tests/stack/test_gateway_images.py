@@ -95,6 +95,9 @@ def test_openai_chat_with_images_equals_sample(vl_stack, ours, model, tokenizer)
     assert [c.logprob for c in got.choices[0].logprobs.content] == want.logprobs
     text_tokens = sum(len(c.tokens) for c in prompt.chunks if isinstance(c, EncodedTextChunk))
     assert got.usage.prompt_tokens == text_tokens + 4 + 8  # 64x64 is 4 image tokens, 128x64 is 8 (the tiny processor)
+    streamed = oa.chat.completions.create(model=model, messages=[{"role": "user", "content": content}], max_tokens=6, seed=3,
+                                          temperature=0.9, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == got.choices[0].message.content
     # Anthropic's image block, the same image and seed: the same tokens
     resp = httpx.post(f"{vl_stack.gateway_url}/v1/messages", headers={"x-api-key": vl_stack.api_key}, timeout=120, json={
         "model": model, "max_tokens": 6, "temperature": 0.9, "messages": [{"role": "user", "content": [
