@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from temper.common.errors import InvalidArgument, ResourceExhausted, shown
+from temper.common.errors import HARD_LIMIT_PREFIX, InvalidArgument, ResourceExhausted, shown
 
 if TYPE_CHECKING:  # protobuf where a message is built: the trainer's engine and numerics import no protobuf
     from temper.v1 import types_pb2
@@ -90,7 +90,7 @@ def open_image(data: bytes, fmt: str, limits: ImageLimits = DEFAULT_LIMITS, what
     if fmt not in IMAGE_FORMATS:
         raise InvalidArgument(f"{what}: format {shown(fmt, 20)} is not one of {list(IMAGE_FORMATS)}")
     if len(data) > limits.max_bytes:
-        raise ResourceExhausted(f"{what}: {len(data)} bytes exceed the limit of {limits.max_bytes} bytes per image")
+        raise _over_limit("image_max_bytes", f"{what}: {len(data)} bytes exceed the limit of {limits.max_bytes} bytes per image")
     if not data:
         raise InvalidArgument(f"{what}: no image bytes")
     if not data.startswith(_MAGIC[fmt]):
@@ -107,7 +107,7 @@ def open_image(data: bytes, fmt: str, limits: ImageLimits = DEFAULT_LIMITS, what
     except (InvalidArgument, ResourceExhausted):
         raise
     except Image.DecompressionBombError as exc:
-        raise ResourceExhausted(f"{what}: {exc}") from None
+        raise _over_limit("image_max_pixels", f"{what}: {exc}") from None
     except Exception as exc:  # PIL raises many types for bad files (OSError, SyntaxError, ValueError, ...)
         detail = "not decodable" if isinstance(exc, Image.UnidentifiedImageError) else shown(str(exc), 80)
         raise InvalidArgument(f"{what}: corrupt {fmt.upper()} image ({type(exc).__name__}: {detail})") from None
@@ -118,10 +118,16 @@ def _check_dimensions(width: int, height: int, limits: ImageLimits, what: str) -
     if width <= 0 or height <= 0:
         raise InvalidArgument(f"{what}: dimensions {width}x{height} must both be positive")
     if max(width, height) > limits.max_side:
-        raise ResourceExhausted(f"{what}: {width}x{height} has a side over the limit of {limits.max_side} pixels")
+        raise _over_limit("image_max_side", f"{what}: {width}x{height} has a side over the limit of {limits.max_side} pixels")
     if width * height > limits.max_pixels:
-        raise ResourceExhausted(f"{what}: {width}x{height} = {width * height} pixels exceed the limit of "
+        raise _over_limit("image_max_pixels", f"{what}: {width}x{height} = {width * height} pixels exceed the limit of "
                                 f"{limits.max_pixels} pixels per image")
+
+
+def _over_limit(setting: str, message: str) -> ResourceExhausted:
+    """A size limit: RESOURCE_EXHAUSTED marked as a hard limit (``HARD_LIMIT_PREFIX``), so that clients and
+    the gateway raise it at once instead of resending it as backpressure (the same image never fits)."""
+    return ResourceExhausted(f"{HARD_LIMIT_PREFIX}{setting}: {message}")
 
 
 @dataclass(frozen=True)
@@ -241,7 +247,7 @@ def flatten(model_input: types_pb2.ModelInput, vision: VisionProcessor | None, l
                                       f"with text (the model's vision end and start tokens, {vision.tokens.end} and "
                                       f"{vision.tokens.start})")
             if len(images) >= limits.max_images:
-                raise ResourceExhausted(f"{what}: more than {limits.max_images} images in one model input")
+                raise _over_limit("image_max_images", f"{what}: more than {limits.max_images} images in one model input")
             images.append(image)
             tokens = np.full(image.tokens, vision.tokens.image, dtype=np.int32)
         elif kind == "dmel":

@@ -39,16 +39,28 @@ QWEN_VL_TEMPLATE = (
 
 
 def build_tiny_vl_model(target: Path, family: str = "qwen3_vl_moe", seed: int = 0, hidden_size: int = 64,
-                        layers: int = 2) -> Path:
-    """Write a tiny ``family`` ("qwen3_vl" or "qwen3_vl_moe") folder to ``target`` (idempotent)."""
+                        layers: int = 2, vocab_size: int = QWEN3_VOCAB) -> Path:
+    """Write a tiny ``family`` ("qwen3_vl" or "qwen3_vl_moe") folder to ``target`` (idempotent).
+
+    ``vocab_size`` below Qwen3's puts the special tokens at the end of the smaller vocabulary instead (other
+    ids than the real ones, written into the config as a checkpoint with its own ids would have them):
+    benchmarks use it so that a 151,936-row head does not dwarf a 64-wide model's decoder and tower."""
     target = Path(target)
     if (target / "config.json").is_file() and (target / "preprocessor_config.json").is_file():
         return target
     import torch
     from transformers import AutoModelForImageTextToText
 
-    tokenizer = qwen_tokenizer()
+    first_special = QWEN3_FIRST_SPECIAL if vocab_size >= QWEN3_VOCAB else vocab_size - len(QWEN3_SPECIALS)
+    tokenizer = qwen_tokenizer(first_special)
     config = TINY_VL_FAMILIES[family](hidden_size, layers, tokenizer)
+    if vocab_size != QWEN3_VOCAB:
+        config.text_config.vocab_size = vocab_size
+        ids = {field: tokenizer.convert_tokens_to_ids(token) for field, token in (
+            ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+            ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+        for field, value in ids.items():
+            setattr(config, field, value)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
@@ -63,9 +75,10 @@ def build_tiny_vl_model(target: Path, family: str = "qwen3_vl_moe", seed: int = 
     return target
 
 
-def qwen_tokenizer():
+def qwen_tokenizer(first_special: int = QWEN3_FIRST_SPECIAL):
     """A byte-level BPE trained on a small corpus, its vocabulary padded with filler entries (never
-    produced: no merge leads to them) so that Qwen3's special tokens take their real ids."""
+    produced: no merge leads to them) so that Qwen3's special tokens take their real ids (from
+    ``first_special`` on, 151643 for Qwen3's own)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -75,7 +88,7 @@ def qwen_tokenizer():
     bpe.train_from_iterator(_CORPUS * 4, trainer=trainer)
     trained = json.loads(bpe.to_str())["model"]
     vocab = dict(trained["vocab"])
-    for i in range(len(vocab), QWEN3_FIRST_SPECIAL):
+    for i in range(len(vocab), first_special):
         vocab[f"\u0000filler{i}"] = i
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
     padded = Tokenizer(models.BPE(vocab=vocab, merges=merges))
@@ -84,7 +97,7 @@ def qwen_tokenizer():
     padded.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN3_SPECIALS])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=padded, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tokenizer.chat_template = QWEN_VL_TEMPLATE
-    assert tokenizer.convert_tokens_to_ids("<|image_pad|>") == 151655, "Qwen3 special ids moved"
+    assert tokenizer.convert_tokens_to_ids("<|image_pad|>") == first_special + 12, "Qwen3 special ids moved"
     return tokenizer
 
 
