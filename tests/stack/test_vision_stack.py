@@ -46,11 +46,14 @@ def vl_stack(vl_model_dirs, new_postgres_database, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world(vl_stack):
-    """The local tenant's session, a run and a sampling client of the base model."""
+    """The local tenant's session, a run, a sampling client of the base model and one of the run's checkpoint."""
     client = vl_stack.client()
     run = client.create_lora_training_client(vl_stack.model, rank=4, seed=2)
     sampler = client.create_sampling_client(base_model=vl_stack.model)
-    yield {"client": client, "run": run.model_id, "sampler": sampler.sampler_id, "stub": raw_stub(vl_stack)}
+    path = run.save_weights_for_sampler("start").result().path
+    on_checkpoint = client.create_sampling_client(model_path=path)
+    yield {"client": client, "run": run.model_id, "sampler": sampler.sampler_id, "stub": raw_stub(vl_stack),
+           "checkpoint_sampler": on_checkpoint.sampler_id}
     client.close()
 
 
@@ -163,7 +166,10 @@ def test_a_bad_image_is_refused_by_every_verb_before_anything_changes(vl_stack, 
     for call, request in (
             (stub.ForwardBackward, fb_request(world["run"], seq, prompt, 9)),
             (stub.Sample, service_pb2.SampleRequest(sampler_id=world["sampler"], prompt=prompt, num_samples=1, sampling_params=GREEDY)),
-            (stub.ComputeLogprobs, service_pb2.ComputeLogprobsRequest(sampler_id=world["sampler"], prompt=prompt))):
+            (stub.ComputeLogprobs, service_pb2.ComputeLogprobsRequest(sampler_id=world["sampler"], prompt=prompt)),
+            # on a checkpoint: refused before its adapter is pushed or its last use written
+            (stub.Sample, service_pb2.SampleRequest(sampler_id=world["checkpoint_sampler"], prompt=prompt, num_samples=1,
+                                                    sampling_params=GREEDY))):
         details = refused(call, request, status)
         assert re.search(words, details), details
     with pytest.raises(grpc.RpcError) as err:  # a stream is refused before its first message
