@@ -55,6 +55,18 @@ def image_asset_from_proto(message: service_pb2.ImageAsset) -> t.ImageAsset:
                         expected_tokens=message.expected_tokens if message.HasField("expected_tokens") else None)
 
 
+def capabilities_from_proto(message: service_pb2.GetServerCapabilitiesResponse) -> t.GetServerCapabilitiesResponse:
+    return t.GetServerCapabilitiesResponse([
+        t.SupportedModel(m.model_name, m.max_context_length, m.trainable, m.sampleable, m.family, m.num_experts,
+                         m.num_experts_per_tok, vision_from_proto(m.vision) if m.HasField("vision") else None)
+        for m in message.supported_models])
+
+
+def vision_from_proto(message: types_pb2.VisionInfo) -> t.VisionInfo:
+    return t.VisionInfo(message.image_token_id, message.vision_start_token_id, message.vision_end_token_id,
+                        message.image_processor_json)
+
+
 def tensor_to_proto(tensor: t.TensorData) -> types_pb2.Tensor:
     return encode_array(tensor.to_numpy(), tensor.dtype)
 

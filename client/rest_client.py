@@ -63,9 +63,7 @@ class RestClient:
     def get_server_capabilities(self) -> APIFuture[t.GetServerCapabilitiesResponse]:
         async def run():
             r = await self._call("GetServerCapabilities", service_pb2.GetServerCapabilitiesRequest())
-            return t.GetServerCapabilitiesResponse([
-                t.SupportedModel(m.model_name, m.max_context_length, m.trainable, m.sampleable, m.family, m.num_experts,
-                                 m.num_experts_per_tok) for m in r.supported_models])
+            return convert.capabilities_from_proto(r)
 
         return self._submit(run())
 

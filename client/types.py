@@ -341,6 +341,27 @@ class GetInfoResponse:
 
 
 @dataclass
+class VisionInfo:
+    """A vision-language model's image token ids and its own image processor (preprocessor_config.json),
+    as its workers report them: what an image's ``expected_tokens`` is counted with."""
+
+    image_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    image_processor_json: str
+
+    def count_image_tokens(self, width: int, height: int) -> int:
+        """The image tokens a width x height image becomes on this model (the server's own count:
+        services/models/images.py; imports transformers on first use)."""
+        from temper.services.models.images import VisionProcessor
+        from temper.v1 import types_pb2
+
+        return VisionProcessor.from_info(types_pb2.VisionInfo(
+            image_token_id=self.image_token_id, vision_start_token_id=self.vision_start_token_id,
+            vision_end_token_id=self.vision_end_token_id, image_processor_json=self.image_processor_json)).count(width, height)
+
+
+@dataclass
 class SupportedModel:
     model_name: str
     max_context_length: int
@@ -349,6 +370,7 @@ class SupportedModel:
     family: str = ""               # e.g. "llama", "qwen3_moe" (as its trainers report it; "" if unknown)
     num_experts: int = 0           # routed experts per MoE layer; 0: a dense model
     num_experts_per_tok: int = 0   # experts a token is routed to; 0: a dense model
+    vision: VisionInfo | None = None  # set for a vision-language model; None: text only
 
 
 @dataclass

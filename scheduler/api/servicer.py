@@ -82,6 +82,10 @@ class TemperServicer(AuditVerbs, ClusterStatusVerbs, SamplingVerbs, CheckpointVe
             if described is not None:
                 model.family, model.num_experts = described.family, described.num_experts
                 model.num_experts_per_tok = described.num_experts_per_tok
+            # a vision-language model's token ids and image processor, as any of its workers report them
+            seen = next((w.info.vision for w in trainers + samplers if serves_images(w.info)), None)
+            if seen is not None:
+                model.vision.CopyFrom(seen)
         return response
 
     async def CreateSession(self, request, context):

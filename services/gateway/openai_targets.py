@@ -1,6 +1,7 @@
 """What the OpenAI routes sample with: an OpenAI ``model`` resolved, per API key, to a Temper sampling
 client, plus the base model's tokenizer (for chat templates and decoding), context length and, for a
-vision-language model whose folder is on this machine, its image processor (chat images).
+vision-language model, its image token ids and processor (chat images): read from the model's folder
+when it is on this machine, else from the scheduler's capabilities (SupportedModel.vision).
 
 OpenAI requests carry no session, so the gateway opens one session per API key (tag ``openai``) and
 one sampling client per (key, model), and reuses them; a sampling client that stops answering
@@ -142,9 +143,9 @@ class Targets:
         async with self._lock(("model", base_model)):
             if base_model not in self._models:
                 tokenizer = await self._tokenizer(base_model, tokenizer_id, key)
-                vision, no_vision = await asyncio.to_thread(vision_of, tokenizer_id)
-                self._models[base_model] = _Model(tokenizer, await self._context_length(base_model, tokenizer, key),
-                                                  vision, no_vision)
+                described = await self._described(base_model, key)
+                vision, no_vision = await asyncio.to_thread(vision_of, tokenizer_id, described)
+                self._models[base_model] = _Model(tokenizer, _context_length(described, tokenizer), vision, no_vision)
             return self._models[base_model]
 
     async def _tokenizer(self, base_model: str, tokenizer_id: str, key: str) -> Any:
@@ -166,25 +167,33 @@ class Targets:
                     source = tokenizer_id or base_model  # a scheduler without GetTokenizer: the hub id
         return await asyncio.to_thread(AutoTokenizer.from_pretrained, source)
 
-    async def _context_length(self, base_model: str, tokenizer: Any, key: str) -> int:
+    async def _described(self, base_model: str, key: str) -> service_pb2.SupportedModel | None:
+        """The scheduler's description of ``base_model`` (GetServerCapabilities); None if it lists none."""
         caps = await self.scheduler.call("GetServerCapabilities", service_pb2.GetServerCapabilitiesRequest(), key)
-        for m in caps.supported_models:
-            if m.model_name == base_model and m.max_context_length > 0:
-                return int(m.max_context_length)
-        limit = getattr(tokenizer, "model_max_length", 0) or 0
-        return int(limit) if 0 < limit < 1_000_000 else DEFAULT_CONTEXT
+        return next((m for m in caps.supported_models if m.model_name == base_model), None)
 
 
-def vision_of(folder: str) -> tuple[VisionProcessor | None, str]:
-    """The model's image token ids and processor (images.VisionProcessor, from its config.json and
-    preprocessor_config.json) when its folder is on this machine, else None and why: the public API
-    does not carry a model's VisionInfo, and the tokenizer files GetTokenizer sends hold neither file."""
-    if not (folder and os.path.isfile(os.path.join(folder, "config.json"))):
-        return None, "the gateway counts image tokens with the model's own processor, read from its folder, which is not on " \
-                     "this machine"
-    from transformers import AutoConfig
+def _context_length(described: service_pb2.SupportedModel | None, tokenizer: Any) -> int:
+    if described is not None and described.max_context_length > 0:
+        return int(described.max_context_length)
+    limit = getattr(tokenizer, "model_max_length", 0) or 0
+    return int(limit) if 0 < limit < 1_000_000 else DEFAULT_CONTEXT
 
-    return VisionProcessor.from_model(AutoConfig.from_pretrained(folder), folder), "it is a text-only model"
+
+def vision_of(folder: str, described: service_pb2.SupportedModel | None = None) -> tuple[VisionProcessor | None, str]:
+    """The model's image token ids and processor (images.VisionProcessor), else None and why. From its
+    config.json and preprocessor_config.json when its folder is on this machine; otherwise from the
+    scheduler's description of it (``described``: SupportedModel.vision, as its workers report it), so a
+    gateway on another machine (docker-compose) counts and checks images as the workers will."""
+    if folder and os.path.isfile(os.path.join(folder, "config.json")):
+        from transformers import AutoConfig
+
+        return VisionProcessor.from_model(AutoConfig.from_pretrained(folder), folder), "it is a text-only model"
+    if described is None:
+        return None, "the scheduler does not describe this model and its folder is not on this machine, so the gateway " \
+                     "cannot count its image tokens"
+    vision = VisionProcessor.from_info(described.vision) if described.HasField("vision") else None
+    return vision, "it is a text-only model"
 
 
 def _digest(key: str) -> str:

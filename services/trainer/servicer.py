@@ -147,6 +147,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     async def ReadTokenizer(self, request, context):
         if self._tokenizer_files is None:
-            self._tokenizer_files = await asyncio.to_thread(tokenizer_files, self.engine.loaded.tokenizer)
+            loaded = self.engine.loaded
+            processor_json = loaded.vision.processor_json if loaded.vision is not None else None
+            self._tokenizer_files = await asyncio.to_thread(tokenizer_files, loaded.tokenizer, processor_json)
         for chunk in convert.file_chunks_to_pb(file_pieces(self._tokenizer_files)):
             yield chunk

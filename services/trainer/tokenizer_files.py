@@ -1,5 +1,6 @@
 """The base model's tokenizer as files, for ReadTokenizer: a client on another machine (no hub access,
-no copy of the model folder) loads exactly the tokenizer this trainer uses."""
+no copy of the model folder) loads exactly the tokenizer this trainer uses, and, for a vision-language
+model, its image processor (preprocessor_config.json) beside it."""
 
 from __future__ import annotations
 
@@ -10,12 +11,20 @@ from typing import Any, Iterator
 from temper.services.trainer.checkpoints import CHUNK_BYTES, FilePiece
 
 
-def tokenizer_files(tokenizer: Any) -> dict[str, bytes]:
+IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
+
+
+def tokenizer_files(tokenizer: Any, image_processor_json: str | None = None) -> dict[str, bytes]:
     """What ``save_pretrained`` writes (it records the tokenizer class, so the files load without the
-    model's config.json), read into memory: a few MB, saved once per process."""
+    model's config.json), read into memory: a few MB, saved once per process. ``image_processor_json``:
+    a vision-language model's preprocessor_config.json as the trainer read it (images.VisionProcessor),
+    so the folder also loads the model's own image processor."""
     with tempfile.TemporaryDirectory(prefix="temper-tokenizer-") as tmp:
         tokenizer.save_pretrained(tmp)
-        return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+        files = {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+    if image_processor_json:
+        files[IMAGE_PROCESSOR_FILE] = image_processor_json.encode()
+    return files
 
 
 def file_pieces(files: dict[str, bytes], chunk_bytes: int = CHUNK_BYTES) -> Iterator[FilePiece]:

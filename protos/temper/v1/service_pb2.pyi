@@ -13,7 +13,7 @@ class GetServerCapabilitiesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SupportedModel(_message.Message):
-    __slots__ = ("model_name", "max_context_length", "trainable", "sampleable", "family", "num_experts", "num_experts_per_tok")
+    __slots__ = ("model_name", "max_context_length", "trainable", "sampleable", "family", "num_experts", "num_experts_per_tok", "vision")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TRAINABLE_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class SupportedModel(_message.Message):
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     NUM_EXPERTS_PER_TOK_FIELD_NUMBER: _ClassVar[int]
+    VISION_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_context_length: int
     trainable: bool
@@ -28,7 +29,8 @@ class SupportedModel(_message.Message):
     family: str
     num_experts: int
     num_experts_per_tok: int
-    def __init__(self, model_name: _Optional[str] = ..., max_context_length: _Optional[int] = ..., trainable: _Optional[bool] = ..., sampleable: _Optional[bool] = ..., family: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ...) -> None: ...
+    vision: _types_pb2.VisionInfo
+    def __init__(self, model_name: _Optional[str] = ..., max_context_length: _Optional[int] = ..., trainable: _Optional[bool] = ..., sampleable: _Optional[bool] = ..., family: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., vision: _Optional[_Union[_types_pb2.VisionInfo, _Mapping]] = ...) -> None: ...
 
 class GetServerCapabilitiesResponse(_message.Message):
     __slots__ = ("supported_models",)
