@@ -20,6 +20,7 @@ import functools
 import hashlib
 import io
 import json
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -192,13 +193,27 @@ class VisionProcessor:
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
 
-@functools.lru_cache(maxsize=16)
+# transformers' lazy imports are not thread-safe on first use: two request threads building a model's
+# processor at once (the scheduler checks images in worker threads) raised ImportError in one of them
+_BUILDING = threading.RLock()
+
+
 def _from_info(image: int, start: int, end: int, processor_json: str) -> VisionProcessor:
+    with _BUILDING:
+        return _cached_from_info(image, start, end, processor_json)
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_from_info(image: int, start: int, end: int, processor_json: str) -> VisionProcessor:
     return VisionProcessor(VisionTokens(image, start, end), _processor(processor_json), processor_json)
 
 
 def _processor(text: str):
-    from transformers import AutoImageProcessor
+    with _BUILDING:
+        return _build_processor(text)
+
+
+def _build_processor(text: str):
     from transformers.models.auto.image_processing_auto import get_image_processor_class_from_name
 
     config = json.loads(text)
@@ -210,7 +225,6 @@ def _processor(text: str):
     if cls is None:
         raise ValueError(f"preprocessor_config.json names no image processor transformers knows ({name!r})")
     kwargs = {k: v for k, v in config.items() if k not in ("image_processor_type", "processor_class")}
-    del AutoImageProcessor
     return cls(**kwargs)
 
 
