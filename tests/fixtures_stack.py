@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import grpc
 import numpy as np
 import pytest
@@ -19,13 +21,35 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny"))
 
 
-@pytest.fixture(scope="session")
-def vl_model_dirs(tmp_path_factory) -> dict[str, str]:
-    """The tiny vision-language models (services/models/tiny_vision.py), family -> folder, built once per session."""
-    from temper.services.models.tiny_vision import TINY_VL_FAMILIES, build_tiny_vl_model
+class _TinyVlModels(Mapping):
+    """family -> folder of every tiny vision-language family, each built on first use (a session that
+    uses one family does not build the others)."""
 
-    root = tmp_path_factory.mktemp("vl-models")
-    return {family: str(build_tiny_vl_model(root / family, family)) for family in TINY_VL_FAMILIES}
+    def __init__(self, root):
+        from temper.services.models.tiny_vision import TINY_VL_FAMILIES
+
+        self.root, self.families, self.built = root, tuple(TINY_VL_FAMILIES), {}
+
+    def __getitem__(self, family: str) -> str:
+        from temper.services.models.tiny_vision import build_tiny_vl_model
+
+        if family not in self.families:
+            raise KeyError(family)
+        if family not in self.built:
+            self.built[family] = str(build_tiny_vl_model(self.root / family, family))
+        return self.built[family]
+
+    def __iter__(self):
+        return iter(self.families)
+
+    def __len__(self) -> int:
+        return len(self.families)
+
+
+@pytest.fixture(scope="session")
+def vl_model_dirs(tmp_path_factory) -> Mapping[str, str]:
+    """The tiny vision-language models (services/models/tiny_vision.py), family -> folder, built once per session."""
+    return _TinyVlModels(tmp_path_factory.mktemp("vl-models"))
 
 
 def png_bytes(color: str = "red", size: tuple[int, int] = (64, 64), fmt: str = "PNG") -> bytes:

@@ -261,8 +261,12 @@ class MultiLoraLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if deterministic.active():  # batch-invariant primitives (services/lora/deterministic.py)
             return deterministic_lora.lora_linear(self, x)
-        out = self.base(x)
         routing = self.router.current
+        rows = routing.batch_rows if routing is not None and self.adapters else 0
+        if x.dim() == 2 and 0 < rows != x.shape[0] and x.shape[0] % rows == 0:
+            # the model's batch flattened to (tokens, hidden) (Qwen3.5-MoE's shared expert): rows back first
+            return self.forward(x.view(rows, -1, x.shape[-1])).flatten(0, 1)
+        out = self.base(x)
         if routing is None or not self.adapters:
             return out
         if not routing.prepare(x.shape[0]):  # one adapter for every row

@@ -21,13 +21,14 @@ from temper.services.lora.experts import MultiLoraExperts
 from temper.services.lora.layer import LoraWeights, MultiLoraLinear, Router, Routing
 from temper.services.models import families
 from temper.services.models.families import ATTN_LINEARS as ATTN_MODULES
-from temper.services.models.families import EXPERTS_PATH, MLA_LINEARS, UNEMBED_LINEARS as UNEMBED_MODULES
+from temper.services.models.families import EXPERTS_PATH, LINEAR_ATTN_LINEARS, MLA_LINEARS
+from temper.services.models.families import UNEMBED_LINEARS as UNEMBED_MODULES
 from temper.services.models.families import MLP_LINEARS as MLP_MODULES
 
 PEFT_PREFIX = "base_model.model."
 # peft's target_parameters keys of the fused routed experts (the projections an MoE "mlp" group adapts)
 EXPERT_TARGETS = {f"{EXPERTS_PATH}.gate_up_proj": "gate_up", f"{EXPERTS_PATH}.down_proj": "down"}
-_LINEAR_NAMES = tuple(dict.fromkeys(ATTN_MODULES + MLA_LINEARS + MLP_MODULES + UNEMBED_MODULES))
+_LINEAR_NAMES = tuple(dict.fromkeys(ATTN_MODULES + MLA_LINEARS + LINEAR_ATTN_LINEARS + MLP_MODULES + UNEMBED_MODULES))
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,9 @@ ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # DeepSeek's multi-head latent attention: low-rank q (q_a/q_b; plain q_proj when q_lora_rank is None),
 # one joint compressed kv projection and its up-projection
 MLA_LINEARS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+# Qwen3.5's gated-delta-net linear attention (three of every four decoder layers): the fused q/k/v input
+# projection, the output gate's z, the per-head beta (b) and decay (a) inputs, and the output projection
+LINEAR_ATTN_LINEARS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_LINEARS = ("lm_head",)
 EXPERTS_PATH = "mlp.experts"  # where every MoE family here keeps its routed experts, below a decoder layer
@@ -89,6 +92,8 @@ class Family:
 
 _DENSE_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 _MOE_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "num_experts_per_tok")
+_LINEAR_ATTN_REQUIRED = ("layer_types", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                         "linear_value_head_dim")
 
 FAMILIES: tuple[Family, ...] = (
     Family("llama", ("llama", "mistral"), ATTN_LINEARS, _DENSE_REQUIRED, notes="SmolLM2, Llama 3"),
@@ -112,6 +117,14 @@ FAMILIES: tuple[Family, ...] = (
            _MOE_REQUIRED + ("num_experts", "moe_intermediate_size"),
            ExpertLayout(("Qwen3VLMoeTextExperts",), transposed=False, glu=_chunked_glu), num_experts_field="num_experts",
            vision=QWEN_VL, notes="Qwen3-VL-30B-A3B, Qwen3-VL-235B-A22B"),
+    # hybrid decoders: gated-delta-net linear-attention layers and gated full-attention layers, both adapted
+    # as the attention group; a tower as Qwen3-VL's without deepstack
+    Family("qwen3_5", ("qwen3_5_text",), ATTN_LINEARS + LINEAR_ATTN_LINEARS, _DENSE_REQUIRED + _LINEAR_ATTN_REQUIRED,
+           vision=QWEN_VL, notes="Qwen3.5 (dense): linear attention in 3 of 4 layers"),
+    Family("qwen3_5_moe", ("qwen3_5_moe_text",), ATTN_LINEARS + LINEAR_ATTN_LINEARS,
+           _MOE_REQUIRED + ("num_experts", "moe_intermediate_size") + _LINEAR_ATTN_REQUIRED,
+           ExpertLayout(("Qwen3_5MoeExperts",), transposed=False, glu=_chunked_glu), num_experts_field="num_experts",
+           vision=QWEN_VL, notes="Qwen3.5-MoE: a gated shared expert beside the routed ones, linear attention"),
 )
 
 
@@ -174,7 +187,10 @@ def moe_shape(config) -> MoeShape | None:
                         min(layers, int(getattr(text, "first_k_dense_replace", 0) or 0)))
     sparse_step = int(getattr(text, "decoder_sparse_step", 1) or 1)
     dense = {i for i in range(layers) if i in (getattr(text, "mlp_only_layers", None) or []) or (i + 1) % sparse_step}
-    return MoeShape(experts, top_k, int(text.moe_intermediate_size), 0, len(dense))
+    expert_intermediate = int(text.moe_intermediate_size)
+    # Qwen3.5-MoE: one shared expert per layer, counted in routed-expert widths (the real models': 1)
+    shared = -(-int(getattr(text, "shared_expert_intermediate_size", 0) or 0) // expert_intermediate)
+    return MoeShape(experts, top_k, expert_intermediate, shared, len(dense))
 
 
 def default_expert_rank(rank: int, top_k: int) -> int:

@@ -1,9 +1,14 @@
-"""Tiny random vision-language models (Qwen3-VL, Qwen3-VL-MoE) for fast tests, built offline from code.
+"""Tiny random vision-language models (Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE) for fast tests, built
+offline from code.
 
-Each folder is what a real checkpoint of the family holds: the model (a two-layer language model, a
-two-block vision tower with one deepstack merger), a fast tokenizer whose special tokens sit at the real
-Qwen3 ids (``<|vision_start|>`` 151652, ``<|vision_end|>`` 151653, ``<|image_pad|>`` 151655, ...: the
-vocabulary is padded with unreachable filler entries up to them), a chat template that renders image
+Each folder is what a real checkpoint of the family holds: the model (Qwen3-VL: a two-layer language
+model, a two-block vision tower with one deepstack merger; Qwen3.5: four layers, three gated-delta-net
+linear-attention layers and one full-attention layer, as the real models' 3:1 pattern, and a tower
+without deepstack), a fast tokenizer whose special tokens sit at the family's real ids (Qwen3:
+``<|vision_start|>`` 151652, ``<|vision_end|>`` 151653, ``<|image_pad|>`` 151655, ...; Qwen3.5: the same
+tokens in the same order from 248044, so ``<|vision_start|>`` 248053 and ``<|image_pad|>`` 248056 as
+``Qwen3_5Config``'s defaults, in a 248,320-entry vocabulary: the vocabulary is padded with unreachable
+filler entries up to them), a chat template that renders image
 parts as Qwen's does, and a ``preprocessor_config.json`` naming the model's own image processor
 (``Qwen2VLImageProcessor``: 16-pixel patches, 2 x 2 merge, so a 64 x 64 image is 4 image tokens). The
 pixel bounds are small (``TINY_MAX_PIXELS``) so that images stay a handful of tokens on CPU.
@@ -18,6 +23,8 @@ from temper.services.models.tiny import _CORPUS
 
 QWEN3_VOCAB = 151936
 QWEN3_FIRST_SPECIAL = 151643
+QWEN3_5_VOCAB = 248320          # Qwen3_5TextConfig's vocab_size
+QWEN3_5_FIRST_SPECIAL = 248044  # so that image_token_id is Qwen3_5Config's 248056 (Qwen3's specials, in order)
 # Qwen3's added tokens in id order from 151643 (tokenizer_config.json of the Qwen3 / Qwen3-VL checkpoints)
 QWEN3_SPECIALS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
@@ -39,28 +46,29 @@ QWEN_VL_TEMPLATE = (
 
 
 def build_tiny_vl_model(target: Path, family: str = "qwen3_vl_moe", seed: int = 0, hidden_size: int = 64,
-                        layers: int = 2, vocab_size: int = QWEN3_VOCAB) -> Path:
-    """Write a tiny ``family`` ("qwen3_vl" or "qwen3_vl_moe") folder to ``target`` (idempotent).
+                        layers: int | None = None, vocab_size: int | None = None) -> Path:
+    """Write a tiny ``family`` (a key of ``TINY_VL_FAMILIES``) folder to ``target`` (idempotent).
 
-    ``vocab_size`` below Qwen3's puts the special tokens at the end of the smaller vocabulary instead (other
-    ids than the real ones, written into the config as a checkpoint with its own ids would have them):
-    benchmarks use it so that a 151,936-row head does not dwarf a 64-wide model's decoder and tower."""
+    ``layers``: the family's default (``TINY_VL_LAYERS``) when None. ``vocab_size`` below the family's
+    real one puts the special tokens at the end of the smaller vocabulary instead (other ids than the
+    real ones, written into the config as a checkpoint with its own ids would have them): benchmarks use
+    it so that a 151,936-row head does not dwarf a 64-wide model's decoder and tower."""
     target = Path(target)
     if (target / "config.json").is_file() and (target / "preprocessor_config.json").is_file():
         return target
     import torch
     from transformers import AutoModelForImageTextToText
 
-    first_special = QWEN3_FIRST_SPECIAL if vocab_size >= QWEN3_VOCAB else vocab_size - len(QWEN3_SPECIALS)
+    real_vocab, real_first = TINY_VL_IDS[family]
+    vocab_size = real_vocab if vocab_size is None else vocab_size
+    first_special = real_first if vocab_size >= real_vocab else vocab_size - len(QWEN3_SPECIALS)
     tokenizer = qwen_tokenizer(first_special)
-    config = TINY_VL_FAMILIES[family](hidden_size, layers, tokenizer)
-    if vocab_size != QWEN3_VOCAB:
-        config.text_config.vocab_size = vocab_size
-        ids = {field: tokenizer.convert_tokens_to_ids(token) for field, token in (
-            ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
-            ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
-        for field, value in ids.items():
-            setattr(config, field, value)
+    config = TINY_VL_FAMILIES[family](hidden_size, layers or TINY_VL_LAYERS[family], tokenizer)
+    config.text_config.vocab_size = vocab_size
+    # the ids the tokenizer gives are the config's (the real ones at the family's own vocabulary size)
+    for field, token in (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+                         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")):
+        setattr(config, field, tokenizer.convert_tokens_to_ids(token))
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
@@ -134,6 +142,44 @@ def _qwen3_vl_moe(hidden, layers, tokenizer):
     return Qwen3VLMoeConfig(text_config=text, vision_config=_vision(hidden), tie_word_embeddings=True)
 
 
+def _qwen3_5_text(hidden: int, layers: int, tokenizer) -> dict:
+    """Qwen3.5's hybrid decoder: gated-delta-net linear attention with a full-attention layer every fourth
+    (the real models' ``full_attention_interval``); gated full attention with partial rotary (a quarter of
+    the head), interleaved multimodal sections summing to the rotary half."""
+    head_dim = hidden // 2
+    rotary_half = int(head_dim * 0.25) // 2
+    quarter = rotary_half // 4
+    return dict(
+        vocab_size=QWEN3_5_VOCAB, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25,
+                         "mrope_section": [rotary_half - 2 * quarter, quarter, quarter], "mrope_interleaved": True},
+        max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None)
+
+
+def _qwen3_5_vision(hidden: int) -> dict:
+    return dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
+                temporal_patch_size=2, out_hidden_size=hidden, num_position_embeddings=64)
+
+
+def _qwen3_5(hidden, layers, tokenizer):
+    from transformers import Qwen3_5Config
+    return Qwen3_5Config(text_config=_qwen3_5_text(hidden, layers, tokenizer), vision_config=_qwen3_5_vision(hidden),
+                         tie_word_embeddings=True)
+
+
+def _qwen3_5_moe(hidden, layers, tokenizer):
+    from transformers import Qwen3_5MoeConfig
+    # 8 routed experts, top-2, and the shared expert (gated) of every Qwen3.5-MoE layer
+    text = dict(_qwen3_5_text(hidden, layers, tokenizer), moe_intermediate_size=hidden // 2,
+                shared_expert_intermediate_size=hidden // 2, num_experts=8, num_experts_per_tok=2)
+    text.pop("intermediate_size")
+    return Qwen3_5MoeConfig(text_config=text, vision_config=_qwen3_5_vision(hidden), tie_word_embeddings=True)
+
+
 def _preprocessor_config(config) -> dict:
     vision = config.vision_config
     return {
@@ -145,5 +191,10 @@ def _preprocessor_config(config) -> dict:
     }
 
 
-TINY_VL_FAMILIES = {"qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe}
+TINY_VL_FAMILIES = {"qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe, "qwen3_5": _qwen3_5,
+                    "qwen3_5_moe": _qwen3_5_moe}
+# each family's real vocabulary size and the id of its first special token (<|endoftext|>)
+TINY_VL_IDS = {"qwen3_vl": (QWEN3_VOCAB, QWEN3_FIRST_SPECIAL), "qwen3_vl_moe": (QWEN3_VOCAB, QWEN3_FIRST_SPECIAL),
+               "qwen3_5": (QWEN3_5_VOCAB, QWEN3_5_FIRST_SPECIAL), "qwen3_5_moe": (QWEN3_5_VOCAB, QWEN3_5_FIRST_SPECIAL)}
+TINY_VL_LAYERS = {"qwen3_vl": 2, "qwen3_vl_moe": 2, "qwen3_5": 4, "qwen3_5_moe": 4}
 TINY_VL_NAMES = {family: f"temper/tiny-{family.replace('_', '-')}" for family in TINY_VL_FAMILIES}

@@ -33,6 +33,8 @@ def read_adapter(folder: Path) -> tuple[dict, dict]:
 # keys that name no module (not shared_experts, a plain module)
 _ROUTED_PARAM = re.compile(r"(?:^|\.)experts\.")
 _PEFT_EXPERT_KEY = re.compile(r"\.experts\.(?:base_layer\.)*lora_[AB]\.")
+# Qwen3.5's gated-delta-net input projections (transformers' names), which SGLang 0.5.23 cannot adapt
+_LINEAR_ATTN_INPUT = re.compile(r"\.linear_attn\.(in_proj_(?:qkv|z|b|a))\.")
 
 
 def check_servable(config: dict, tensor_names, *, shared_experts_fused: bool) -> None:
@@ -54,7 +56,12 @@ def check_servable(config: dict, tensor_names, *, shared_experts_fused: bool) ->
     - a shared expert fused into the routed experts (DeepSeek-V3 unless ``disable_shared_experts_fusion``)
       has no ``shared_experts`` module, so its LoRA would be silently skipped;
     - a vision-language model's tower and merger (``model.visual.*``) take no LoRA (``sglang_images.py``):
-      their tensors would be skipped silently.
+      their tensors would be skipped silently;
+    - Qwen3.5's linear-attention input projections: ``srt/models/qwen3_5.py`` fuses them into
+      ``in_proj_qkvz`` and ``in_proj_ba``; ``supported_lora_modules`` lists ``in_proj_qkvz`` (and
+      ``out_proj``) but not ``in_proj_ba``, and ``srt/lora/lora.py::_normalize_in_proj_qkvz`` stacks only
+      split ``in_proj_q/k/v/z`` tensors, not transformers' ``in_proj_qkv`` + ``in_proj_z``: the adapter's
+      targets are not in the LoRA pool (``LoRAMemoryPool.can_support``) and loading fails unnamed.
     """
     def refuse(piece: str, fix: str = "use TEMPER_SAMPLER_BACKEND=torch for this adapter") -> InvalidArgument:
         return InvalidArgument(f"SGLang {SGLANG_VERSION} cannot serve {piece}; {fix}")
@@ -83,6 +90,11 @@ def check_servable(config: dict, tensor_names, *, shared_experts_fused: bool) ->
     if tower:
         raise refuse(f"LoRA on the vision tower or merger (tensors such as {tower[0]}; its Qwen3-VL models adapt the "
                      f"language model only: should_apply_lora in srt/models/qwen3_vl.py)")
+    linear_attn = sorted({m.group(1) for n in names if (m := _LINEAR_ATTN_INPUT.search(n))})
+    if linear_attn:
+        raise refuse(f"LoRA on Qwen3.5's linear-attention input projections ({', '.join(linear_attn)}; it fuses them "
+                     f"into in_proj_qkvz and in_proj_ba, takes no LoRA on in_proj_ba and does not stack transformers' "
+                     f"in_proj_qkv + in_proj_z: srt/models/qwen3_5.py, srt/lora/lora.py)")
     if shared_experts_fused and any("shared_experts." in n for n in names):
         raise refuse("LoRA on shared experts fused into the routed experts (no shared_experts module is left)",
                      "drop disable_shared_experts_fusion=false from TEMPER_SAMPLER_SGLANG_ENGINE_ARGS (Temper "

@@ -101,7 +101,8 @@ class _Features:
                                                      pixels["image_grid_thw"].to(device), return_dict=True)
             for n, digest in enumerate(by_digest):
                 self.grid[digest] = pixels["image_grid_thw"][n]
-                self.embeds[(key, digest)] = (out.pooler_output[n], [layer[n] for layer in out.deepstack_features])
+                deep = getattr(out, "deepstack_features", None) or []  # none on Qwen3.5's tower
+                self.embeds[(key, digest)] = (out.pooler_output[n], [layer[n] for layer in deep])
             self._output_type = type(out)
 
     def encoder_outputs(self, rows: list[tuple[str | None, tuple[ImageInput, ...]]]) -> dict:
@@ -110,7 +111,9 @@ class _Features:
         pooled = tuple(self.embeds[k][0] for k in order)
         layers = len(self.embeds[order[0]][1])
         deepstack = [tuple(self.embeds[k][1][layer] for k in order) for layer in range(layers)]
-        return {"image": self._output_type(pooler_output=pooled, deepstack_features=deepstack)}
+        fields = getattr(self._output_type, "__dataclass_fields__", {})
+        extra = {"deepstack_features": deepstack} if "deepstack_features" in fields else {}
+        return {"image": self._output_type(pooler_output=pooled, **extra)}
 
 
 def prefill_inputs(backend, ids: torch.Tensor, mask: torch.Tensor,

@@ -30,7 +30,8 @@ from temper.services.lora.model import LoraModel
 @dataclass
 class TowerOutputs:
     """What ``model.model(mm_encoder_outputs={"image": ...})`` reads: per image in placeholder order,
-    its merged embeddings (N, hidden) and its deepstack features (one (N, hidden) per deepstack layer)."""
+    its merged embeddings (N, hidden) and its deepstack features (one (N, hidden) per deepstack layer;
+    none for a tower without deepstack, Qwen3.5's, whose model reads the merged embeddings only)."""
 
     pooler_output: tuple[torch.Tensor, ...]
     deepstack_features: list[tuple[torch.Tensor, ...]]
@@ -129,7 +130,8 @@ class ImageFeatures:
 
     def _run_tower(self, pixel_values: torch.Tensor, grid: torch.Tensor):
         out = self.lora.model.model.visual(pixel_values, grid_thw=grid, return_dict=True)
-        return out.pooler_output, list(out.deepstack_features)
+        # Qwen3.5's tower has no deepstack features: an empty list of layers
+        return out.pooler_output, list(getattr(out, "deepstack_features", None) or [])
 
     def _split(self, digests: list[str], grid: torch.Tensor, pooled: torch.Tensor, deep: list) -> dict:
         merge = self.lora.model.model.visual.spatial_merge_size ** 2
