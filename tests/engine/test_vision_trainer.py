@@ -136,8 +136,9 @@ def sample_data(vision, seed=0):
 
 def assert_grads_close(got, want):
     assert got.keys() == want.keys() and got
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+    for name in want:  # float32 sums in another order: within 1e-4 of each tensor's own scale
+        scale = float(want[name].abs().max())
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6 + 1e-4 * scale, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -52,7 +52,7 @@ def test_vlm_classifier_trains_from_chance_to_090_heldout(served_vlm, vl_model_d
     log_root = tmp_path / "runs"
     out = run_recipe(served_vlm, tmp_path, shapes, "train", f"experiment_dir={log_root}", "dataset=shapes",
                      f"model_name={model}", "renderer_name=qwen3_vl_instruct", "behavior_if_log_dir_exists=delete",
-                     "batch_size=16", "learning_rate=3e-3", "num_epochs=12", "lora_rank=16", "eval_every=1000",
+                     "batch_size=16", "learning_rate=3e-3", "lr_schedule=constant", "num_epochs=12", "lora_rank=16", "eval_every=1000",
                      "save_every=1000", "n_eval=32", "max_tokens=12", "run_nll_evaluator=False")
     assert "Training completed successfully" in out, out[-3000:]
     (log_path,) = [p for p in log_root.iterdir() if p.is_dir()]

@@ -23,7 +23,7 @@ COLOURS = {"red": (220, 30, 30), "green": (30, 170, 40), "blue": (30, 60, 220), 
 DATASET = "shapes"
 
 
-def make_dataset(root: Path, train_per_class: int = 24, test_per_class: int = 8, size: int = 64, seed: int = 0) -> Path:
+def make_dataset(root: Path, train_per_class: int = 32, test_per_class: int = 8, size: int = 64, seed: int = 0) -> Path:
     """Write the imagefolder (idempotent for the same arguments)."""
     from PIL import Image, ImageDraw
 
@@ -37,7 +37,7 @@ def make_dataset(root: Path, train_per_class: int = 24, test_per_class: int = 8,
                 shade = tuple(min(255, max(0, c + rng.randint(-25, 25))) for c in rgb)
                 image = Image.new("RGB", (size, size), tuple(rng.randint(225, 255) for _ in range(3)))
                 draw = ImageDraw.Draw(image)
-                extent = rng.randint(size // 2, size - 6)
+                extent = rng.randint(size * 5 // 8, size - 4)
                 x, y = rng.randint(0, size - extent), rng.randint(0, size - extent)
                 box = (x, y, x + extent, y + extent)
                 shape = rng.choice(("circle", "square", "triangle"))
