@@ -62,8 +62,8 @@ def build_engine(folder: Path, args, checkpoint_dir: Path, **settings_overrides)
     from temper.services.trainer.engine import TrainerEngine
     from temper.services.trainer.settings import TrainerSettings
 
-    loaded = load_model(str(folder), "cpu", "float32", args.threads)
-    settings = TrainerSettings(base_model=str(folder), checkpoint_dir=checkpoint_dir, device="cpu", dtype="float32",
+    loaded = load_model(str(folder), args.device, args.dtype, args.threads)
+    settings = TrainerSettings(base_model=str(folder), checkpoint_dir=checkpoint_dir, device=args.device, dtype=args.dtype,
                                num_threads=args.threads, **settings_overrides)
     engine = TrainerEngine(loaded, settings)
     spec = AdapterSpec(rank=args.rank, alpha=harness.ALPHA,
@@ -158,7 +158,7 @@ def memory_child(args) -> None:
 
 
 def measure_memory(args, folder: Path) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", "--model", str(folder), "--layers", str(args.layers), "--vocab", str(args.vocab), "--threads",
+    cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", "--model", str(folder), "--threads",
            str(args.threads), "--tenants", str(args.tenants), "--text-tokens", str(args.text_tokens), "--image-size",
            str(args.image_size), "--rank", str(args.memory_rank), "--hidden", str(args.hidden)]
     if args.train_vision:
@@ -228,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(ActivationModel.lora_rank), as benchmarks/memory_estimate.py measures it")
     parser.add_argument("--train-vision", action="store_true", help="adapters on the vision tower too")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cuda on a GPU machine (benchmarks/gpu_vlm.sh)")
+    parser.add_argument("--dtype", default="float32")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per variant (default 9, --quick 2)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
@@ -264,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             start, cpu_start = time.perf_counter(), time.process_time()
             for items in plans[variant]:
                 cycle(engine, items)
+            harness.sync(args.device)
             if record:
                 samples[variant]["wall"].append(time.perf_counter() - start)
                 samples[variant]["cpu"].append(time.process_time() - cpu_start)
@@ -278,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                 timed(variant, record=True)
                 progress.update()
         progress.set_postfix_str("memory (child process)")
-        memory = measure_memory(args, folder)
+        # peak RSS is host memory: the measurement is the CPU trainer's (on a GPU the estimate is checked elsewhere)
+        memory = measure_memory(args, folder) if args.device == "cpu" else {"ratio": float("nan"), "skipped": args.device}
         progress.update()
         progress.close()
         passes = harness.describe_plan(engine, [length] * args.tenants)
@@ -296,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                        "cobatch_gain": [t / c for t, c in zip(sliced, co)]}
     goal_met = {name: (value <= GOALS[name][1] if GOALS[name][0] == "<=" else value >= GOALS[name][1])
                 for name, value in ratios.items()}
-    goal_met["memory_ratio"] = MEMORY_GOAL[0] <= memory["ratio"] <= MEMORY_GOAL[1]
+    goal_met["memory_ratio"] = bool(MEMORY_GOAL[0] <= memory["ratio"] <= MEMORY_GOAL[1])
     result = {
         "benchmark": "vlm", "ratios": {**ratios, "memory_ratio": memory["ratio"]}, "goal_met": goal_met,
         "goals": {**{n: f"{op} {g}" for n, (op, g) in GOALS.items()}, "memory_ratio": f"{MEMORY_GOAL[0]}-{MEMORY_GOAL[1]}"},
@@ -311,14 +315,15 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"model": "tiny qwen3_vl_moe (services/models/tiny_vision.py)", "hidden": args.hidden, "layers": args.layers, "vocab": args.vocab,
                    "tenants": args.tenants, "text_tokens": args.text_tokens, "image_size": args.image_size,
                    "image_tokens": n, "tokens_per_row": length, "rank": args.rank, "train_vision": args.train_vision,
-                   "threads": args.threads, "reps": reps, "passes": passes, "torch": torch.__version__,
+                   "threads": args.threads, "device": args.device, "dtype": args.dtype, "reps": reps, "passes": passes, "torch": torch.__version__,
                    "python": platform.python_version(), "cpu_count": os.cpu_count(),
                    "load_average_at_end": os.getloadavg()},
         "total_seconds": time.perf_counter() - started,
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "vlm.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, args.out_dir / "vlm.png")
+    (args.out_dir / ("vlm.json" if args.device == "cpu" else f"vlm_{args.device.split(':')[0]}.json")).write_text(json.dumps(result, indent=2) + "\n")
+    if args.device == "cpu":
+        plot(result, args.out_dir / "vlm.png")
     for name, value in result["ratios"].items():
         print(f"{name:17s} {value:6.3f}  goal {result['goals'][name]}: {'met' if goal_met[name] else 'MISSED'}",
               file=sys.stderr)

@@ -23,7 +23,7 @@ import json
 import threading
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -233,11 +233,9 @@ def _has_torchvision() -> bool:
     return importlib.util.find_spec("torchvision") is not None
 
 
-PointerResolver = "Callable[[str, str], bytes]"  # (location, format) -> the tenant's uploaded bytes
-
-
 def flatten(model_input: types_pb2.ModelInput, vision: VisionProcessor | None, limits: ImageLimits = DEFAULT_LIMITS,
-            what: str = "model_input", resolve_pointer=None, model: str = "the base model") -> FlatInput:
+            what: str = "model_input", resolve_pointer: Callable[[str, str], bytes] | None = None,
+            model: str = "the base model") -> FlatInput:
     """``model_input`` as the model sees it, every chunk checked (INVALID_ARGUMENT naming the chunk):
     text tokens as they are, each image as N image tokens after checking its bytes and that N equals
     ``expected_tokens`` when given. ``resolve_pointer(location, format)``: the bytes of the caller's
