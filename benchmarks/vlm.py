@@ -73,7 +73,7 @@ def build_engine(folder: Path, args, checkpoint_dir: Path, **settings_overrides)
     return engine
 
 
-def image_datum(engine, colour: str, text_tokens: int, image_size: int, seed: int):
+def image_datum(engine, colour: str, text_tokens: int, image_size: int, seed: int, with_image: bool = True):
     """32 text tokens, one image, 32 text tokens (--text-tokens in all), cross-entropy on every position."""
     import numpy as np
     from PIL import Image
@@ -93,6 +93,9 @@ def image_datum(engine, colour: str, text_tokens: int, image_size: int, seed: in
               types_pb2.ModelInputChunk(image=types_pb2.ImageChunk(data=png.getvalue(), format="png", expected_tokens=n)),
               types_pb2.ModelInputChunk(encoded_text=types_pb2.EncodedTextChunk(
                   tokens=encode_tokens(np.concatenate([[vision.tokens.end], text[before:before + after - 1]]))))]
+    if not with_image:  # the control: the same number of tokens, all text
+        chunks = [types_pb2.ModelInputChunk(encoded_text=types_pb2.EncodedTextChunk(
+            tokens=encode_tokens(rng.integers(0, 500, text_tokens + n))))]
     length = text_tokens + n
     targets = rng.integers(0, 500, length)
     return types_pb2.Datum(model_input=types_pb2.ModelInput(chunks=chunks),
@@ -116,8 +119,8 @@ def cycle(engine, items: list) -> list:
 
 
 def inputs(engine, args):
-    data = [image_datum(engine, COLOURS[i % len(COLOURS)], args.text_tokens, args.image_size, seed=i)
-            for i in range(args.tenants)]
+    data = [image_datum(engine, COLOURS[i % len(COLOURS)], args.text_tokens, args.image_size, seed=i,
+                        with_image=not args.text_only) for i in range(args.tenants)]
     keys = [f"tenant-{i}" for i in range(args.tenants)]
     return keys, [d for d, _, _ in data], data[0][1], data[0][2]
 
@@ -147,12 +150,13 @@ def memory_child(args) -> None:
         model = ActivationModel.from_config(engine.loaded.model.config, next(engine.loaded.model.parameters()).dtype,
                                             lora_rank=args.rank, device=engine.device)
         tokens = args.tenants * length
-        estimate = model.pass_bytes(tokens, length, False, engine.logprob_chunk_tokens, args.tenants * n,
-                                    args.tenants * n if args.train_vision else 0)
+        images = 0 if args.text_only else args.tenants * n
+        estimate = model.pass_bytes(tokens, length, False, engine.logprob_chunk_tokens, images,
+                                    images if args.train_vision else 0)
         # the adapters' gradients (kept between the two cycles? no: cleared above) are part of what the pass allocates
         grads = sum(p.numel() * 4 for a in engine.lora.adapters.values() for p in a.params.values() if p.requires_grad)
         out = {"delta_rss_bytes": (peak_kb - base_kb) * 1024, "estimated_bytes": estimate, "adapter_grad_bytes": grads,
-               "peak_reset": reset, "tokens": tokens, "image_tokens": args.tenants * n,
+               "peak_reset": reset, "tokens": tokens, "image_tokens": images,
                "passes": harness.describe_plan(engine, [length] * args.tenants)}
     print(harness.MEM_PREFIX + json.dumps(out), flush=True)
 
@@ -161,8 +165,9 @@ def measure_memory(args, folder: Path) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", "--model", str(folder), "--threads",
            str(args.threads), "--tenants", str(args.tenants), "--text-tokens", str(args.text_tokens), "--image-size",
            str(args.image_size), "--rank", str(args.memory_rank), "--hidden", str(args.hidden)]
-    if args.train_vision:
-        cmd.append("--train-vision")
+    for flag in ("train_vision", "text_only"):
+        if getattr(args, flag):
+            cmd.append("--" + flag.replace("_", "-"))
     env = {k: v for k, v in os.environ.items() if k not in TUNED_MALLOC_ENV and k != "TEMPER_HOST_ALLOCATOR_TUNED"}
     env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed blocks go back: RSS shows live tensors
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -227,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="adapter rank in the memory measurement: the rank the trainer's estimate counts "
                              "(ActivationModel.lora_rank), as benchmarks/memory_estimate.py measures it")
     parser.add_argument("--train-vision", action="store_true", help="adapters on the vision tower too")
+    parser.add_argument("--text-only", action="store_true",
+                        help="the control: each datum the same number of tokens, all text (no image)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="cuda on a GPU machine (benchmarks/gpu_vlm.sh)")
     parser.add_argument("--dtype", default="float32")
@@ -314,15 +321,17 @@ def main(argv: list[str] | None = None) -> int:
         },
         "config": {"model": "tiny qwen3_vl_moe (services/models/tiny_vision.py)", "hidden": args.hidden, "layers": args.layers, "vocab": args.vocab,
                    "tenants": args.tenants, "text_tokens": args.text_tokens, "image_size": args.image_size,
-                   "image_tokens": n, "tokens_per_row": length, "rank": args.rank, "train_vision": args.train_vision,
+                   "image_tokens": 0 if args.text_only else n, "tokens_per_row": length, "rank": args.rank,
+                   "train_vision": args.train_vision, "text_only": args.text_only,
                    "threads": args.threads, "device": args.device, "dtype": args.dtype, "reps": reps, "passes": passes, "torch": torch.__version__,
                    "python": platform.python_version(), "cpu_count": os.cpu_count(),
                    "load_average_at_end": os.getloadavg()},
         "total_seconds": time.perf_counter() - started,
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / ("vlm.json" if args.device == "cpu" else f"vlm_{args.device.split(':')[0]}.json")).write_text(json.dumps(result, indent=2) + "\n")
-    if args.device == "cpu":
+    name = "vlm" + ("_text_only" if args.text_only else "") + ("" if args.device == "cpu" else f"_{args.device.split(':')[0]}")
+    (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    if args.device == "cpu" and not args.text_only:
         plot(result, args.out_dir / "vlm.png")
     for name, value in result["ratios"].items():
         print(f"{name:17s} {value:6.3f}  goal {result['goals'][name]}: {'met' if goal_met[name] else 'MISSED'}",
