@@ -11,7 +11,8 @@ from safetensors.numpy import load_file
 from sqlalchemy import create_engine, text
 
 from temper.client import Datum, ModelInput
-from temper.v1 import service_pb2_grpc
+from temper.common.codec import encode_floats, encode_tokens
+from temper.v1 import service_pb2_grpc, types_pb2
 
 
 @pytest.fixture(scope="session")
@@ -61,6 +62,36 @@ def png_bytes(color: str = "red", size: tuple[int, int] = (64, 64), fmt: str = "
     out = io.BytesIO()
     Image.new("RGB", size, color).save(out, fmt)
     return out.getvalue()
+
+
+def tiny_vl_config_folder(folder) -> str:
+    """Writes a tiny Qwen3-VL folder without weights into ``folder``: config.json, tokenizer (Qwen3's real
+    special ids), preprocessor_config.json; returns its path."""
+    import json
+
+    from temper.services.models import tiny_vision
+
+    tokenizer = tiny_vision.qwen_tokenizer()
+    config = tiny_vision.TINY_VL_FAMILIES["qwen3_vl"](64, 2, tokenizer)
+    config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps(tiny_vision._preprocessor_config(config)))
+    return str(folder)
+
+
+class RedSampler:
+    """The Sample verb of a scheduler stand-in for the gateway's image tests: records each request in
+    ``self.samples`` and answers "red" then EOS (``self.tokenizer``'s ids), -0.5 a token."""
+
+    async def verb(self, method, request, key):
+        assert method == "Sample"
+        self.samples.append(request)
+        tokens = self.tokenizer.encode("red", add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        return types_pb2.SampleResponse(sequences=[types_pb2.SampledSequence(
+            tokens=encode_tokens(tokens), logprobs=encode_floats([-0.5] * len(tokens)), stop_reason=types_pb2.STOP_REASON_STOP)])
+
+    async def close(self):
+        pass
 
 
 @pytest.fixture(scope="session")

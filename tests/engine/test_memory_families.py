@@ -206,10 +206,9 @@ ROWS, TENANTS, TOKENS, RANK = 4, 2, 64, 16
 
 
 
-def saved_in_decoder_layers(engine, items) -> int:
-    """Bytes of the tensors autograd saves inside the decoder layers (parameters excluded, each
-    storage once) during one forward_backward cycle."""
-    model = engine.loaded.model
+def saved_bytes(model, modules, run) -> int:
+    """Bytes of the tensors autograd saves inside ``modules`` (parameters of ``model`` excluded, each
+    storage once) during ``run()``, one cycle whose results hold no exception."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     depth, saved = [0], {}
 
@@ -227,11 +226,11 @@ def saved_in_decoder_layers(engine, items) -> int:
         return tensor
 
     handles = []
-    for layer in model.model.layers:
-        handles += [layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave)]
+    for module in modules:
+        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            results, _ = engine.run_cycle(items, [])
+            results = run()
     finally:
         for handle in handles:
             handle.remove()
@@ -263,7 +262,8 @@ def test_saved_activations_match_the_estimate(family, tmp_path):
 
     items = [ForwardBackwardItem(f"tenant-{t}", [datum(r) for r in rows[t::TENANTS]], "cross_entropy", {}, False)
              for t in range(TENANTS)]
-    measured = saved_in_decoder_layers(engine, items)
+    # what the decoder layers save during one forward_backward cycle
+    measured = saved_bytes(loaded.model, loaded.model.model.layers, lambda: engine.run_cycle(items, [])[0])
     m = ActivationModel.from_config(loaded.model.config, F32, lora_rank=RANK, device="cpu")
     tokens = ROWS * TOKENS
     estimate = (m.decoder_elements(TOKENS) * tokens + m.moe_layers * m.expert_factor_elements(ROWS, tokens)) * 4

@@ -8,42 +8,15 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from temper.services.lora.model import AdapterSpec
 from temper.services.trainer.numerics import PassOptions, Row, plan_passes
 
+from tests.engine.test_memory_families import saved_bytes
 from tests.engine.test_vision_trainer import datum, item, make_engine, noise_png, run_wire
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 RANK, ROWS, TEXT = 16, 4, 40
-
-
-def saved_bytes(engine, modules, items) -> int:
-    """Bytes of the tensors autograd saves inside ``modules`` (parameters excluded, each storage once)
-    during one cycle."""
-    params = {p.untyped_storage().data_ptr() for p in engine.loaded.model.parameters()}
-    depth, saved = [0], {}
-
-    def pack(tensor):
-        if depth[0]:
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in params:
-                saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    handles = []
-    for module in modules:
-        handles += [module.register_forward_pre_hook(lambda *_: depth.__setitem__(0, depth[0] + 1)),
-                    module.register_forward_hook(lambda *_: depth.__setitem__(0, depth[0] - 1))]
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            results = run_wire(engine, items)
-    finally:
-        for handle in handles:
-            handle.remove()
-    assert not any(isinstance(r, Exception) for r in results), results
-    return sum(saved.values())
 
 
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe"])
@@ -56,7 +29,8 @@ def test_saved_tower_activations_match_the_estimate(vl_model_dirs, tmp_path, fam
     engine.create_adapter("run-a", spec, seed=1)
     vision = engine.loaded.vision
     rows = [datum(vision, [[1, 2], noise_png(n, (128, 128)), [3] * TEXT], n, 2 + 18 + TEXT) for n in range(ROWS)]
-    measured = saved_bytes(engine, [engine.loaded.model.model.visual], [item("run-a", rows)])
+    measured = saved_bytes(engine.loaded.model, [engine.loaded.model.model.visual],
+                           lambda: run_wire(engine, [item("run-a", rows)]))
     tower = engine.activations.tower
     assert (tower.merge, tower.depth, tower.deepstack) == (4, 2, 1)
     estimated = tower.trained_elements(ROWS * 16, RANK) * engine.activations.dtype_bytes

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from temper.common.errors import FailedPrecondition, InvalidArgument
-from temper.services.lora.model import EXPERT_TARGETS, AdapterSpec, LoraModel
+from temper.services.lora.model import EXPERT_TARGETS
 from temper.services.models import families
 from temper.services.models.loading import load_model
 from temper.services.sampler.backend import SampleRequest
@@ -32,33 +32,16 @@ from temper.services.sampler.sglang_adapters import check_servable
 from temper.services.sampler.torch_backend import TorchSamplerBackend
 from temper.services.trainer import convert
 from temper.v1 import types_pb2
-from tests.engine.test_vision_sampler import GREEDY, TOL, direct_greedy, direct_logits, flat, text, vl_prompt
-from tests.engine.test_vision_trainer import (add_adapter, assert_grads_close, datum, decode, grads, item, make_engine,
-                                              noise_png, run_wire, sample_data)
+from tests.engine.test_vision_sampler import (GREEDY, TOL, adapted_backend, check_batch_equals_direct_forward,
+                                              check_compute_logprobs, flat, text, vl_prompt)
+from tests.engine.test_vision_trainer import (add_adapter, assert_grads_close, check_forward_backward_matches_own_forward,
+                                              check_peft_export_matches_on_images,
+                                              check_three_adapters_equal_each_run_alone, datum, decode, direct, grads,
+                                              item, make_engine, noise_png, run_wire, sample_data)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 FAMILIES = ("qwen3_5", "qwen3_5_moe")
 LINEAR_ATTN = {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"}
-
-
-def direct(engine, run_id, decoded, with_grad=True):
-    """Per datum, log p(target) from the model's own forward (its processor's pixels, its own positions, no
-    cache), one unpadded datum at a time; the gradients of the weighted sum."""
-    model, vision = engine.loaded.model, engine.loaded.vision
-    for p in engine.host.get(run_id).params.values():
-        p.grad = None
-    out = []
-    for d in decoded:
-        ids = torch.tensor(d.tokens, dtype=torch.long)[None]
-        kwargs = dict(vision.pixels(list(d.images)), mm_token_type_ids=(ids == vision.tokens.image).int()) if d.images else {}
-        model.model.rope_deltas = None
-        with torch.set_grad_enabled(with_grad), engine.lora.route([(run_id, None)]):
-            logits = model(input_ids=ids, use_cache=False, **kwargs).logits[0].float()
-        lp = logits.log_softmax(-1).gather(-1, torch.tensor(d.inputs["target_tokens"])[:, None])[:, 0]
-        if with_grad:
-            (-(lp * torch.tensor(d.inputs["weights"])).sum()).backward()
-        out.append(lp.detach().numpy())
-    return out, grads(engine, run_id) if with_grad else {}
 
 
 # ---- the family -----------------------------------------------------------------------------------
@@ -102,39 +85,15 @@ def test_family_real_ids_and_what_lora_adapts(vl_model_dirs, tmp_path, family):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("train_vision", [False, True])
 def test_forward_backward_with_images_matches_the_model_s_own_forward(vl_model_dirs, tmp_path, family, train_vision):
-    engine = make_engine(vl_model_dirs[family], tmp_path)
-    add_adapter(engine, "run-a", train_vision, seed=3)
-    data = sample_data(engine.loaded.vision)
-    (result,) = run_wire(engine, [item("run-a", data)])
-    got = grads(engine, "run-a")
-    want_lp, want_grads = direct(engine, "run-a", decode(engine, data))
-    for lp, want in zip(result.logprobs, want_lp):
-        np.testing.assert_allclose(lp, want, atol=1e-5, rtol=0)
-    assert_grads_close(got, want_grads)
+    got = check_forward_backward_matches_own_forward(vl_model_dirs[family], tmp_path, train_vision, masked=False)
     linear_attn = [name for name in got if ".linear_attn." in name]
     assert {name.split(".linear_attn.")[1].split(".")[0] for name in linear_attn} == LINEAR_ATTN
     assert all(got[name].abs().sum() > 0 for name in linear_attn)  # the gated delta net's LoRA trains
-    tower = [name for name in got if ".visual." in name]
-    assert bool(tower) == train_vision and all(got[name].abs().sum() > 0 for name in tower)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_image_and_text_rows_of_three_adapters_share_passes_and_equal_each_run_alone(vl_model_dirs, tmp_path, family):
-    engines = {name: make_engine(vl_model_dirs[family], tmp_path / name, max_tokens_per_microbatch=48,
-                                 activation_checkpointing_min_tokens=0) for name in ("shared", "alone")}
-    runs = {"run-v": True, "run-t": False, "run-u": False}
-    for engine in engines.values():
-        for n, (run_id, vision) in enumerate(runs.items()):
-            add_adapter(engine, run_id, vision, seed=10 + n)
-    vision = engines["shared"].loaded.vision
-    data = {run_id: sample_data(vision, seed=n)[n % 2:] for n, run_id in enumerate(runs)}
-    shared = run_wire(engines["shared"], [item(run_id, data[run_id], forward_only=run_id == "run-u") for run_id in runs])
-    for k, run_id in enumerate(runs):
-        (alone,) = run_wire(engines["alone"], [item(run_id, data[run_id], forward_only=run_id == "run-u")])
-        for got, want in zip(shared[k].logprobs, alone.logprobs):
-            np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
-        if run_id != "run-u":
-            assert_grads_close(grads(engines["shared"], run_id), grads(engines["alone"], run_id))
+    check_three_adapters_equal_each_run_alone(vl_model_dirs[family], tmp_path)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -158,42 +117,20 @@ def test_right_padding_beside_a_longer_row_leaves_a_row_as_it_is_alone(vl_model_
     # the gradients too: together == short alone + long alone (accumulated over the two calls)
     run_wire(engines[1], [item("run-a", [long])])
     assert_grads_close(grads(engines[0], "run-a"), grads(engines[1], "run-a"))
-    want, _ = direct(engines[1], "run-a", decode(engines[1], [short]), with_grad=False)
+    want, _ = direct(engines[1], "run-a", decode(engines[1], [short]), with_grad=False, masked=False)
     np.testing.assert_allclose(together.logprobs[0], want[0], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("train_vision", [False, True])
 def test_peft_export_loads_into_transformers_and_peft_and_matches_on_images(vl_model_dirs, tmp_path, family, train_vision):
-    import json
-
-    from peft import PeftModel
-    from transformers import AutoModelForImageTextToText
-
-    engine = make_engine(vl_model_dirs[family], tmp_path)
-    add_adapter(engine, "run-a", train_vision, seed=4)
-    data = sample_data(engine.loaded.vision)
-    (result,) = run_wire(engine, [item("run-a", data, forward_only=True)])
-    engine.save("run-a", "tenant/run-a/export", include_optimizer=False)
-    folder = engine.store.existing("tenant/run-a/export")
-    config = json.loads((folder / "adapter_config.json").read_text())
-    assert LINEAR_ATTN <= set(config["target_modules"]) and ("qkv" in config["target_modules"]) == train_vision
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        base = AutoModelForImageTextToText.from_pretrained(vl_model_dirs[family], dtype=torch.float32)
-        peft_model = PeftModel.from_pretrained(base, str(folder)).eval()
+    engine, peft_model, folder, config = check_peft_export_matches_on_images(vl_model_dirs[family], tmp_path,
+                                                                             train_vision, masked=False)
+    assert LINEAR_ATTN <= set(config["target_modules"])
     # peft adapted exactly the layers Temper did (none more: a zero-B extra would hide nothing here)
     peft_layers = {name.removesuffix(".lora_A.default") for name, _ in peft_model.named_modules()
                    if name.endswith(".lora_A.default")}
     assert len(peft_layers) == len([n for n in engine.host.get("run-a").params if n.endswith("lora_A.weight")])
-    vision = engine.loaded.vision
-    for d, got in zip(decode(engine, data), result.logprobs):
-        ids = torch.tensor(d.tokens, dtype=torch.long)[None]
-        kwargs = dict(vision.pixels(list(d.images)), mm_token_type_ids=(ids == vision.tokens.image).int()) if d.images else {}
-        with torch.no_grad():
-            logits = peft_model(input_ids=ids, use_cache=False, **kwargs).logits[0].float()
-        want = logits.log_softmax(-1).gather(-1, torch.tensor(d.inputs["target_tokens"])[:, None])[:, 0].numpy()
-        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     if train_vision:
         return
     # SGLang 0.5.23 cannot serve the linear-attention input projections' LoRA: refused by name (the routed
@@ -225,19 +162,9 @@ def test_deterministic_forward_backward_is_refused_naming_the_family(vl_model_di
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def backend(request, vl_model_dirs, tmp_path_factory):
-    folder = vl_model_dirs[request.param]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        backend = TorchSamplerBackend(load_model(folder))
-        scratch = LoraModel(load_model(folder).model, folder)  # the adapter travels as a peft folder, as pushed
-    scratch.add("a", AdapterSpec(rank=4, alpha=8, targets=scratch.group_targets(attn=True, mlp=True)), seed=0)
-    with torch.no_grad():
-        for p in scratch.adapters["a"].params.values():
-            p.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
-    adapter_dir = tmp_path_factory.mktemp(f"adapter-{request.param}")
-    scratch.save("a", adapter_dir)
-    backend.load_adapter("a", adapter_dir)
-    return backend
+        return adapted_backend(vl_model_dirs[request.param], tmp_path_factory.mktemp(f"adapter-{request.param}"))
 
 
 def test_left_padded_batch_decodes_as_the_model_s_own_forward(backend):
@@ -250,38 +177,14 @@ def test_left_padded_batch_decodes_as_the_model_s_own_forward(backend):
               (vl_prompt(backend, "blue", "yellow", sizes=[(64, 64), (96, 64)], seed=2), None, 1),
               (types_pb2.ModelInput(chunks=[text([5, 17, 99, 140, 7])]), "a", 1), (long_text, None, 1),
               (vl_prompt(backend, "green", seed=3), "a", 1)]
-    requests = []
-    for model_input, key, samples in inputs:
-        f = flat(backend, model_input)
-        requests.append(SampleRequest(key, f.tokens, samples, GREEDY, prompt_logprobs=True, topk_prompt_logprobs=3,
-                                      images=f.images))
-    results = backend.sample_batch(requests)
-    for (model_input, key, _), request, result in zip(inputs, requests, results):
-        tokens, logprobs, prompt_lp, prompt = direct_greedy(backend, key, model_input, GREEDY.max_tokens)
-        np.testing.assert_array_equal(prompt, request.prompt)
-        for seq in result.sequences:
-            assert seq.tokens == tokens
-            np.testing.assert_allclose(seq.logprobs, logprobs, atol=TOL)
-        want = prompt_lp.gather(-1, torch.tensor(prompt[1:], dtype=torch.long)[:, None])[:, 0].numpy()
-        np.testing.assert_allclose(result.prompt_logprobs[1:], want, atol=TOL)
-        top = prompt_lp.topk(3, dim=-1)
-        np.testing.assert_array_equal(result.topk_prompt_ids[1:], top.indices.numpy())
-        np.testing.assert_allclose(result.topk_prompt_logprobs[1:], top.values.numpy(), atol=TOL)
-    assert len({tuple(r.sequences[0].tokens) for r in results}) > 1
+    check_batch_equals_direct_forward(backend, inputs)
 
 
 def test_compute_logprobs_equals_a_direct_forward(backend):
     model_input = vl_prompt(backend, "purple", "orange", seed=4)
     f = flat(backend, model_input)
     for key in (None, "a"):
-        got = backend.compute_logprobs(key, f.tokens, images=f.images)
-        lp = direct_logits(backend, key, f.tokens, model_input).log_softmax(-1)
-        want = lp[:-1].gather(-1, torch.tensor(f.tokens[1:], dtype=torch.long)[:, None])[:, 0].numpy()
-        assert got.shape == (len(f.tokens),) and np.isnan(got[0])
-        np.testing.assert_allclose(got[1:], want, atol=TOL)
-        last = backend.compute_logprobs(key, f.tokens, last_n=6, images=f.images)
-        assert np.isnan(last[:-6]).all()
-        np.testing.assert_allclose(last[-6:], want[-6:], atol=TOL)
+        check_compute_logprobs(backend, key, model_input, f)
 
 
 def test_deterministic_sampling_is_refused_naming_the_family(backend):

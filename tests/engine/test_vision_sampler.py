@@ -29,19 +29,23 @@ GREEDY = SamplingOptions(max_tokens=5, temperature=0.0, stop_disabled=True)
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def backend(request, vl_model_dirs, tmp_path_factory):
-    folder = vl_model_dirs[request.param]
+def adapted_backend(folder, adapter_dir) -> TorchSamplerBackend:
+    """A torch sampler on ``folder`` with adapter "a" (attention + MLP, random factors) loaded from a peft
+    folder written to ``adapter_dir``."""
     backend = TorchSamplerBackend(load_model(folder))
     scratch = LoraModel(load_model(folder).model, folder)  # the adapter travels as a peft folder, as pushed
     scratch.add("a", AdapterSpec(rank=4, alpha=8, targets=scratch.group_targets(attn=True, mlp=True)), seed=0)
     with torch.no_grad():
         for p in scratch.adapters["a"].params.values():
             p.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
-    adapter_dir = tmp_path_factory.mktemp(f"adapter-{request.param}")
     scratch.save("a", adapter_dir)
     backend.load_adapter("a", adapter_dir)
     return backend
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def backend(request, vl_model_dirs, tmp_path_factory):
+    return adapted_backend(vl_model_dirs[request.param], tmp_path_factory.mktemp(f"adapter-{request.param}"))
 
 
 def text(tokens) -> types_pb2.ModelInputChunk:
@@ -100,6 +104,46 @@ def direct_greedy(backend, key, model_input, steps):
     return tokens, logprobs, prompt_lp[:n - 1], np.asarray(seq[:n])
 
 
+def check_batch_equals_direct_forward(backend, inputs):
+    """``inputs``: (model input, adapter key, samples) prompts sampled in one greedy batch: greedy tokens,
+    their logprobs, prompt logprobs and top-k prompt logprobs equal ``direct_greedy``. Returns the
+    requests and their results."""
+    requests = []
+    for model_input, key, samples in inputs:
+        f = flat(backend, model_input)
+        requests.append(SampleRequest(key, f.tokens, samples, GREEDY, prompt_logprobs=True, topk_prompt_logprobs=3,
+                                      images=f.images))
+    results = backend.sample_batch(requests)
+    for (model_input, key, _), request, result in zip(inputs, requests, results):
+        tokens, logprobs, prompt_lp, prompt = direct_greedy(backend, key, model_input, GREEDY.max_tokens)
+        np.testing.assert_array_equal(prompt, request.prompt)
+        for seq in result.sequences:
+            assert seq.tokens == tokens
+            np.testing.assert_allclose(seq.logprobs, logprobs, atol=TOL)
+        want = prompt_lp.gather(-1, torch.tensor(prompt[1:], dtype=torch.long)[:, None])[:, 0].numpy()
+        np.testing.assert_allclose(result.prompt_logprobs[1:], want, atol=TOL)
+        top = prompt_lp.topk(3, dim=-1)
+        np.testing.assert_array_equal(result.topk_prompt_ids[1:], top.indices.numpy())
+        np.testing.assert_allclose(result.topk_prompt_logprobs[1:], top.values.numpy(), atol=TOL)
+    # the images and the adapter matter: the prompts do not all decode alike
+    assert len({tuple(r.sequences[0].tokens) for r in results}) > 1
+    return requests, results
+
+
+def check_compute_logprobs(backend, key, model_input, f):
+    """compute_logprobs of ``f`` (``model_input`` flattened), all and the last 6, equal a direct forward;
+    returns the last 6's."""
+    got = backend.compute_logprobs(key, f.tokens, images=f.images)
+    lp = direct_logits(backend, key, f.tokens, model_input).log_softmax(-1)
+    want = lp[:-1].gather(-1, torch.tensor(f.tokens[1:], dtype=torch.long)[:, None])[:, 0].numpy()
+    assert got.shape == (len(f.tokens),) and np.isnan(got[0])
+    np.testing.assert_allclose(got[1:], want, atol=TOL)
+    last = backend.compute_logprobs(key, f.tokens, last_n=6, images=f.images)
+    assert np.isnan(last[:-6]).all()
+    np.testing.assert_allclose(last[-6:], want[-6:], atol=TOL)
+    return last
+
+
 def test_model_info_reports_the_vision_processor(backend, tiny_model_dir, tmp_path):
     info = convert.model_info_to_pb(backend.describe(), backend.name)
     assert info.HasField("vision") and info.vision.image_token_id == backend.loaded.model.config.image_token_id
@@ -114,41 +158,17 @@ def test_mixed_batch_equals_a_direct_forward(backend):
     inputs = [(vl_prompt(backend, "red", seed=1), "a", 2), (vl_prompt(backend, "blue", "yellow", sizes=[(64, 64), (96, 64)],
                                                                      seed=2), None, 1),
               (types_pb2.ModelInput(chunks=[text([5, 17, 99, 140, 7])]), "a", 1), (vl_prompt(backend, "green", seed=3), None, 1)]
-    requests = []
-    for model_input, key, samples in inputs:
-        f = flat(backend, model_input)
-        requests.append(SampleRequest(key, f.tokens, samples, GREEDY, prompt_logprobs=True, topk_prompt_logprobs=3,
-                                      images=f.images))
-    results = backend.sample_batch(requests)
-    for (model_input, key, _), request, result in zip(inputs, requests, results):
-        tokens, logprobs, prompt_lp, prompt = direct_greedy(backend, key, model_input, GREEDY.max_tokens)
-        np.testing.assert_array_equal(prompt, request.prompt)
-        for seq in result.sequences:
-            assert seq.tokens == tokens
-            np.testing.assert_allclose(seq.logprobs, logprobs, atol=TOL)
+    requests, results = check_batch_equals_direct_forward(backend, inputs)
+    for request, result in zip(requests, results):  # one prompt logprob (and top-k row) per flattened token
         assert result.prompt_logprobs.shape == (len(request.prompt),) and np.isnan(result.prompt_logprobs[0])
-        want = prompt_lp.gather(-1, torch.tensor(prompt[1:], dtype=torch.long)[:, None])[:, 0].numpy()
-        np.testing.assert_allclose(result.prompt_logprobs[1:], want, atol=TOL)
-        top = prompt_lp.topk(3, dim=-1)
         assert result.topk_prompt_ids.shape == (len(request.prompt), 3)
-        np.testing.assert_array_equal(result.topk_prompt_ids[1:], top.indices.numpy())
-        np.testing.assert_allclose(result.topk_prompt_logprobs[1:], top.values.numpy(), atol=TOL)
-    # the images and the adapter matter: the four prompts do not all decode alike
-    assert len({tuple(r.sequences[0].tokens) for r in results}) > 1
 
 
 def test_compute_logprobs_and_last_n_equal_a_direct_forward(backend):
     model_input = vl_prompt(backend, "purple", "orange", seed=4)
     f = flat(backend, model_input)
     for key in (None, "a"):
-        got = backend.compute_logprobs(key, f.tokens, images=f.images)
-        lp = direct_logits(backend, key, f.tokens, model_input).log_softmax(-1)
-        want = lp[:-1].gather(-1, torch.tensor(f.tokens[1:], dtype=torch.long)[:, None])[:, 0].numpy()
-        assert got.shape == (len(f.tokens),) and np.isnan(got[0])
-        np.testing.assert_allclose(got[1:], want, atol=TOL)
-        last = backend.compute_logprobs(key, f.tokens, last_n=6, images=f.images)
-        assert np.isnan(last[:-6]).all()
-        np.testing.assert_allclose(last[-6:], want[-6:], atol=TOL)
+        last = check_compute_logprobs(backend, key, model_input, f)
         [sampled] = backend.sample_batch([SampleRequest(key, f.tokens, 1, GREEDY, prompt_logprobs=True,
                                                         prompt_logprobs_last_n=6, images=f.images)])
         np.testing.assert_allclose(sampled.prompt_logprobs, last, atol=TOL, equal_nan=True)

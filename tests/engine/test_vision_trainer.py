@@ -99,22 +99,28 @@ def grads(engine, run_id) -> dict[str, torch.Tensor]:
     return {name: p.grad.clone() for name, p in engine.host.get(run_id).params.items() if p.grad is not None}
 
 
-def direct(engine, run_id, decoded, with_grad=True):
-    """Per datum, log p(target) from the transformers model's own forward (pixel_values through its
-    processor, its own multimodal positions), one datum at a time; the gradients of the weighted sum."""
+def own_logprobs(model, vision, d, masked=True) -> torch.Tensor:
+    """log p(target) of one decoded datum from a transformers model's own forward (pixel_values through
+    its processor, its own multimodal positions), unpadded: with an all-ones attention mask where
+    ``masked``, else with neither mask nor cache (the Qwen3.5 tests)."""
+    ids = torch.tensor(d.tokens, dtype=torch.long)[None]
+    kwargs = dict(vision.pixels(list(d.images)), mm_token_type_ids=(ids == vision.tokens.image).int()) if d.images else {}
+    kwargs.update({"attention_mask": torch.ones_like(ids)} if masked else {"use_cache": False})
+    logits = model(input_ids=ids, **kwargs).logits[0].float()
+    return logits.log_softmax(-1).gather(-1, torch.tensor(d.inputs["target_tokens"])[:, None])[:, 0]
+
+
+def direct(engine, run_id, decoded, with_grad=True, masked=True):
+    """Per datum, log p(target) from the transformers model's own forward (``own_logprobs``), one datum
+    at a time; the gradients of the weighted sum."""
     model, vision = engine.loaded.model, engine.loaded.vision
     for p in engine.host.get(run_id).params.values():
         p.grad = None
     out = []
     for d in decoded:
-        ids = torch.tensor(d.tokens, dtype=torch.long)[None]
-        kwargs = {}
-        if d.images:
-            kwargs = dict(vision.pixels(list(d.images)), mm_token_type_ids=(ids == vision.tokens.image).int())
         model.model.rope_deltas = None
         with torch.set_grad_enabled(with_grad), engine.lora.route([(run_id, None)]):
-            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs).logits[0].float()
-        lp = logits.log_softmax(-1).gather(-1, torch.tensor(d.inputs["target_tokens"])[:, None])[:, 0]
+            lp = own_logprobs(model, vision, d, masked)
         if with_grad:
             (-(lp * torch.tensor(d.inputs["weights"])).sum()).backward()
         out.append(lp.detach().numpy())
@@ -141,15 +147,15 @@ def assert_grads_close(got, want):
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6 + 1e-4 * scale, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("train_vision", [False, True])
-def test_forward_backward_with_images_matches_the_model_s_own_forward(vl_model_dirs, tmp_path, family, train_vision):
-    engine = make_engine(vl_model_dirs[family], tmp_path)
+def check_forward_backward_matches_own_forward(folder, tmp_path, train_vision, masked=True) -> dict[str, torch.Tensor]:
+    """forward_backward with images against ``direct``: logprobs and every LoRA gradient (the tower's
+    trained only when the run asks for it); the gradients, for the caller's own checks."""
+    engine = make_engine(folder, tmp_path)
     add_adapter(engine, "run-a", train_vision, seed=3)
     data = sample_data(engine.loaded.vision)
     (result,) = run_wire(engine, [item("run-a", data)])
     got = grads(engine, "run-a")
-    want_lp, want_grads = direct(engine, "run-a", decode(engine, data))
+    want_lp, want_grads = direct(engine, "run-a", decode(engine, data), masked=masked)
     for lp, want in zip(result.logprobs, want_lp):
         np.testing.assert_allclose(lp, want, atol=1e-5, rtol=0)
     assert_grads_close(got, want_grads)
@@ -157,13 +163,13 @@ def test_forward_backward_with_images_matches_the_model_s_own_forward(vl_model_d
     assert bool(tower) == train_vision  # the tower's LoRA is trained only when the run asks for it
     if train_vision:
         assert all(got[name].abs().sum() > 0 for name in tower)
+    return got
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_image_and_text_rows_of_three_adapters_share_passes_and_equal_each_run_alone(vl_model_dirs, tmp_path, family):
+def check_three_adapters_equal_each_run_alone(folder, tmp_path):
     """Adapters with and without the tower trained, image rows and text rows, one shared cycle (split
     into micro-batches, checkpointed): each run's logprobs and gradients equal that run alone."""
-    engines = {name: make_engine(vl_model_dirs[family], tmp_path / name, max_tokens_per_microbatch=48,
+    engines = {name: make_engine(folder, tmp_path / name, max_tokens_per_microbatch=48,
                                  activation_checkpointing_min_tokens=0) for name in ("shared", "alone")}
     runs = {"run-v": True, "run-t": False, "run-u": False}
     for engine in engines.values():
@@ -178,6 +184,43 @@ def test_image_and_text_rows_of_three_adapters_share_passes_and_equal_each_run_a
             np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
         if run_id != "run-u":
             assert_grads_close(grads(engines["shared"], run_id), grads(engines["alone"], run_id))
+
+
+def check_peft_export_matches_on_images(folder, tmp_path, train_vision, masked=True):
+    """The saved adapter (adapter_config.json + safetensors) on the vanilla transformers model through
+    peft: the trainer's logprobs on image rows within 1e-5 (fp32). Returns the engine, the peft model,
+    the export folder and its adapter_config.json."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    engine = make_engine(folder, tmp_path)
+    add_adapter(engine, "run-a", train_vision, seed=4)
+    data = sample_data(engine.loaded.vision)
+    (result,) = run_wire(engine, [item("run-a", data, forward_only=True)])
+    engine.save("run-a", "tenant/run-a/export", include_optimizer=False)
+    export = engine.store.existing("tenant/run-a/export")
+    config = json.loads((export / "adapter_config.json").read_text())
+    assert ("qkv" in config["target_modules"]) == train_vision
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+        peft_model = PeftModel.from_pretrained(base, str(export)).eval()
+    for d, got in zip(decode(engine, data), result.logprobs):
+        with torch.no_grad():
+            want = own_logprobs(peft_model, engine.loaded.vision, d, masked).numpy()
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    return engine, peft_model, export, config
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("train_vision", [False, True])
+def test_forward_backward_with_images_matches_the_model_s_own_forward(vl_model_dirs, tmp_path, family, train_vision):
+    check_forward_backward_matches_own_forward(vl_model_dirs[family], tmp_path, train_vision)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_image_and_text_rows_of_three_adapters_share_passes_and_equal_each_run_alone(vl_model_dirs, tmp_path, family):
+    check_three_adapters_equal_each_run_alone(vl_model_dirs[family], tmp_path)
 
 
 def count_tower_images(engine) -> list[int]:
@@ -303,28 +346,4 @@ def test_model_info_train_vision_and_deterministic_mode_of_a_vision_trainer(vl_m
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("train_vision", [False, True])
 def test_peft_export_loads_into_transformers_and_peft_and_matches_on_images(vl_model_dirs, tmp_path, family, train_vision):
-    """The saved adapter (adapter_config.json + safetensors) on the vanilla transformers model through
-    peft: the trainer's logprobs on image rows within 1e-5 (fp32)."""
-    from peft import PeftModel
-    from transformers import AutoModelForImageTextToText
-
-    engine = make_engine(vl_model_dirs[family], tmp_path)
-    add_adapter(engine, "run-a", train_vision, seed=4)
-    data = sample_data(engine.loaded.vision)
-    (result,) = run_wire(engine, [item("run-a", data, forward_only=True)])
-    engine.save("run-a", "tenant/run-a/export", include_optimizer=False)
-    folder = engine.store.existing("tenant/run-a/export")
-    config = json.loads((folder / "adapter_config.json").read_text())
-    assert ("qkv" in config["target_modules"]) == train_vision
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        base = AutoModelForImageTextToText.from_pretrained(vl_model_dirs[family], dtype=torch.float32)
-        peft_model = PeftModel.from_pretrained(base, str(folder)).eval()
-    vision = engine.loaded.vision
-    for d, got in zip(decode(engine, data), result.logprobs):
-        ids = torch.tensor(d.tokens, dtype=torch.long)[None]
-        kwargs = dict(vision.pixels(list(d.images)), mm_token_type_ids=(ids == vision.tokens.image).int()) if d.images else {}
-        with torch.no_grad():
-            logits = peft_model(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs).logits[0].float()
-        want = logits.log_softmax(-1).gather(-1, torch.tensor(d.inputs["target_tokens"])[:, None])[:, 0].numpy()
-        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    check_peft_export_matches_on_images(vl_model_dirs[family], tmp_path, train_vision)

@@ -5,7 +5,6 @@ records what reaches it; the model is a config-only tiny Qwen3-VL folder (tokeni
 special ids, its image processor), so no weights are loaded."""
 
 import base64
-import json
 
 import grpc
 import numpy as np
@@ -15,8 +14,8 @@ from tinker import types as tt
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.types.forward_backward_request import ForwardBackwardRequest
 
-from fixtures_stack import png_bytes
-from temper.common.codec import decode_tokens, encode_floats, encode_tokens
+from fixtures_stack import RedSampler, png_bytes, tiny_vl_config_folder
+from temper.common.codec import decode_tokens
 from temper.services.gateway import anthropic_convert as ac
 from temper.services.gateway import chat_prompt, convert, image_parts
 from temper.services.gateway import openai_convert as oc
@@ -46,15 +45,7 @@ def refused(call, status: int, *words: str) -> str:
 @pytest.fixture(scope="module")
 def vl_folder(tmp_path_factory):
     """A tiny Qwen3-VL folder without weights: config.json, tokenizer, preprocessor_config.json."""
-    from temper.services.models import tiny_vision
-
-    folder = tmp_path_factory.mktemp("tiny-vl-config")
-    tokenizer = tiny_vision.qwen_tokenizer()
-    config = tiny_vision.TINY_VL_FAMILIES["qwen3_vl"](64, 2, tokenizer)
-    config.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    (folder / "preprocessor_config.json").write_text(json.dumps(tiny_vision._preprocessor_config(config)))
-    return str(folder)
+    return tiny_vl_config_folder(tmp_path_factory.mktemp("tiny-vl-config"))
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +232,7 @@ def test_chat_image_refusals(vl_model, vl_folder):
 
 # ---- the routes, with a scheduler stand-in --------------------------------------------------------------------
 
-class Scheduler:
+class Scheduler(RedSampler):
     """Just enough of the scheduler for the OpenAI and Anthropic routes; records each Sample."""
 
     def __init__(self, folder: str, tokenizer):
@@ -256,16 +247,6 @@ class Scheduler:
             return service_pb2.GetServerCapabilitiesResponse(supported_models=[service_pb2.SupportedModel(
                 model_name="tiny-vl", max_context_length=256, sampleable=True)])
         raise GatewayError(grpc.StatusCode.UNIMPLEMENTED, method)
-
-    async def verb(self, method, request, key):
-        assert method == "Sample"
-        self.samples.append(request)
-        tokens = self.tokenizer.encode("red", add_special_tokens=False) + [self.tokenizer.eos_token_id]
-        return types_pb2.SampleResponse(sequences=[types_pb2.SampledSequence(
-            tokens=encode_tokens(tokens), logprobs=encode_floats([-0.5] * len(tokens)), stop_reason=types_pb2.STOP_REASON_STOP)])
-
-    async def close(self):
-        pass
 
 
 @pytest.fixture

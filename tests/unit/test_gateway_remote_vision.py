@@ -7,21 +7,19 @@ one they do not describe at all is refused, saying the gateway cannot count its 
 from __future__ import annotations
 
 import base64
-import json
 
 import grpc
 import pytest
 from fastapi.testclient import TestClient
 
-from fixtures_stack import png_bytes
-from temper.common.codec import encode_floats, encode_tokens
+from fixtures_stack import RedSampler, png_bytes, tiny_vl_config_folder
 from temper.services.gateway.app import create_app
 from temper.services.gateway.errors import GatewayError
 from temper.services.gateway.openai_targets import vision_of
 from temper.services.models import images
 from temper.services.trainer import convert as trainer_convert
 from temper.services.trainer.tokenizer_files import IMAGE_PROCESSOR_FILE, file_pieces, tokenizer_files
-from temper.v1 import service_pb2, types_pb2
+from temper.v1 import service_pb2
 
 KEY = {"Authorization": "Bearer tml-k"}
 RED, WIDE = png_bytes("red"), png_bytes("blue", (128, 64))
@@ -32,15 +30,7 @@ NOT_HERE = "/models/on-the-trainers-machine/tiny-vl"  # the tokenizer id the sch
 def vl_folder(tmp_path_factory):
     """A tiny Qwen3-VL folder without weights (config.json, tokenizer, preprocessor_config.json): what the
     workers read; the gateway under test never sees it."""
-    from temper.services.models import tiny_vision
-
-    folder = tmp_path_factory.mktemp("tiny-vl-remote")
-    tokenizer = tiny_vision.qwen_tokenizer()
-    config = tiny_vision.TINY_VL_FAMILIES["qwen3_vl"](64, 2, tokenizer)
-    config.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    (folder / "preprocessor_config.json").write_text(json.dumps(tiny_vision._preprocessor_config(config)))
-    return str(folder)
+    return tiny_vl_config_folder(tmp_path_factory.mktemp("tiny-vl-remote"))
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +40,7 @@ def local_vision(vl_folder) -> images.VisionProcessor:
     return vision
 
 
-class RemoteScheduler:
+class RemoteScheduler(RedSampler):
     """The scheduler as a remote gateway sees it: a tokenizer id naming a folder on the workers' machine,
     the tokenizer files as the trainer streams them, and the model described by its capabilities."""
 
@@ -76,16 +66,6 @@ class RemoteScheduler:
         assert method == "GetTokenizer" and request.base_model == "tiny-vl"
         self.calls.append(method)
         return list(trainer_convert.file_chunks_to_pb(file_pieces(self.files)))
-
-    async def verb(self, method, request, key):
-        assert method == "Sample"
-        self.samples.append(request)
-        tokens = self.tokenizer.encode("red", add_special_tokens=False) + [self.tokenizer.eos_token_id]
-        return types_pb2.SampleResponse(sequences=[types_pb2.SampledSequence(
-            tokens=encode_tokens(tokens), logprobs=encode_floats([-0.5] * len(tokens)), stop_reason=types_pb2.STOP_REASON_STOP)])
-
-    async def close(self):
-        pass
 
 
 def described(vision: images.VisionProcessor | None) -> service_pb2.SupportedModel:
