@@ -24,7 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from examples.shape_colour.data import ANSWERS, make_examples
-from recipes.common import end_token_id
+from recipes.common import end_token_id, plot_panels
 from temper.client import AdamParams, Datum, EncodedTextChunk, ImageChunk, ModelInput, SamplingParams
 from temper.localstack import LocalStack
 
@@ -104,23 +104,6 @@ def greedy_replies(sampler, renderer: Renderer, pointers) -> list[str]:
     return [renderer.tokenizer.decode(f.result().sequences[0].tokens, skip_special_tokens=True).strip() for f in futures]
 
 
-def plot(losses: list[float], accuracy: tuple[float, float], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(range(1, len(losses) + 1), losses, lw=1.5)
-    ax.set_yscale("log")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy on the answer (sum over batch)")
-    ax.set_title(f"Shape colour, tiny Qwen3-VL-MoE + LoRA: held-out accuracy {accuracy[0]:.2f} → {accuracy[1]:.2f}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
@@ -174,7 +157,10 @@ def main(argv=None) -> int:
         f.writelines(json.dumps({"answer": a, "chosen": c, "greedy_reply": r}) + "\n"
                      for a, c, r in zip(heldout_answers, chosen, replies))
 
-    plot(losses, (before, after), args.out_dir / "loss.png")
+    plot_panels(args.out_dir / "loss.png",
+                f"Shape colour, tiny Qwen3-VL-MoE + LoRA: held-out accuracy {before:.2f} → {after:.2f}",
+                [{"ylabel": "cross-entropy on the answer (sum over batch)",
+                  "series": [("loss per step", range(1, len(losses) + 1), losses)]}])
     summary = {"accuracy_before": round(before, 4), "accuracy_after": round(after, 4),
                "chance": round(1 / len(ANSWERS), 4), "answers": list(ANSWERS),
                "steps": args.steps, "train": len(train), "heldout": len(heldout),

@@ -15,8 +15,9 @@ import asyncio
 import hashlib
 
 from temper.common.errors import InvalidArgument, ResourceExhausted
-from temper.common.strings import check_request_strings, shown
+from temper.common.strings import shown
 from temper.scheduler.api.image_inputs import image_sha256, vision_of
+from temper.scheduler.api.stream_header import first_header
 from temper.scheduler.db.images import NewImage, StoredImage
 from temper.scheduler.db.views import unix_ms
 from temper.scheduler.tenancy.auth import caller, caller_actor
@@ -63,14 +64,7 @@ class ImageVerbs:
         return answer
 
     async def _image_header(self, messages) -> service_pb2.UploadImageHeader:
-        try:
-            first = await messages.__anext__()
-        except StopAsyncIteration:
-            raise InvalidArgument("an upload starts with an UploadImageHeader") from None
-        if first.WhichOneof("payload") != "header":
-            raise InvalidArgument("the first UploadImage message must be the header")
-        header = first.header
-        check_request_strings(header)
+        header = await first_header(messages, "UploadImage", "an upload")
         if header.format not in IMAGE_FORMATS:
             raise InvalidArgument(f"image: format {shown(header.format, 20)} is not one of {list(IMAGE_FORMATS)}")
         return header

@@ -19,12 +19,13 @@ import logging
 
 from temper.common.checkpoints import WEIGHT_FILES, CheckpointPath, check_name
 from temper.common.errors import InvalidArgument, NotFound
-from temper.common.strings import check_request_strings, shown
+from temper.common.strings import shown
 from temper.common.uploads import FileAssembly
 from temper.scheduler.tenancy.auth import caller, caller_actor
 from temper.scheduler.workers.backends import TrainerHandle
 from temper.scheduler.db import models as m
 from temper.scheduler.api.lookup_verbs import check_user_metadata
+from temper.scheduler.api.stream_header import first_header
 from temper.scheduler.tenancy.quotas import check_hard_limit
 from temper.scheduler.planning.recovery import snapshot_key
 from temper.scheduler.planning.runs import created_expert_rank, give_back_run, new_run_row, undo_creation
@@ -74,14 +75,7 @@ class ImportVerbs:
 
     async def _import_header(self, messages, tenant: str) -> service_pb2.ImportCheckpointHeader:
         """The first message's header, checked: a name, bounded metadata, an open session of the caller's."""
-        try:
-            first = await messages.__anext__()
-        except StopAsyncIteration:
-            raise InvalidArgument("an import starts with an ImportCheckpointHeader") from None
-        if first.WhichOneof("payload") != "header":
-            raise InvalidArgument("the first ImportCheckpoint message must be the header")
-        header = first.header
-        check_request_strings(header)
+        header = await first_header(messages, "ImportCheckpoint", "an import")
         check_name(header.name)
         check_user_metadata(header.user_metadata)
         await asyncio.to_thread(self.store.open_session, header.session_id, tenant)  # another tenant's: NotFound

@@ -33,23 +33,31 @@ def build_tiny_model(target: Path, vocab_size: int = 512, hidden_size: int = 64,
     target = Path(target)
     if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
         return target
-    import torch
     from transformers import AutoModelForCausalLM
 
     tokenizer = _tokenizer(vocab_size)
     ids = dict(eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
     config = TINY_FAMILIES[family](vocab_size, hidden_size, layers, ids)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        with torch.no_grad():  # transformers starts biases at zero: random ones, so that tests see them at work
-            for name, param in model.named_parameters():
-                if name.endswith("bias") and not param.any():
-                    param.normal_(0.0, 0.02)
+    model = random_model(AutoModelForCausalLM, config, seed)
     target.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
     return target
+
+
+def random_model(auto_class, config, seed: int):
+    """``auto_class.from_config(config)`` in float32 from ``seed`` (the global RNG left as it was), with
+    random biases: transformers starts them at zero, and tests should see them at work."""
+    import torch
+
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = auto_class.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("bias") and not param.any():
+                    param.normal_(0.0, 0.02)
+    return model
 
 
 def _tokenizer(vocab_size: int):

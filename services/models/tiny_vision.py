@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from temper.services.models.tiny import _CORPUS
+from temper.services.models.tiny import _CORPUS, random_model
 
 QWEN3_VOCAB = 151936
 QWEN3_FIRST_SPECIAL = 151643
@@ -69,7 +69,6 @@ def build_tiny_vl_model(target: Path, family: str = "qwen3_vl_moe", seed: int = 
     target = Path(target)
     if (target / "config.json").is_file() and (target / "preprocessor_config.json").is_file():
         return target
-    import torch
     from transformers import AutoModelForImageTextToText
 
     real_vocab, real_first = TINY_VL_IDS[family]
@@ -82,13 +81,7 @@ def build_tiny_vl_model(target: Path, family: str = "qwen3_vl_moe", seed: int = 
     for field, token in (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
                          ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")):
         setattr(config, field, tokenizer.convert_tokens_to_ids(token))
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-        with torch.no_grad():  # random biases, as in tiny.py, so that tests see them at work
-            for name, param in model.named_parameters():
-                if name.endswith("bias") and not param.any():
-                    param.normal_(0.0, 0.02)
+    model = random_model(AutoModelForImageTextToText, config, seed)
     target.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
