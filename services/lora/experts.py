@@ -33,6 +33,11 @@ from temper.services.models.families import ExpertLayout
 
 PROJECTIONS = ("gate_up", "down")
 PAD_SLACK = 1.25  # a chunk of padded LoRA slices: its longest slice at most this many times its shortest
+# a bucket of several adapters whose (expert, adapter) slices average at most this many rows runs per
+# expert (CPU grouped_mm only): measured on a 2-core CPU, a grouped matmul's per-group cost outweighs
+# the adapters-times larger LoRA rank below it
+SMALL_SLICE = 48
+LOW_WIDTH = 16  # ... and each group takes as many adapters as fill this many low-rank columns
 
 
 class ExpertLoraWeights(nn.Module):
@@ -103,7 +108,7 @@ class MultiLoraExperts(nn.Module):
         counts = torch.bincount(key, minlength=experts * width).tolist()
         token, weight = token[order], top_k_weights.reshape(-1)[order]
         plan = _Plan(counts, experts, width)
-        buckets = [_Bucket(slots, pairs, experts, hidden.shape[0] * top_k, hidden.device)
+        buckets = [_Bucket(slots, pairs, experts, hidden.shape[0] * top_k, hidden.device, adapters[slots[0]].rank)
                    for slots, pairs in plan.buckets(adapters)]
         x = hidden.index_select(0, token)                                     # (N, hidden), sorted
         gate_up = self._projection(x, "gate_up", plan, buckets, adapters)
@@ -130,6 +135,11 @@ class MultiLoraExperts(nn.Module):
         dtype = self.router.compute_dtype(x)
         xs = x.to(dtype)
         for bucket in buckets:
+            if bucket.per_expert and _grouped_usable(xs, *self.shapes[projection]):
+                delta = bucket.expert_deltas(xs, [adapters[slot] for slot in bucket.slots], projection)
+                if delta is not None:
+                    out = out.index_add(0, bucket.rows, delta.to(out.dtype))
+                    continue
             # every (adapter, expert) pair's factors of the bucket, stacked once: (slots·E, r, in), (slots·E, out, r)
             factors = [adapters[slot].factors(projection) for slot in bucket.slots]
             lora_a = torch.cat([a for a, _ in factors]).index_select(0, bucket.pair_ids).to(dtype)
@@ -149,7 +159,8 @@ class _Bucket:
     length, taken in chunks of similar length (the longest at most ``PAD_SLACK`` times the shortest)
     so that padding stays a small part of the work however unevenly the router spreads the tokens."""
 
-    def __init__(self, slots: list[int], pairs: list[tuple[int, int, int, int]], experts: int, total: int, device):
+    def __init__(self, slots: list[int], pairs: list[tuple[int, int, int, int]], experts: int, total: int, device,
+                 rank: int):
         self.slots, self.total, self.device = slots, total, device
         position = {slot: k for k, slot in enumerate(slots)}
         self.bounds = [(start, stop) for _, _, start, stop in pairs]
@@ -160,6 +171,50 @@ class _Bucket:
                      torch.cat([torch.arange(start, stop) for start, stop in self.bounds]).to(device))
         self.offsets = torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
         self.chunks: list[tuple] | None = None  # the padded fallback's, built on first use
+        # per expert instead of per pair: each expert's rows of the bucket (back to back in ``rows``) times
+        # the factors of ``span`` adapters side by side (one group per expert and span of adapters), the
+        # columns of other adapters than a row's own masked
+        self.span = span = min(len(slots), LOW_WIDTH // rank)
+        self.per_expert = span > 1 and device.type == "cpu" and sum(lengths) <= SMALL_SLICE * len(lengths)
+        if self.per_expert:
+            self.spans = -(-len(slots) // span)
+            groups: dict[int, int] = {}
+            for slot, e, start, stop in pairs:
+                group = e * self.spans + position[slot] // span
+                groups[group] = groups.get(group, 0) + stop - start
+            self.group_ids = (None if list(groups) == list(range(experts * self.spans)) else
+                              torch.tensor(list(groups), device=device))
+            self.group_offsets = torch.tensor(list(groups.values()), dtype=torch.int32).cumsum(
+                0, dtype=torch.int32).to(device)
+            self.row_slot = torch.tensor([position[slot] % span for slot, _, _, _ in pairs]).repeat_interleave(
+                torch.tensor(lengths)).to(device)
+            self.masks: dict = {}
+
+    def expert_deltas(self, x: torch.Tensor, weights: list, projection: str) -> torch.Tensor | None:
+        """``scale * B A x`` on the bucket's rows (``rows``), one group per expert and span of adapters:
+        A (span·r, in) and B (out, span·r) of the span's adapters side by side, each row's low-rank
+        activations zero outside its own adapter's r columns (so each adapter's factors get only its own
+        rows' gradient)."""
+        factors = [w.factors(projection) for w in weights]
+        rank, span, spans = weights[0].rank, self.span, self.spans
+        lora_a = torch.stack([a for a, _ in factors], 1)     # (E, k, r, in)
+        lora_b = torch.stack([b.transpose(1, 2) for _, b in factors], 1)   # (E, k, r, out): B's storage order
+        if spans * span != len(weights):
+            lora_a = F.pad(lora_a, (0, 0, 0, 0, 0, spans * span - len(weights)))
+            lora_b = F.pad(lora_b, (0, 0, 0, 0, 0, spans * span - len(weights)))
+        experts = lora_a.shape[0]
+        lora_a = lora_a.reshape(experts * spans, span * rank, -1)                  # (E·S, span·r, in)
+        lora_b = lora_b.reshape(experts * spans, span * rank, -1).transpose(1, 2)  # (E·S, out, span·r)
+        if self.group_ids is not None:
+            lora_a, lora_b = lora_a.index_select(0, self.group_ids), lora_b.index_select(0, self.group_ids)
+        lora_a, lora_b = lora_a.to(x.dtype), lora_b.to(x.dtype)
+        mask = self.masks.get((rank, x.dtype))
+        if mask is None:
+            columns = torch.arange(span * rank, device=x.device) // rank
+            mask = self.masks[(rank, x.dtype)] = (columns[None, :] == self.row_slot[:, None]).to(x.dtype)
+        xs = x[self.bounds[0][0]:self.bounds[-1][1]] if self.contiguous else x.index_select(0, self.rows)
+        delta = _grouped_delta(xs, lora_a, lora_b, self.group_offsets, mask)
+        return None if delta is None else delta * weights[0].scale
 
     def deltas(self, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,27 +278,40 @@ class _GroupedMatmul(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-def _grouped_delta(xs: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, offsets: torch.Tensor
-                   ) -> torch.Tensor | None:
-    """``B_g A_g x`` over each pair's rows of ``xs`` (back to back, ends at ``offsets``) as two grouped
-    matmuls; None where grouped_mm has no kernel. Its kernels want every stride a multiple of 16 bytes:
-    the rank and the row count are padded with zeros to that (the results are the same)."""
+def _grouped_usable(xs: torch.Tensor, fan_in: int, fan_out: int) -> bool:
+    """Whether ``_grouped_delta`` has a kernel for these rows and projection shape."""
     if not hasattr(F, "grouped_mm") or (xs.dtype, xs.device.type) in _GROUPED_MM_FAILED:
-        return None
+        return False
     if xs.device.type == "cuda" and xs.dtype != torch.bfloat16 or xs.dtype not in _GROUPED_DTYPES:
+        return False
+    align = 16 // xs.element_size()
+    return not (fan_in % align or fan_out % align)
+
+
+def _grouped_delta(xs: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, offsets: torch.Tensor,
+                   mask: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``B_g A_g x`` over each group's rows of ``xs`` (back to back, ends at ``offsets``) as two grouped
+    matmuls, the low-rank activations times ``mask`` (rows, rank) where given; None where grouped_mm
+    has no kernel. Its kernels want every stride a multiple of 16 bytes: the rank and the row count are
+    padded with zeros to that (the results are the same)."""
+    if not _grouped_usable(xs, xs.shape[1], lora_b.shape[1]):
         return None
     align = 16 // xs.element_size()
-    rows, (fan_out, rank) = xs.shape[0], lora_b.shape[1:]
-    if xs.shape[1] % align or fan_out % align:
-        return None
+    rows, rank = xs.shape[0], lora_b.shape[2]
     if rank % align:
         lora_a = F.pad(lora_a, (0, 0, 0, -rank % align))
         lora_b = F.pad(lora_b, (0, -rank % align))
+        if mask is not None:
+            mask = F.pad(mask, (0, -rank % align))
     if rows % align:
         xs = F.pad(xs, (0, 0, 0, -rows % align))
+        if mask is not None:
+            mask = F.pad(mask, (0, 0, 0, -rows % align))
     matmul = _GroupedMatmul.apply if xs.device.type == "cpu" else (lambda a, w, o: F.grouped_mm(a, w, offs=o))
     try:
         low = matmul(xs, lora_a.transpose(1, 2), offsets)
+        if mask is not None:
+            low = low * mask
         return matmul(low, lora_b.transpose(1, 2), offsets)[:rows]
     except RuntimeError:  # a kernel this build lacks: padded batched matmuls from now on
         _GROUPED_MM_FAILED.add((xs.dtype, xs.device.type))

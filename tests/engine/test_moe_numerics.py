@@ -278,12 +278,14 @@ def _pick(generator, allowed: list[int], tokens: int, top_k: int) -> torch.Tenso
                         for _ in range(tokens)])
 
 
-@pytest.mark.parametrize("path", ["grouped", "one-chunk", "chunked"])
+@pytest.mark.parametrize("path", ["grouped", "per-expert", "one-chunk", "chunked"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_experts_layer_with_chosen_routing_matches_the_reference(folders, family, path, monkeypatch):
     """a's tokens reach only experts 0-3, b's only 2-7, a2's (a's bucket) only 5 and 6; a row without adapter."""
-    # grouped_mm, or its fallback: every pair padded to the longest, or a chunk for each slice length (PAD_SLACK 1)
-    if path != "grouped":
+    # grouped_mm per (expert, adapter) pair or per expert (a and a2 side by side, masked), or its fallback:
+    # every pair padded to the longest, or a chunk for each slice length (PAD_SLACK 1)
+    monkeypatch.setattr(experts_module, "SMALL_SLICE", 10**9 if path == "per-expert" else 0)
+    if path not in ("grouped", "per-expert"):
         monkeypatch.setattr(experts_module, "_GROUPED_DTYPES", ())
         monkeypatch.setattr(experts_module, "PAD_SLACK", 10**9 if path == "one-chunk" else 1.0)
     lora = _lora_model(folders[family])
@@ -349,3 +351,71 @@ def test_experts_layer_with_chosen_routing_matches_the_reference(folders, family
     _assert_grads_close(only_a, ref_only_a)
     for name, g in only_a.items():
         assert (g.abs().sum() > 0) if name.startswith("a:") else torch.count_nonzero(g) == 0, name
+
+
+@pytest.mark.parametrize("low_width", [4, 64])
+def test_per_expert_grouping_of_small_slices_matches_the_plain_loop(folders, low_width, monkeypatch):
+    """Small (expert, adapter) slices run one group per expert and span of adapters (``SMALL_SLICE``,
+    ``LOW_WIDTH``): five adapters of one bucket with 1 to 3 rows each (LOW_WIDTH 4: spans of two, the
+    last one padded; 64: all five side by side) and a row without adapter equal the plain per-token,
+    per-expert loop, forward, input gradient and every adapter's gradients; loss on c's rows only leaves
+    every other adapter's gradients exactly zero."""
+    monkeypatch.setattr(experts_module, "SMALL_SLICE", 10**9)
+    monkeypatch.setattr(experts_module, "LOW_WIDTH", low_width)
+    used = []
+    original = experts_module._Bucket.expert_deltas
+
+    def spy(self, *args):
+        used.append(self.span)
+        return original(self, *args)
+
+    monkeypatch.setattr(experts_module._Bucket, "expert_deltas", spy)
+    family = "qwen3_moe"
+    lora = _lora_model(folders[family])
+    keys = ["a", "b", "c", "d", "e"]
+    generator = torch.Generator().manual_seed(21)
+    for i, key in enumerate(keys):
+        lora.add(key, AdapterSpec(rank=4, alpha=8, targets=lora.group_targets(mlp=True)), seed=30 + i)
+        with torch.no_grad():
+            for name, p in lora.adapters[key].params.items():
+                if ".lora_B." in name:
+                    p.normal_(0, 0.1, generator=generator)
+    path_name, wrapper = next(iter(lora.experts.items()))
+    owners = ["d", "a", "b", "b", None, "c", "e", "e", "e", "d", "c"]
+    rows, seq, top_k = len(owners), 5, lora.top_k
+    tokens = rows * seq
+    idx = torch.stack([torch.randperm(8, generator=generator)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=generator) + 0.1
+    weights = weights / weights.sum(-1, keepdim=True)
+    hidden = torch.randn(tokens, wrapper.shapes["gate_up"][0], generator=generator)
+    probe = torch.randn(tokens, hidden.shape[1], generator=generator)
+    token_keys = [owners[t // seq] for t in range(tokens)]
+    params = {n: p for key in keys for n, p in
+              ((f"{key}:{n}", p) for n, p in lora.adapters[key].params.items()) if f".{path_name}." in n}
+
+    def run(reference: bool, only=None):
+        x = hidden.clone().requires_grad_(True)
+        if reference:
+            out = reference_experts(wrapper, family, lora, token_keys, x, idx, weights)
+        else:
+            routing = Routing(_groups(owners))
+            routing.batch_rows = rows
+            with lora.router.route(routing):
+                out = wrapper(x, idx, weights)
+        mask = torch.tensor([[1.0] if only is None or token_keys[t] == only else [0.0] for t in range(tokens)])
+        grads = torch.autograd.grad((out * probe * mask).sum(), [x, *params.values()], allow_unused=True)
+        grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, [x, *params.values()])]
+        return out.detach(), grads[0], dict(zip(params, grads[1:]))
+
+    out, x_grad, grads = run(False)
+    assert used and set(used) == {2 if low_width == 4 else 5}
+    ref_out, ref_x_grad, ref_grads = run(True)
+    torch.testing.assert_close(out, ref_out, **TOL)
+    torch.testing.assert_close(x_grad, ref_x_grad, **TOL)
+    _assert_grads_close(grads, ref_grads)
+    assert all(g.abs().sum() > 0 for g in grads.values())
+    _, _, only_c = run(False, only="c")
+    _, _, ref_only_c = run(True, only="c")
+    _assert_grads_close(only_c, ref_only_c)
+    for name, g in only_c.items():
+        assert (g.abs().sum() > 0) if name.startswith("c:") else torch.count_nonzero(g) == 0, name
