@@ -20,10 +20,12 @@ PIECES = {  # record_function range -> piece of the pass
     "experts._projection": "experts.py _projection: LoRA factor stacks, index_add, cat",
     "experts._projection.base": "frozen expert matmuls",  # not a range: _projection's own matmul ops
     "experts._Bucket.deltas": "experts.py _Bucket.deltas: grouped LoRA matmuls (padded bmm fallback)",
+    "experts._Bucket.expert_deltas": "experts.py _Bucket.expert_deltas: small slices, per expert, adapters side by side",
 }
 WRAPPED = [("MultiLoraExperts", "_routed", "experts._routed"), ("MultiLoraExperts", "_projection", "experts._projection"),
            ("_Plan", "__init__", "experts._Plan"), ("_Plan", "buckets", "experts._Plan"),
-           ("_Bucket", "__init__", "experts._Bucket"), ("_Bucket", "deltas", "experts._Bucket.deltas")]
+           ("_Bucket", "__init__", "experts._Bucket"), ("_Bucket", "deltas", "experts._Bucket.deltas"),
+           ("_Bucket", "expert_deltas", "experts._Bucket.expert_deltas")]
 BASE_MATMULS = ("aten::linear", "aten::matmul", "aten::mm", "aten::addmm")  # run directly in _projection: frozen experts
 EVALUATE = "autograd::engine::evaluate_function"
 REST = "rest of the pass (attention + LoRA, norms, router, head, loss)"
