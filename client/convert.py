@@ -162,7 +162,8 @@ def sample_from_proto(message: types_pb2.SampleResponse) -> t.SampleResponse:
         ids, lps = decode_array(message.topk_prompt_token_ids), decode_array(message.topk_prompt_logprobs)
         top_prompt = [None if row_lps[0] == TOPK_MASK_LOGPROB else list(zip(row_ids.tolist(), row_lps.tolist()))
                       for row_ids, row_lps in zip(ids, lps)]
-    return t.SampleResponse(sequences=sequences, prompt_logprobs=prompt, topk_prompt_logprobs=top_prompt)
+    return t.SampleResponse(sequences=sequences, prompt_logprobs=prompt, topk_prompt_logprobs=top_prompt,
+                            prompt_cache_hit_tokens=message.prompt_cache_hit_tokens)
 
 
 def logprobs_list(message: types_pb2.Tensor) -> list[float | None]:

@@ -250,6 +250,8 @@ class SampleResponse:
     # per prompt position, the k most likely (token, logprob) pairs; None where not scored (position 0,
     # before prompt_logprobs_last_n)
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+    # leading prompt tokens the sampler reused from this sampling client's earlier requests (Tinker's field)
+    prompt_cache_hit_tokens: int = 0
 
 
 @dataclass

@@ -204,7 +204,8 @@ class SamplingVerbs:
         sample = sampler_pb2.SamplerSampleRequest(
             checkpoint_key=target.checkpoint_key, num_samples=request.num_samples, sampling_params=request.sampling_params,
             include_prompt_logprobs=request.include_prompt_logprobs, topk_logprobs=request.topk_logprobs,
-            topk_prompt_logprobs=request.topk_prompt_logprobs, deterministic=target.deterministic)
+            topk_prompt_logprobs=request.topk_prompt_logprobs, deterministic=target.deterministic,
+            sampling_session_id=request.sampler_id, tenant=target.tenant)  # the sampler's prefix-cache scope
         target.to_sampler(sample)
         if last_n is not None:
             sample.prompt_logprobs_last_n = last_n

@@ -248,7 +248,7 @@ def _topk_prompt(resp: types_pb2.SampleResponse) -> tuple[np.ndarray, np.ndarray
 
 
 def sample_to_wire(resp: types_pb2.SampleResponse) -> bytes:
-    msg = wire.SampleResponse()
+    msg = wire.SampleResponse(prompt_cache_hit_tokens=resp.prompt_cache_hit_tokens)
     for s in resp.sequences:
         seq = msg.sequences.add(stop_reason=_STOP_TO_WIRE.get(s.stop_reason, wire.STOP_REASON_LENGTH), tokens=s.tokens,
                                 logprobs=s.logprobs)  # always sent: RL needs them, and empty would read as None
@@ -278,7 +278,8 @@ def sample_to_json(resp: types_pb2.SampleResponse) -> dict:
             item["topk_logprobs"] = [list(zip(r_ids.tolist(), r_lps.tolist())) for r_ids, r_lps in zip(ids, lps)]
         sequences.append(item)
     prompt = _prompt_logprobs(resp)
-    body: dict[str, Any] = {"sequences": sequences, "type": "sample"}
+    body: dict[str, Any] = {"sequences": sequences, "type": "sample",
+                            "prompt_cache_hit_tokens": resp.prompt_cache_hit_tokens}
     if prompt is not None:
         body["prompt_logprobs"] = [None if np.isnan(x) else float(x) for x in prompt]
     top = _topk_prompt(resp)

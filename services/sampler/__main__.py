@@ -37,7 +37,7 @@ def build_backend(settings: SamplerSettings) -> SamplerBackend:
     from temper.services.sampler.torch_backend import TorchSamplerBackend
 
     return TorchSamplerBackend(load_model(settings.base_model, settings.device, settings.dtype, settings.num_threads),
-                               settings.device)
+                               settings.device, prefix_cache_bytes=settings.prefix_cache_bytes)
 
 
 async def serve(settings: SamplerSettings, authenticate: Authenticator | None) -> None:

@@ -65,6 +65,7 @@ class SampleResult:
     prompt_logprobs: np.ndarray | None = None   # float32 (len(prompt),), NaN where not scored (position 0)
     topk_prompt_ids: np.ndarray | None = None       # int32 (len(prompt), k); unscored rows: id 0 ...
     topk_prompt_logprobs: np.ndarray | None = None  # float32 (len(prompt), k); ... and validation.TOPK_MASK_LOGPROB
+    prompt_cache_hit_tokens: int = 0   # leading prompt tokens whose KV was reused from earlier requests
 
 
 @dataclass
@@ -81,6 +82,9 @@ class SampleRequest:
     deterministic: bool = False                 # batch-invariant decode (docs/deterministic.md; torch backend)
     # the prompt's images (vision-language models): ``prompt`` holds each as its N image tokens from ``offset``
     images: tuple[ImageInput, ...] = ()
+    # the prefix cache's scope (prefix_cache.py): the sampling client it came from and its tenant; "": not cached
+    cache_session: str = ""
+    tenant: str = ""
 
 
 @dataclass

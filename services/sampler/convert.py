@@ -55,13 +55,16 @@ def sample_request_from_pb(request: sampler_pb2.SamplerSampleRequest, vocab_size
     prompt, images = prompt_from_pb(request, vision, limits, model)
     last_n = request.prompt_logprobs_last_n if request.HasField("prompt_logprobs_last_n") else None
     check_prompt_scoring(len(prompt), request.include_prompt_logprobs, request.topk_prompt_logprobs, last_n)
+    if bool(request.sampling_session_id) != bool(request.tenant):  # a session without its tenant could be shared
+        raise InvalidArgument("sampling_session_id and tenant are set together (the prefix cache's scope) or not at all")
     return SampleRequest(request.checkpoint_key or None, prompt, request.num_samples, options,
                          request.include_prompt_logprobs, request.topk_logprobs, request.topk_prompt_logprobs, last_n,
-                         deterministic=request.deterministic, images=images)
+                         deterministic=request.deterministic, images=images,
+                         cache_session=request.sampling_session_id, tenant=request.tenant)
 
 
 def sample_result_to_pb(result: SampleResult, topk_logprobs: int) -> types_pb2.SampleResponse:
-    response = types_pb2.SampleResponse()
+    response = types_pb2.SampleResponse(prompt_cache_hit_tokens=result.prompt_cache_hit_tokens)
     for seq in result.sequences:
         out = response.sequences.add(
             stop_reason=_STOP_REASONS[seq.stop_reason], tokens=encode_tokens(seq.tokens), logprobs=encode_floats(seq.logprobs)

@@ -13,3 +13,11 @@ RESIDENT_ADAPTERS = Gauge("temper_sampler_resident_adapters", "Checkpoints whose
 RESIDENT_ADAPTER_BYTES = Gauge("temper_sampler_resident_adapter_bytes", "Bytes of the loaded adapters' pushed files.")
 EVICTIONS = Counter("temper_sampler_adapter_evictions", "Adapters dropped to make room (least recently used first).")
 # Failed RPCs are counted by the error interceptor, as every service's: temper_rpc_errors_total (common/metrics.py).
+# The prompt-prefix KV cache (prefix_cache.py): lookups that reused a prefix or found none, the prompt
+# tokens not prefilled thanks to it, entries evicted for the byte budget, and the bytes it holds now.
+PREFIX_CACHE_HITS = Counter("temper_sampler_prefix_cache_hits", "Prefix-cache lookups that reused a cached prefix.")
+PREFIX_CACHE_MISSES = Counter("temper_sampler_prefix_cache_misses", "Prefix-cache lookups that found no prefix.")
+PREFIX_CACHE_HIT_TOKENS = Counter("temper_sampler_prefix_cache_hit_tokens", "Prompt tokens whose KV came from the cache.")
+PREFIX_CACHE_EVICTIONS = Counter("temper_sampler_prefix_cache_evictions", "Prefix-cache entries evicted (LRU) for the "
+                                                                           "byte budget.")
+PREFIX_CACHE_BYTES = Gauge("temper_sampler_prefix_cache_bytes", "Bytes of KV tensors the prefix cache holds.")

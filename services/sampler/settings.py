@@ -31,6 +31,10 @@ class SamplerSettings(ModelServiceSettings):
                                                      "recently used one that no request is using.")
     max_adapter_bytes: int = Field(0, ge=0, description="Bytes of pushed adapter files kept loaded at once (0: no "
                                                          "bound); evicts like max_adapters.")
+    prefix_cache_bytes: int = Field(1 << 30, ge=0, description="Bytes of prompt-prefix KV the torch backend keeps "
+                                                               "per process to reuse across a sampling session's "
+                                                               "requests (prefix_cache.py); least recently used "
+                                                               "evicted first; 0 disables.")
 
     tp_size: int = Field(1, ge=1, description="Tensor-parallel size: GPUs one model replica is split over (sglang "
                                               "only; the torch backend runs on one device and refuses more).")

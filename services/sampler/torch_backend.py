@@ -16,7 +16,8 @@ from temper.common.prompt_scoring import TOPK_MASK_LOGPROB, check_last_n, check_
 from temper.services.lora.deterministic import unsupported as deterministic_unsupported
 from temper.services.lora.model import LoraModel
 from temper.services.models.loading import LoadedModel
-from temper.services.sampler import deterministic_decode, vision_inputs
+from temper.services.sampler import deterministic_decode, prompt_prefill, vision_inputs
+from temper.services.sampler.prefix_cache import CacheScope, PrefixCache
 from temper.services.sampler.backend import (
     GeneratedSequence,
     ModelDescription,
@@ -44,15 +45,23 @@ class _Live:
     alive: list[bool] = field(default_factory=list)
     prompt_logprobs: np.ndarray | None = None
     topk_prompt: tuple[np.ndarray | None, np.ndarray | None] = (None, None)
+    prompt_cache_hit_tokens: int = 0
 
 
 class TorchSamplerBackend(SamplerBackend):
     name = "torch"
 
-    def __init__(self, loaded: LoadedModel, device: str = "cpu"):
+    def __init__(self, loaded: LoadedModel, device: str = "cpu", prefix_cache_bytes: int = 0):
         self.loaded = loaded
         self.device = torch.device(device)
         self.lora = LoraModel(loaded.model, loaded.name)
+        # text models with a plain KV cache prefill each prompt once, alone, through the prefix cache
+        # (prompt_prefill.py); vision models keep the batched prefill (their positions are multimodal)
+        self.prompt_prefill = (loaded.vision is None
+                               and prompt_prefill.supports_prompt_prefill(loaded.model, self.lora, self.device))
+        self.prefix_cache = PrefixCache(prefix_cache_bytes if self.prompt_prefill else 0)
+        # bumped on every (re)load of a key: a new version of an adapter never reads its old KV
+        self.adapter_generation: dict[str, int] = {}
         eos = loaded.model.generation_config.eos_token_id if loaded.model.generation_config else None
         eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
         if loaded.tokenizer.eos_token_id is not None:
@@ -92,6 +101,7 @@ class TorchSamplerBackend(SamplerBackend):
 
     def load_adapter(self, checkpoint_key: str, folder: Path) -> None:
         spec, weights = self._read(folder)
+        self._forget_prefixes(checkpoint_key)
         if checkpoint_key in self.lora.adapters:
             self.lora.remove(checkpoint_key)
         try:
@@ -104,7 +114,20 @@ class TorchSamplerBackend(SamplerBackend):
     def drop_adapter(self, checkpoint_key: str) -> None:
         if checkpoint_key not in self.lora.adapters:
             raise AdapterNotLoaded(checkpoint_key)
+        self._forget_prefixes(checkpoint_key)
         self.lora.remove(checkpoint_key)
+
+    def _forget_prefixes(self, checkpoint_key: str) -> None:
+        self.adapter_generation[checkpoint_key] = self.adapter_generation.get(checkpoint_key, 0) + 1
+        self.prefix_cache.drop_adapter(checkpoint_key)
+
+    def _cache_scope(self, r: SampleRequest) -> CacheScope | None:
+        """Where ``r``'s prompt KV may be reused: its tenant's sampling session on this adapter version;
+        None (not cached) without a session (a caller that names none) or for prompts with images."""
+        if not r.cache_session or r.images:
+            return None
+        return CacheScope(r.tenant, r.cache_session, r.checkpoint_key,
+                          self.adapter_generation.get(r.checkpoint_key, 0) if r.checkpoint_key else 0)
 
     def _check(self, checkpoint_key: str | None, prompt: np.ndarray, images=(), deterministic: bool = False) -> None:
         if checkpoint_key and checkpoint_key not in self.lora.adapters:
@@ -184,17 +207,12 @@ class TorchSamplerBackend(SamplerBackend):
         routing = [(key, torch.tensor(rows, device=self.device)) for key, rows in groups.items()]
         model = self.loaded.model
         steps = max(r.options.max_tokens for r in requests)
+        prefilled = self._prefill_each(live, width) if self.prompt_prefill else None
         with self.lora.route(routing):
-            out = model(input_ids=ids, attention_mask=mask, use_cache=True, **extra)
-            for state in live:
-                r = state.request
-                if r.prompt_logprobs or r.topk_prompt_logprobs:
-                    n = len(r.prompt)
-                    scored, top_ids, top_lps = _prompt_logprobs(out.logits[state.rows[0], width - n:], ids[state.rows[0], width - n:],
-                                                                r.prompt_logprobs_last_n, r.topk_prompt_logprobs)
-                    state.prompt_logprobs = scored if r.prompt_logprobs else None
-                    state.topk_prompt = (top_ids, top_lps)
-            logits, past = out.logits[:, -1].float(), out.past_key_values
+            if prefilled is None:
+                logits, past = self._prefill_batched(live, ids, mask, extra, width)
+            else:
+                logits, past = prefilled
             for step in range(steps):
                 chosen = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
                 raw = logits.log_softmax(-1)
@@ -238,9 +256,41 @@ class TorchSamplerBackend(SamplerBackend):
         return [
             SampleResult([GeneratedSequence(t, lp, r, ti if s.request.topk_logprobs else None, tl if s.request.topk_logprobs else None)
                           for t, lp, r, ti, tl in zip(s.tokens, s.logprobs, s.reasons, s.topk_ids, s.topk_logprobs)],
-                         s.prompt_logprobs, *s.topk_prompt)
+                         s.prompt_logprobs, *s.topk_prompt, prompt_cache_hit_tokens=s.prompt_cache_hit_tokens)
             for s in live
         ]
+
+    def _prefill_each(self, live: list[_Live], width: int):
+        """Each request's prompt once, through the prefix cache (prompt_prefill.py): the first step's
+        logits per row and the left-padded batch cache."""
+        prompts = []
+        for state in live:
+            r = state.request
+            done = prompt_prefill.prefill(self.loaded.model, self.lora, self.device, r, self.prefix_cache,
+                                          self._cache_scope(r))
+            state.prompt_cache_hit_tokens = done.hit_tokens
+            if done.prompt_logits is not None:
+                ids = torch.from_numpy(r.prompt.astype(np.int64)).to(self.device)
+                self._keep_prompt_scores(state, done.prompt_logits, ids)
+            prompts.append(done)
+        logits = torch.cat([p.last_logits[None].expand(len(s.rows), -1) for p, s in zip(prompts, live)])
+        return logits, prompt_prefill.batch_cache(prompts, [s.rows for s in live], width)
+
+    def _prefill_batched(self, live: list[_Live], ids, mask, extra, width: int):
+        """Every row's prompt in one left-padded forward (vision models, caches that cannot be sliced)."""
+        out = self.loaded.model(input_ids=ids, attention_mask=mask, use_cache=True, **extra)
+        for state in live:
+            n = len(state.request.prompt)
+            if state.request.prompt_logprobs or state.request.topk_prompt_logprobs:
+                self._keep_prompt_scores(state, out.logits[state.rows[0], width - n:], ids[state.rows[0], width - n:])
+        return out.logits[:, -1].float(), out.past_key_values
+
+    @staticmethod
+    def _keep_prompt_scores(state: _Live, logits: torch.Tensor, ids: torch.Tensor) -> None:
+        r = state.request
+        scored, top_ids, top_lps = _prompt_logprobs(logits, ids, r.prompt_logprobs_last_n, r.topk_prompt_logprobs)
+        state.prompt_logprobs = scored if r.prompt_logprobs else None
+        state.topk_prompt = (top_ids, top_lps)
 
     def _stop_ids(self, options: SamplingOptions) -> set[int]:
         if options.stop_disabled:

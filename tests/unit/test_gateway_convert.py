@@ -60,7 +60,8 @@ def _temper_fwdbwd():
 
 
 def _temper_sample():
-    resp = types_pb2.SampleResponse(prompt_logprobs=encode_array(np.array([np.nan, np.nan, -2.0, -3.0], np.float32), "float32"))
+    resp = types_pb2.SampleResponse(prompt_logprobs=encode_array(np.array([np.nan, np.nan, -2.0, -3.0], np.float32), "float32"),
+                                    prompt_cache_hit_tokens=3)
     resp.sequences.add(stop_reason=types_pb2.STOP_REASON_STOP, tokens=encode_tokens([4, 5]), logprobs=encode_floats([-0.5, -0.25]),
                        topk=2, topk_token_ids=encode_tokens([4, 1, 5, 2]), topk_logprobs=encode_floats([-0.5, -1, -0.25, -2]),
                        sequence_id="s:sample:0:7:0")
@@ -84,6 +85,7 @@ def test_results_as_json():
     assert [s["sequence_id"] for s in sample["sequences"]] == ["s:sample:0:7:0", "s:sample:0:7:1"]
     assert [s["stop_reason"] for s in sample["sequences"]] == ["stop", "length"]
     assert sample["sequences"][0]["topk_logprobs"] == [[(4, -0.5), (1, -1.0)], [(5, -0.25), (2, -2.0)]]
+    assert sample["prompt_cache_hit_tokens"] == 3
 
 
 def test_http_statuses_the_sdk_retries_or_raises():
@@ -159,6 +161,7 @@ def test_results_decode_with_the_sdk():
     assert sample.sequences[0].topk_logprobs is not None
     assert sample.prompt_logprobs == [None, None, -2.0, -3.0]
     assert sample.topk_prompt_logprobs == [None, None, [(3, -0.5), (9, -2.0)], [(8, -0.25), (1, -3.0)]]
+    assert sample.prompt_cache_hit_tokens == 3
 
 
 def test_wire_schema_matches_the_sdk():

@@ -58,7 +58,7 @@ class SamplerDropAdapterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SamplerSampleRequest(_message.Message):
-    __slots__ = ("checkpoint_key", "prompt_tokens", "num_samples", "sampling_params", "include_prompt_logprobs", "topk_logprobs", "topk_prompt_logprobs", "prompt_logprobs_last_n", "deterministic", "prompt")
+    __slots__ = ("checkpoint_key", "prompt_tokens", "num_samples", "sampling_params", "include_prompt_logprobs", "topk_logprobs", "topk_prompt_logprobs", "prompt_logprobs_last_n", "deterministic", "prompt", "sampling_session_id", "tenant")
     CHECKPOINT_KEY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,8 @@ class SamplerSampleRequest(_message.Message):
     PROMPT_LOGPROBS_LAST_N_FIELD_NUMBER: _ClassVar[int]
     DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     checkpoint_key: str
     prompt_tokens: bytes
     num_samples: int
@@ -79,7 +81,9 @@ class SamplerSampleRequest(_message.Message):
     prompt_logprobs_last_n: int
     deterministic: bool
     prompt: _types_pb2.ModelInput
-    def __init__(self, checkpoint_key: _Optional[str] = ..., prompt_tokens: _Optional[bytes] = ..., num_samples: _Optional[int] = ..., sampling_params: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., include_prompt_logprobs: _Optional[bool] = ..., topk_logprobs: _Optional[int] = ..., topk_prompt_logprobs: _Optional[int] = ..., prompt_logprobs_last_n: _Optional[int] = ..., deterministic: _Optional[bool] = ..., prompt: _Optional[_Union[_types_pb2.ModelInput, _Mapping]] = ...) -> None: ...
+    sampling_session_id: str
+    tenant: str
+    def __init__(self, checkpoint_key: _Optional[str] = ..., prompt_tokens: _Optional[bytes] = ..., num_samples: _Optional[int] = ..., sampling_params: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., include_prompt_logprobs: _Optional[bool] = ..., topk_logprobs: _Optional[int] = ..., topk_prompt_logprobs: _Optional[int] = ..., prompt_logprobs_last_n: _Optional[int] = ..., deterministic: _Optional[bool] = ..., prompt: _Optional[_Union[_types_pb2.ModelInput, _Mapping]] = ..., sampling_session_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class SamplerLogprobsRequest(_message.Message):
     __slots__ = ("checkpoint_key", "prompt_tokens", "prompt_logprobs_last_n", "deterministic", "prompt")

@@ -244,16 +244,18 @@ class SampledSequence(_message.Message):
     def __init__(self, stop_reason: _Optional[_Union[StopReason, str]] = ..., tokens: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., topk: _Optional[int] = ..., topk_token_ids: _Optional[bytes] = ..., topk_logprobs: _Optional[bytes] = ..., sequence_id: _Optional[str] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
-    __slots__ = ("sequences", "prompt_logprobs", "topk_prompt_token_ids", "topk_prompt_logprobs")
+    __slots__ = ("sequences", "prompt_logprobs", "topk_prompt_token_ids", "topk_prompt_logprobs", "prompt_cache_hit_tokens")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOPK_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOPK_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[SampledSequence]
     prompt_logprobs: Tensor
     topk_prompt_token_ids: Tensor
     topk_prompt_logprobs: Tensor
-    def __init__(self, sequences: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., topk_prompt_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., topk_prompt_logprobs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    prompt_cache_hit_tokens: int
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., topk_prompt_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., topk_prompt_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_cache_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class SampledPiece(_message.Message):
     __slots__ = ("index", "tokens", "logprobs", "topk", "topk_token_ids", "topk_logprobs", "stop_reason", "sequence_id")
