@@ -25,31 +25,35 @@ _sym_db = _symbol_database.Default()
 from temper.v1 import types_pb2 as temper_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17temper/v1/sampler.proto\x12\ttemper.v1\x1a\x15temper/v1/types.proto\"\x19\n\x17SamplerModelInfoRequest\"\xf5\x01\n\x10SamplerModelInfo\x12\x12\n\nbase_model\x18\x01 \x01(\t\x12\x14\n\x0ctokenizer_id\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x1a\n\x12max_context_length\x18\x04 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x17\n\x0floaded_adapters\x18\x06 \x03(\t\x12\x13\n\x0bincarnation\x18\x07 \x01(\t\x12!\n\x19\x64\x65terministic_unsupported\x18\x08 \x01(\t\x12%\n\x06vision\x18\t \x01(\x0b\x32\x15.temper.v1.VisionInfo\"]\n\x10PushAdapterChunk\x12\x18\n\x0e\x63heckpoint_key\x18\x01 \x01(\tH\x00\x12$\n\x04\x66ile\x18\x02 \x01(\x0b\x32\x14.temper.v1.FileChunkH\x00\x42\t\n\x07payload\"-\n\x13PushAdapterResponse\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x03\"3\n\x19SamplerDropAdapterRequest\x12\x16\n\x0e\x63heckpoint_key\x18\x01 \x01(\t\"\x1c\n\x1aSamplerDropAdapterResponse\"\x8f\x03\n\x14SamplerSampleRequest\x12\x16\n\x0e\x63heckpoint_key\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x0c\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x05\x12\x32\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x19.temper.v1.SamplingParams\x12\x1f\n\x17include_prompt_logprobs\x18\x05 \x01(\x08\x12\x15\n\rtopk_logprobs\x18\x06 \x01(\x05\x12\x1c\n\x14topk_prompt_logprobs\x18\x07 \x01(\x05\x12#\n\x16prompt_logprobs_last_n\x18\x08 \x01(\x05H\x00\x88\x01\x01\x12\x15\n\rdeterministic\x18\t \x01(\x08\x12%\n\x06prompt\x18\n \x01(\x0b\x32\x15.temper.v1.ModelInput\x12\x1b\n\x13sampling_session_id\x18\x0b \x01(\t\x12\x0e\n\x06tenant\x18\x0c \x01(\tB\x19\n\x17_prompt_logprobs_last_n\"\xc5\x01\n\x16SamplerLogprobsRequest\x12\x16\n\x0e\x63heckpoint_key\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x0c\x12#\n\x16prompt_logprobs_last_n\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x15\n\rdeterministic\x18\x04 \x01(\x08\x12%\n\x06prompt\x18\x05 \x01(\x0b\x32\x15.temper.v1.ModelInputB\x19\n\x17_prompt_logprobs_last_n\"F\n\x1f\x43omputeLogprobsResponseInternal\x12#\n\x08logprobs\x18\x01 \x01(\x0b\x32\x11.temper.v1.Tensor2\xfd\x03\n\x07Sampler\x12O\n\x0cGetModelInfo\x12\".temper.v1.SamplerModelInfoRequest\x1a\x1b.temper.v1.SamplerModelInfo\x12L\n\x0bPushAdapter\x12\x1b.temper.v1.PushAdapterChunk\x1a\x1e.temper.v1.PushAdapterResponse(\x01\x12Z\n\x0b\x44ropAdapter\x12$.temper.v1.SamplerDropAdapterRequest\x1a%.temper.v1.SamplerDropAdapterResponse\x12\x44\n\x06Sample\x12\x1f.temper.v1.SamplerSampleRequest\x1a\x19.temper.v1.SampleResponse\x12O\n\x0cSampleStream\x12\x1f.temper.v1.SamplerSampleRequest\x1a\x1c.temper.v1.SampleStreamChunk0\x01\x12`\n\x0f\x43omputeLogprobs\x12!.temper.v1.SamplerLogprobsRequest\x1a*.temper.v1.ComputeLogprobsResponseInternalb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17temper/v1/sampler.proto\x12\ttemper.v1\x1a\x15temper/v1/types.proto\"w\n\x18SetInflightTargetRequest\x12\x17\n\x0ftraining_run_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63heckpoint_key\x18\x02 \x01(\t\x12*\n\x07weights\x18\x03 \x01(\x0b\x32\x19.temper.v1.WeightsVersion\",\n\x19SetInflightTargetResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\"\x19\n\x17SamplerModelInfoRequest\"\xf5\x01\n\x10SamplerModelInfo\x12\x12\n\nbase_model\x18\x01 \x01(\t\x12\x14\n\x0ctokenizer_id\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x1a\n\x12max_context_length\x18\x04 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x17\n\x0floaded_adapters\x18\x06 \x03(\t\x12\x13\n\x0bincarnation\x18\x07 \x01(\t\x12!\n\x19\x64\x65terministic_unsupported\x18\x08 \x01(\t\x12%\n\x06vision\x18\t \x01(\x0b\x32\x15.temper.v1.VisionInfo\"]\n\x10PushAdapterChunk\x12\x18\n\x0e\x63heckpoint_key\x18\x01 \x01(\tH\x00\x12$\n\x04\x66ile\x18\x02 \x01(\x0b\x32\x14.temper.v1.FileChunkH\x00\x42\t\n\x07payload\"-\n\x13PushAdapterResponse\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x03\"3\n\x19SamplerDropAdapterRequest\x12\x16\n\x0e\x63heckpoint_key\x18\x01 \x01(\t\"\x1c\n\x1aSamplerDropAdapterResponse\"\xe6\x03\n\x14SamplerSampleRequest\x12\x16\n\x0e\x63heckpoint_key\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x0c\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x05\x12\x32\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x19.temper.v1.SamplingParams\x12\x1f\n\x17include_prompt_logprobs\x18\x05 \x01(\x08\x12\x15\n\rtopk_logprobs\x18\x06 \x01(\x05\x12\x1c\n\x14topk_prompt_logprobs\x18\x07 \x01(\x05\x12#\n\x16prompt_logprobs_last_n\x18\x08 \x01(\x05H\x00\x88\x01\x01\x12\x15\n\rdeterministic\x18\t \x01(\x08\x12%\n\x06prompt\x18\n \x01(\x0b\x32\x15.temper.v1.ModelInput\x12\x1b\n\x13sampling_session_id\x18\x0b \x01(\t\x12\x0e\n\x06tenant\x18\x0c \x01(\t\x12*\n\x07weights\x18\r \x01(\x0b\x32\x19.temper.v1.WeightsVersion\x12\x14\n\x0cinflight_run\x18\x0e \x01(\t\x12\x13\n\x0bpin_version\x18\x0f \x01(\x08\x42\x19\n\x17_prompt_logprobs_last_n\"\xc5\x01\n\x16SamplerLogprobsRequest\x12\x16\n\x0e\x63heckpoint_key\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x0c\x12#\n\x16prompt_logprobs_last_n\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x15\n\rdeterministic\x18\x04 \x01(\x08\x12%\n\x06prompt\x18\x05 \x01(\x0b\x32\x15.temper.v1.ModelInputB\x19\n\x17_prompt_logprobs_last_n\"F\n\x1f\x43omputeLogprobsResponseInternal\x12#\n\x08logprobs\x18\x01 \x01(\x0b\x32\x11.temper.v1.Tensor2\xdd\x04\n\x07Sampler\x12O\n\x0cGetModelInfo\x12\".temper.v1.SamplerModelInfoRequest\x1a\x1b.temper.v1.SamplerModelInfo\x12L\n\x0bPushAdapter\x12\x1b.temper.v1.PushAdapterChunk\x1a\x1e.temper.v1.PushAdapterResponse(\x01\x12Z\n\x0b\x44ropAdapter\x12$.temper.v1.SamplerDropAdapterRequest\x1a%.temper.v1.SamplerDropAdapterResponse\x12\x44\n\x06Sample\x12\x1f.temper.v1.SamplerSampleRequest\x1a\x19.temper.v1.SampleResponse\x12O\n\x0cSampleStream\x12\x1f.temper.v1.SamplerSampleRequest\x1a\x1c.temper.v1.SampleStreamChunk0\x01\x12`\n\x0f\x43omputeLogprobs\x12!.temper.v1.SamplerLogprobsRequest\x1a*.temper.v1.ComputeLogprobsResponseInternal\x12^\n\x11SetInflightTarget\x12#.temper.v1.SetInflightTargetRequest\x1a$.temper.v1.SetInflightTargetResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'temper.v1.sampler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SAMPLERMODELINFOREQUEST']._serialized_start=61
-  _globals['_SAMPLERMODELINFOREQUEST']._serialized_end=86
-  _globals['_SAMPLERMODELINFO']._serialized_start=89
-  _globals['_SAMPLERMODELINFO']._serialized_end=334
-  _globals['_PUSHADAPTERCHUNK']._serialized_start=336
-  _globals['_PUSHADAPTERCHUNK']._serialized_end=429
-  _globals['_PUSHADAPTERRESPONSE']._serialized_start=431
-  _globals['_PUSHADAPTERRESPONSE']._serialized_end=476
-  _globals['_SAMPLERDROPADAPTERREQUEST']._serialized_start=478
-  _globals['_SAMPLERDROPADAPTERREQUEST']._serialized_end=529
-  _globals['_SAMPLERDROPADAPTERRESPONSE']._serialized_start=531
-  _globals['_SAMPLERDROPADAPTERRESPONSE']._serialized_end=559
-  _globals['_SAMPLERSAMPLEREQUEST']._serialized_start=562
-  _globals['_SAMPLERSAMPLEREQUEST']._serialized_end=961
-  _globals['_SAMPLERLOGPROBSREQUEST']._serialized_start=964
-  _globals['_SAMPLERLOGPROBSREQUEST']._serialized_end=1161
-  _globals['_COMPUTELOGPROBSRESPONSEINTERNAL']._serialized_start=1163
-  _globals['_COMPUTELOGPROBSRESPONSEINTERNAL']._serialized_end=1233
-  _globals['_SAMPLER']._serialized_start=1236
-  _globals['_SAMPLER']._serialized_end=1745
+  _globals['_SETINFLIGHTTARGETREQUEST']._serialized_start=61
+  _globals['_SETINFLIGHTTARGETREQUEST']._serialized_end=180
+  _globals['_SETINFLIGHTTARGETRESPONSE']._serialized_start=182
+  _globals['_SETINFLIGHTTARGETRESPONSE']._serialized_end=226
+  _globals['_SAMPLERMODELINFOREQUEST']._serialized_start=228
+  _globals['_SAMPLERMODELINFOREQUEST']._serialized_end=253
+  _globals['_SAMPLERMODELINFO']._serialized_start=256
+  _globals['_SAMPLERMODELINFO']._serialized_end=501
+  _globals['_PUSHADAPTERCHUNK']._serialized_start=503
+  _globals['_PUSHADAPTERCHUNK']._serialized_end=596
+  _globals['_PUSHADAPTERRESPONSE']._serialized_start=598
+  _globals['_PUSHADAPTERRESPONSE']._serialized_end=643
+  _globals['_SAMPLERDROPADAPTERREQUEST']._serialized_start=645
+  _globals['_SAMPLERDROPADAPTERREQUEST']._serialized_end=696
+  _globals['_SAMPLERDROPADAPTERRESPONSE']._serialized_start=698
+  _globals['_SAMPLERDROPADAPTERRESPONSE']._serialized_end=726
+  _globals['_SAMPLERSAMPLEREQUEST']._serialized_start=729
+  _globals['_SAMPLERSAMPLEREQUEST']._serialized_end=1215
+  _globals['_SAMPLERLOGPROBSREQUEST']._serialized_start=1218
+  _globals['_SAMPLERLOGPROBSREQUEST']._serialized_end=1415
+  _globals['_COMPUTELOGPROBSRESPONSEINTERNAL']._serialized_start=1417
+  _globals['_COMPUTELOGPROBSRESPONSEINTERNAL']._serialized_end=1487
+  _globals['_SAMPLER']._serialized_start=1490
+  _globals['_SAMPLER']._serialized_end=2095
 # @@protoc_insertion_point(module_scope)

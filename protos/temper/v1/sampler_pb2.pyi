@@ -7,6 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SetInflightTargetRequest(_message.Message):
+    __slots__ = ("training_run_id", "checkpoint_key", "weights")
+    TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_KEY_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    training_run_id: str
+    checkpoint_key: str
+    weights: _types_pb2.WeightsVersion
+    def __init__(self, training_run_id: _Optional[str] = ..., checkpoint_key: _Optional[str] = ..., weights: _Optional[_Union[_types_pb2.WeightsVersion, _Mapping]] = ...) -> None: ...
+
+class SetInflightTargetResponse(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
 class SamplerModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -58,7 +74,7 @@ class SamplerDropAdapterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SamplerSampleRequest(_message.Message):
-    __slots__ = ("checkpoint_key", "prompt_tokens", "num_samples", "sampling_params", "include_prompt_logprobs", "topk_logprobs", "topk_prompt_logprobs", "prompt_logprobs_last_n", "deterministic", "prompt", "sampling_session_id", "tenant")
+    __slots__ = ("checkpoint_key", "prompt_tokens", "num_samples", "sampling_params", "include_prompt_logprobs", "topk_logprobs", "topk_prompt_logprobs", "prompt_logprobs_last_n", "deterministic", "prompt", "sampling_session_id", "tenant", "weights", "inflight_run", "pin_version")
     CHECKPOINT_KEY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +87,9 @@ class SamplerSampleRequest(_message.Message):
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_RUN_FIELD_NUMBER: _ClassVar[int]
+    PIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     checkpoint_key: str
     prompt_tokens: bytes
     num_samples: int
@@ -83,7 +102,10 @@ class SamplerSampleRequest(_message.Message):
     prompt: _types_pb2.ModelInput
     sampling_session_id: str
     tenant: str
-    def __init__(self, checkpoint_key: _Optional[str] = ..., prompt_tokens: _Optional[bytes] = ..., num_samples: _Optional[int] = ..., sampling_params: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., include_prompt_logprobs: _Optional[bool] = ..., topk_logprobs: _Optional[int] = ..., topk_prompt_logprobs: _Optional[int] = ..., prompt_logprobs_last_n: _Optional[int] = ..., deterministic: _Optional[bool] = ..., prompt: _Optional[_Union[_types_pb2.ModelInput, _Mapping]] = ..., sampling_session_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+    weights: _types_pb2.WeightsVersion
+    inflight_run: str
+    pin_version: bool
+    def __init__(self, checkpoint_key: _Optional[str] = ..., prompt_tokens: _Optional[bytes] = ..., num_samples: _Optional[int] = ..., sampling_params: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., include_prompt_logprobs: _Optional[bool] = ..., topk_logprobs: _Optional[int] = ..., topk_prompt_logprobs: _Optional[int] = ..., prompt_logprobs_last_n: _Optional[int] = ..., deterministic: _Optional[bool] = ..., prompt: _Optional[_Union[_types_pb2.ModelInput, _Mapping]] = ..., sampling_session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., weights: _Optional[_Union[_types_pb2.WeightsVersion, _Mapping]] = ..., inflight_run: _Optional[str] = ..., pin_version: _Optional[bool] = ...) -> None: ...
 
 class SamplerLogprobsRequest(_message.Message):
     __slots__ = ("checkpoint_key", "prompt_tokens", "prompt_logprobs_last_n", "deterministic", "prompt")

@@ -65,6 +65,11 @@ class SamplerStub:
                 request_serializer=temper_dot_v1_dot_sampler__pb2.SamplerLogprobsRequest.SerializeToString,
                 response_deserializer=temper_dot_v1_dot_sampler__pb2.ComputeLogprobsResponseInternal.FromString,
                 _registered_method=True)
+        self.SetInflightTarget = channel.unary_unary(
+                '/temper.v1.Sampler/SetInflightTarget',
+                request_serializer=temper_dot_v1_dot_sampler__pb2.SetInflightTargetRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_sampler__pb2.SetInflightTargetResponse.FromString,
+                _registered_method=True)
 
 
 class SamplerServicer:
@@ -114,6 +119,16 @@ class SamplerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetInflightTarget(self, request, context):
+        """A training run's in-flight target moved (docs/async_rl.md): requests that follow it (inflight_run
+        set, pin_version unset) decode with the new adapter from their next step on, and later requests of the
+        run that name an older version are moved to it too. The adapter must be loaded here (pushed first:
+        else FAILED_PRECONDITION "ADAPTER_NOT_LOADED: "). A version not newer than the one held is ignored.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SamplerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -146,6 +161,11 @@ def add_SamplerServicer_to_server(servicer, server):
                     servicer.ComputeLogprobs,
                     request_deserializer=temper_dot_v1_dot_sampler__pb2.SamplerLogprobsRequest.FromString,
                     response_serializer=temper_dot_v1_dot_sampler__pb2.ComputeLogprobsResponseInternal.SerializeToString,
+            ),
+            'SetInflightTarget': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetInflightTarget,
+                    request_deserializer=temper_dot_v1_dot_sampler__pb2.SetInflightTargetRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_sampler__pb2.SetInflightTargetResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -310,6 +330,33 @@ class Sampler:
             '/temper.v1.Sampler/ComputeLogprobs',
             temper_dot_v1_dot_sampler__pb2.SamplerLogprobsRequest.SerializeToString,
             temper_dot_v1_dot_sampler__pb2.ComputeLogprobsResponseInternal.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetInflightTarget(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Sampler/SetInflightTarget',
+            temper_dot_v1_dot_sampler__pb2.SetInflightTargetRequest.SerializeToString,
+            temper_dot_v1_dot_sampler__pb2.SetInflightTargetResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -109,7 +109,7 @@ class CreateTrainingRunRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., lora_config: _Optional[_Union[_types_pb2.LoraConfig, _Mapping]] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., from_path: _Optional[str] = ..., with_optimizer: _Optional[bool] = ..., run_index: _Optional[int] = ..., deterministic: _Optional[bool] = ...) -> None: ...
 
 class TrainingRunInfo(_message.Message):
-    __slots__ = ("training_run_id", "base_model", "tokenizer_id", "lora_config", "next_seq_id", "vocab_size", "max_context_length", "user_metadata", "owner", "created_unix_ms", "last_request_unix_ms", "deterministic")
+    __slots__ = ("training_run_id", "base_model", "tokenizer_id", "lora_config", "next_seq_id", "vocab_size", "max_context_length", "user_metadata", "owner", "created_unix_ms", "last_request_unix_ms", "deterministic", "inflight")
     class UserMetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class TrainingRunInfo(_message.Message):
     CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     LAST_REQUEST_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     training_run_id: str
     base_model: str
     tokenizer_id: str
@@ -141,7 +142,8 @@ class TrainingRunInfo(_message.Message):
     created_unix_ms: int
     last_request_unix_ms: int
     deterministic: bool
-    def __init__(self, training_run_id: _Optional[str] = ..., base_model: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., lora_config: _Optional[_Union[_types_pb2.LoraConfig, _Mapping]] = ..., next_seq_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., owner: _Optional[str] = ..., created_unix_ms: _Optional[int] = ..., last_request_unix_ms: _Optional[int] = ..., deterministic: _Optional[bool] = ...) -> None: ...
+    inflight: _types_pb2.WeightsVersion
+    def __init__(self, training_run_id: _Optional[str] = ..., base_model: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., lora_config: _Optional[_Union[_types_pb2.LoraConfig, _Mapping]] = ..., next_seq_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., owner: _Optional[str] = ..., created_unix_ms: _Optional[int] = ..., last_request_unix_ms: _Optional[int] = ..., deterministic: _Optional[bool] = ..., inflight: _Optional[_Union[_types_pb2.WeightsVersion, _Mapping]] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ("training_run_id",)
@@ -212,7 +214,7 @@ class OptimStepResponse(_message.Message):
     def __init__(self, metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class SaveWeightsRequest(_message.Message):
-    __slots__ = ("training_run_id", "seq_id", "name", "kind", "ttl_seconds", "ephemeral", "overwrite", "user_metadata")
+    __slots__ = ("training_run_id", "seq_id", "name", "kind", "ttl_seconds", "ephemeral", "overwrite", "user_metadata", "inflight")
     class UserMetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +230,7 @@ class SaveWeightsRequest(_message.Message):
     EPHEMERAL_FIELD_NUMBER: _ClassVar[int]
     OVERWRITE_FIELD_NUMBER: _ClassVar[int]
     USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     training_run_id: str
     seq_id: int
     name: str
@@ -236,13 +239,16 @@ class SaveWeightsRequest(_message.Message):
     ephemeral: bool
     overwrite: bool
     user_metadata: _containers.ScalarMap[str, str]
-    def __init__(self, training_run_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., name: _Optional[str] = ..., kind: _Optional[_Union[_types_pb2.CheckpointKind, str]] = ..., ttl_seconds: _Optional[int] = ..., ephemeral: _Optional[bool] = ..., overwrite: _Optional[bool] = ..., user_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    inflight: bool
+    def __init__(self, training_run_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., name: _Optional[str] = ..., kind: _Optional[_Union[_types_pb2.CheckpointKind, str]] = ..., ttl_seconds: _Optional[int] = ..., ephemeral: _Optional[bool] = ..., overwrite: _Optional[bool] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., inflight: _Optional[bool] = ...) -> None: ...
 
 class SaveWeightsResponse(_message.Message):
-    __slots__ = ("checkpoint",)
+    __slots__ = ("checkpoint", "weights")
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     checkpoint: _types_pb2.Checkpoint
-    def __init__(self, checkpoint: _Optional[_Union[_types_pb2.Checkpoint, _Mapping]] = ...) -> None: ...
+    weights: _types_pb2.WeightsVersion
+    def __init__(self, checkpoint: _Optional[_Union[_types_pb2.Checkpoint, _Mapping]] = ..., weights: _Optional[_Union[_types_pb2.WeightsVersion, _Mapping]] = ...) -> None: ...
 
 class LoadWeightsRequest(_message.Message):
     __slots__ = ("training_run_id", "seq_id", "path", "with_optimizer")
@@ -301,32 +307,38 @@ class LoadWeightsResponse(_message.Message):
     def __init__(self, path: _Optional[str] = ...) -> None: ...
 
 class CreateSamplingClientRequest(_message.Message):
-    __slots__ = ("session_id", "base_model", "model_path", "deterministic")
+    __slots__ = ("session_id", "base_model", "model_path", "inflight_training_run_id", "deterministic")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     base_model: str
     model_path: str
+    inflight_training_run_id: str
     deterministic: bool
-    def __init__(self, session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., model_path: _Optional[str] = ..., deterministic: _Optional[bool] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., model_path: _Optional[str] = ..., inflight_training_run_id: _Optional[str] = ..., deterministic: _Optional[bool] = ...) -> None: ...
 
 class SamplingClientInfo(_message.Message):
-    __slots__ = ("sampler_id", "base_model", "model_path", "tokenizer_id", "vocab_size", "deterministic")
+    __slots__ = ("sampler_id", "base_model", "model_path", "tokenizer_id", "vocab_size", "deterministic", "inflight_training_run_id", "min_version")
     SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     sampler_id: str
     base_model: str
     model_path: str
     tokenizer_id: str
     vocab_size: int
     deterministic: bool
-    def __init__(self, sampler_id: _Optional[str] = ..., base_model: _Optional[str] = ..., model_path: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., deterministic: _Optional[bool] = ...) -> None: ...
+    inflight_training_run_id: str
+    min_version: int
+    def __init__(self, sampler_id: _Optional[str] = ..., base_model: _Optional[str] = ..., model_path: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., deterministic: _Optional[bool] = ..., inflight_training_run_id: _Optional[str] = ..., min_version: _Optional[int] = ...) -> None: ...
 
 class GetSamplingClientRequest(_message.Message):
     __slots__ = ("sampler_id",)
@@ -335,7 +347,7 @@ class GetSamplingClientRequest(_message.Message):
     def __init__(self, sampler_id: _Optional[str] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("sampler_id", "prompt", "num_samples", "sampling_params", "include_prompt_logprobs", "topk_logprobs", "topk_prompt_logprobs", "prompt_logprobs_last_n", "record_stability_info", "request_tag")
+    __slots__ = ("sampler_id", "prompt", "num_samples", "sampling_params", "include_prompt_logprobs", "topk_logprobs", "topk_prompt_logprobs", "prompt_logprobs_last_n", "record_stability_info", "request_tag", "pin_version")
     SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -346,6 +358,7 @@ class SampleRequest(_message.Message):
     PROMPT_LOGPROBS_LAST_N_FIELD_NUMBER: _ClassVar[int]
     RECORD_STABILITY_INFO_FIELD_NUMBER: _ClassVar[int]
     REQUEST_TAG_FIELD_NUMBER: _ClassVar[int]
+    PIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     sampler_id: str
     prompt: _types_pb2.ModelInput
     num_samples: int
@@ -356,7 +369,8 @@ class SampleRequest(_message.Message):
     prompt_logprobs_last_n: int
     record_stability_info: bool
     request_tag: str
-    def __init__(self, sampler_id: _Optional[str] = ..., prompt: _Optional[_Union[_types_pb2.ModelInput, _Mapping]] = ..., num_samples: _Optional[int] = ..., sampling_params: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., include_prompt_logprobs: _Optional[bool] = ..., topk_logprobs: _Optional[int] = ..., topk_prompt_logprobs: _Optional[int] = ..., prompt_logprobs_last_n: _Optional[int] = ..., record_stability_info: _Optional[bool] = ..., request_tag: _Optional[str] = ...) -> None: ...
+    pin_version: bool
+    def __init__(self, sampler_id: _Optional[str] = ..., prompt: _Optional[_Union[_types_pb2.ModelInput, _Mapping]] = ..., num_samples: _Optional[int] = ..., sampling_params: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., include_prompt_logprobs: _Optional[bool] = ..., topk_logprobs: _Optional[int] = ..., topk_prompt_logprobs: _Optional[int] = ..., prompt_logprobs_last_n: _Optional[int] = ..., record_stability_info: _Optional[bool] = ..., request_tag: _Optional[str] = ..., pin_version: _Optional[bool] = ...) -> None: ...
 
 class ComputeLogprobsRequest(_message.Message):
     __slots__ = ("sampler_id", "prompt", "prompt_logprobs_last_n")
@@ -369,10 +383,12 @@ class ComputeLogprobsRequest(_message.Message):
     def __init__(self, sampler_id: _Optional[str] = ..., prompt: _Optional[_Union[_types_pb2.ModelInput, _Mapping]] = ..., prompt_logprobs_last_n: _Optional[int] = ...) -> None: ...
 
 class ComputeLogprobsResponse(_message.Message):
-    __slots__ = ("logprobs",)
+    __slots__ = ("logprobs", "weights")
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     logprobs: _types_pb2.Tensor
-    def __init__(self, logprobs: _Optional[_Union[_types_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    weights: _types_pb2.WeightsVersion
+    def __init__(self, logprobs: _Optional[_Union[_types_pb2.Tensor, _Mapping]] = ..., weights: _Optional[_Union[_types_pb2.WeightsVersion, _Mapping]] = ...) -> None: ...
 
 class ListCheckpointsRequest(_message.Message):
     __slots__ = ("training_run_id",)

@@ -226,7 +226,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., stop_strings: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[bytes] = ..., stop_disabled: _Optional[bool] = ..., processed_logprobs: _Optional[bool] = ...) -> None: ...
 
 class SampledSequence(_message.Message):
-    __slots__ = ("stop_reason", "tokens", "logprobs", "topk", "topk_token_ids", "topk_logprobs", "sequence_id")
+    __slots__ = ("stop_reason", "tokens", "logprobs", "topk", "topk_token_ids", "topk_logprobs", "sequence_id", "versions")
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +234,7 @@ class SampledSequence(_message.Message):
     TOPK_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOPK_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
     stop_reason: StopReason
     tokens: bytes
     logprobs: bytes
@@ -241,7 +242,8 @@ class SampledSequence(_message.Message):
     topk_token_ids: bytes
     topk_logprobs: bytes
     sequence_id: str
-    def __init__(self, stop_reason: _Optional[_Union[StopReason, str]] = ..., tokens: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., topk: _Optional[int] = ..., topk_token_ids: _Optional[bytes] = ..., topk_logprobs: _Optional[bytes] = ..., sequence_id: _Optional[str] = ...) -> None: ...
+    versions: _containers.RepeatedCompositeFieldContainer[VersionSpan]
+    def __init__(self, stop_reason: _Optional[_Union[StopReason, str]] = ..., tokens: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., topk: _Optional[int] = ..., topk_token_ids: _Optional[bytes] = ..., topk_logprobs: _Optional[bytes] = ..., sequence_id: _Optional[str] = ..., versions: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
     __slots__ = ("sequences", "prompt_logprobs", "topk_prompt_token_ids", "topk_prompt_logprobs", "prompt_cache_hit_tokens")
@@ -258,7 +260,7 @@ class SampleResponse(_message.Message):
     def __init__(self, sequences: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., topk_prompt_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., topk_prompt_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_cache_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class SampledPiece(_message.Message):
-    __slots__ = ("index", "tokens", "logprobs", "topk", "topk_token_ids", "topk_logprobs", "stop_reason", "sequence_id")
+    __slots__ = ("index", "tokens", "logprobs", "topk", "topk_token_ids", "topk_logprobs", "stop_reason", "sequence_id", "versions")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -267,6 +269,7 @@ class SampledPiece(_message.Message):
     TOPK_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
     index: int
     tokens: bytes
     logprobs: bytes
@@ -275,7 +278,8 @@ class SampledPiece(_message.Message):
     topk_logprobs: bytes
     stop_reason: StopReason
     sequence_id: str
-    def __init__(self, index: _Optional[int] = ..., tokens: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., topk: _Optional[int] = ..., topk_token_ids: _Optional[bytes] = ..., topk_logprobs: _Optional[bytes] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ..., sequence_id: _Optional[str] = ...) -> None: ...
+    versions: _containers.RepeatedCompositeFieldContainer[VersionSpan]
+    def __init__(self, index: _Optional[int] = ..., tokens: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., topk: _Optional[int] = ..., topk_token_ids: _Optional[bytes] = ..., topk_logprobs: _Optional[bytes] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ..., sequence_id: _Optional[str] = ..., versions: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ...) -> None: ...
 
 class SampleStreamChunk(_message.Message):
     __slots__ = ("pieces", "done", "prompt_logprobs", "topk_prompt_token_ids", "topk_prompt_logprobs")
@@ -290,6 +294,24 @@ class SampleStreamChunk(_message.Message):
     topk_prompt_token_ids: Tensor
     topk_prompt_logprobs: Tensor
     def __init__(self, pieces: _Optional[_Iterable[_Union[SampledPiece, _Mapping]]] = ..., done: _Optional[bool] = ..., prompt_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., topk_prompt_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., topk_prompt_logprobs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class WeightsVersion(_message.Message):
+    __slots__ = ("path", "version")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    version: int
+    def __init__(self, path: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class VersionSpan(_message.Message):
+    __slots__ = ("weights", "first_token", "count")
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    weights: WeightsVersion
+    first_token: int
+    count: int
+    def __init__(self, weights: _Optional[_Union[WeightsVersion, _Mapping]] = ..., first_token: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
     __slots__ = ("checkpoint_id", "kind", "path", "training_run_id", "size_bytes", "created_unix_ms", "published", "expires_unix_ms", "base_model", "lora_config", "user_metadata")
