@@ -16,7 +16,8 @@ from temper.common.prompt_scoring import TOPK_MASK_LOGPROB, check_last_n, check_
 from temper.services.lora.deterministic import unsupported as deterministic_unsupported
 from temper.services.lora.model import LoraModel
 from temper.services.models.loading import LoadedModel
-from temper.services.sampler import deterministic_decode, prompt_prefill, vision_inputs
+from temper.services.sampler import decode_steps, deterministic_decode, prompt_prefill, vision_inputs
+from temper.services.sampler.decode_steps import _Live, choose as _choose
 from temper.services.sampler.prefix_cache import CacheScope, PrefixCache
 from temper.services.sampler.backend import (
     GeneratedSequence,
@@ -27,25 +28,6 @@ from temper.services.sampler.backend import (
     SamplerBackend,
     SamplingOptions,
 )
-
-
-@dataclass
-class _Live:
-    """Decode state of one request inside a batch."""
-
-    request: SampleRequest
-    rows: list[int]
-    stop_ids: set[int]
-    generator: torch.Generator
-    tokens: list[list[int]] = field(default_factory=list)
-    logprobs: list[list[float]] = field(default_factory=list)
-    topk_ids: list[list[list[int]]] = field(default_factory=list)
-    topk_logprobs: list[list[list[float]]] = field(default_factory=list)
-    reasons: list[str] = field(default_factory=list)
-    alive: list[bool] = field(default_factory=list)
-    prompt_logprobs: np.ndarray | None = None
-    topk_prompt: tuple[np.ndarray | None, np.ndarray | None] = (None, None)
-    prompt_cache_hit_tokens: int = 0
 
 
 class TorchSamplerBackend(SamplerBackend):
@@ -213,52 +195,7 @@ class TorchSamplerBackend(SamplerBackend):
                 logits, past = self._prefill_batched(live, ids, mask, extra, width)
             else:
                 logits, past = prefilled
-            for step in range(steps):
-                chosen = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
-                raw = logits.log_softmax(-1)
-                reported = raw.clone()
-                for state in live:
-                    rows = torch.tensor(state.rows, device=self.device)
-                    picked, processed = _choose(logits.index_select(0, rows), state.request.options, state.generator)
-                    chosen[rows] = picked
-                    if state.request.options.processed_logprobs:
-                        reported[rows] = processed
-                chosen_lp = reported.gather(-1, chosen[:, None]).squeeze(-1).tolist()
-                chosen_list = chosen.tolist()
-                k_max = max(s.request.topk_logprobs for s in live)
-                top = raw.topk(k_max, dim=-1) if k_max > 0 else None
-                for state in live:
-                    grew = [] if state.request.progress is not None else None
-                    for k, row in enumerate(state.rows):
-                        if not state.alive[k]:
-                            continue
-                        tok = chosen_list[row]
-                        state.tokens[k].append(tok)
-                        state.logprobs[k].append(chosen_lp[row])
-                        if state.request.topk_logprobs:
-                            kk = state.request.topk_logprobs
-                            state.topk_ids[k].append(top.indices[row, :kk].tolist())
-                            state.topk_logprobs[k].append(top.values[row, :kk].tolist())
-                        if tok in state.stop_ids or self._hits_stop_string(state.tokens[k], state.request.options.stop_strings):
-                            state.alive[k], state.reasons[k] = False, "stop"
-                        elif len(state.tokens[k]) >= state.request.options.max_tokens:
-                            state.alive[k] = False
-                        if grew is not None:
-                            grew.append(k)
-                    if grew:
-                        state.request.progress([_last_piece(state, k) for k in grew])
-                if not any(any(s.alive) for s in live):
-                    break
-                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-                positions = (next_position + step)[:, None]  # the row's length + its rotary delta, never cached state
-                out = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
-                logits, past = out.logits[:, -1].float(), out.past_key_values
-        return [
-            SampleResult([GeneratedSequence(t, lp, r, ti if s.request.topk_logprobs else None, tl if s.request.topk_logprobs else None)
-                          for t, lp, r, ti, tl in zip(s.tokens, s.logprobs, s.reasons, s.topk_ids, s.topk_logprobs)],
-                         s.prompt_logprobs, *s.topk_prompt, prompt_cache_hit_tokens=s.prompt_cache_hit_tokens)
-            for s in live
-        ]
+        return decode_steps.decode(self, live, logits, past, mask, next_position, routing, steps)
 
     def _prefill_each(self, live: list[_Live], width: int):
         """Each request's prompt once, through the prefix cache (prompt_prefill.py): the first step's
@@ -307,13 +244,6 @@ class TorchSamplerBackend(SamplerBackend):
         return any(s in tail for s in stop_strings)
 
 
-def _last_piece(state: _Live, k: int) -> Piece:
-    """What sequence ``k`` gained in this step: its last token (and, once it ended, why)."""
-    topk = bool(state.request.topk_logprobs)
-    return Piece(k, state.tokens[k][-1:], state.logprobs[k][-1:], None if state.alive[k] else state.reasons[k],
-                 state.topk_ids[k][-1:] if topk else None, state.topk_logprobs[k][-1:] if topk else None)
-
-
 PROMPT_CHUNK = 512  # prompt positions scored per log_softmax: bounds the (positions, vocab) float32 temporary
 
 
@@ -335,23 +265,3 @@ def _prompt_logprobs(logits: torch.Tensor, ids: torch.Tensor, last_n: int | None
             values, indices = lp.topk(topk, dim=-1)
             top_ids[start:stop], top_lps[start:stop] = indices.cpu().numpy(), values.cpu().numpy()
     return out, top_ids, top_lps
-
-
-def _choose(logits: torch.Tensor, options: SamplingOptions, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sampled tokens and the log-distribution they were drawn from (after the processing)."""
-    if options.temperature == 0:
-        chosen = logits.argmax(-1)
-        processed = torch.full_like(logits, float("-inf")).scatter(-1, chosen[:, None], 0.0)
-        return chosen, processed
-    scaled = logits / options.temperature
-    if options.top_k and options.top_k < scaled.shape[-1]:
-        kth = scaled.topk(options.top_k, dim=-1).values[:, -1:]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if options.top_p < 1.0:
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # drop a token when the mass before it already reaches top_p (the first token always stays)
-        drop = probs.cumsum(-1) - probs >= options.top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
-    return torch.multinomial(scaled.softmax(-1), 1, generator=generator).squeeze(-1), scaled.log_softmax(-1)

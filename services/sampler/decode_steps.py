@@ -1,0 +1,115 @@
+"""The torch sampler's decode steps after the prefill: each step samples every live row's next token
+(per request: its options and seeded generator), records tokens, logprobs, top-k and stop reasons,
+tells streamed requests their pieces, and runs one KV-cached forward for the next step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from temper.services.sampler.backend import GeneratedSequence, Piece, SampleRequest, SampleResult, SamplingOptions
+
+
+@dataclass
+class _Live:
+    """Decode state of one request inside a batch."""
+
+    request: SampleRequest
+    rows: list[int]
+    stop_ids: set[int]
+    generator: torch.Generator
+    tokens: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+    topk_ids: list[list[list[int]]] = field(default_factory=list)
+    topk_logprobs: list[list[list[float]]] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+    alive: list[bool] = field(default_factory=list)
+    prompt_logprobs: np.ndarray | None = None
+    topk_prompt: tuple[np.ndarray | None, np.ndarray | None] = (None, None)
+    prompt_cache_hit_tokens: int = 0
+
+
+@torch.no_grad()
+def decode(backend, live: list[_Live], logits: torch.Tensor, past, mask: torch.Tensor, next_position: torch.Tensor,
+           routing, steps: int) -> list[SampleResult]:
+    """Decode ``live`` from the prefill's last ``logits`` and cache ``past`` for at most ``steps`` steps,
+    rows routed to their adapters by ``routing`` (LoraModel.route)."""
+    model, device = backend.loaded.model, backend.device
+    rows_total = sum(len(s.rows) for s in live)
+    with backend.lora.route(routing):
+        for step in range(steps):
+            chosen = torch.zeros(rows_total, dtype=torch.long, device=device)
+            raw = logits.log_softmax(-1)
+            reported = raw.clone()
+            for state in live:
+                rows = torch.tensor(state.rows, device=device)
+                picked, processed = choose(logits.index_select(0, rows), state.request.options, state.generator)
+                chosen[rows] = picked
+                if state.request.options.processed_logprobs:
+                    reported[rows] = processed
+            chosen_lp = reported.gather(-1, chosen[:, None]).squeeze(-1).tolist()
+            chosen_list = chosen.tolist()
+            k_max = max(s.request.topk_logprobs for s in live)
+            top = raw.topk(k_max, dim=-1) if k_max > 0 else None
+            for state in live:
+                grew = [] if state.request.progress is not None else None
+                for k, row in enumerate(state.rows):
+                    if not state.alive[k]:
+                        continue
+                    tok = chosen_list[row]
+                    state.tokens[k].append(tok)
+                    state.logprobs[k].append(chosen_lp[row])
+                    if state.request.topk_logprobs:
+                        kk = state.request.topk_logprobs
+                        state.topk_ids[k].append(top.indices[row, :kk].tolist())
+                        state.topk_logprobs[k].append(top.values[row, :kk].tolist())
+                    if tok in state.stop_ids or backend._hits_stop_string(state.tokens[k], state.request.options.stop_strings):
+                        state.alive[k], state.reasons[k] = False, "stop"
+                    elif len(state.tokens[k]) >= state.request.options.max_tokens:
+                        state.alive[k] = False
+                    if grew is not None:
+                        grew.append(k)
+                if grew:
+                    state.request.progress([_last_piece(state, k) for k in grew])
+            if not any(any(s.alive) for s in live):
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            positions = (next_position + step)[:, None]  # the row's length + its rotary delta, never cached state
+            out = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
+            logits, past = out.logits[:, -1].float(), out.past_key_values
+    return [
+        SampleResult([GeneratedSequence(t, lp, r, ti if s.request.topk_logprobs else None, tl if s.request.topk_logprobs else None)
+                      for t, lp, r, ti, tl in zip(s.tokens, s.logprobs, s.reasons, s.topk_ids, s.topk_logprobs)],
+                     s.prompt_logprobs, *s.topk_prompt, prompt_cache_hit_tokens=s.prompt_cache_hit_tokens)
+        for s in live
+    ]
+
+
+
+def _last_piece(state: _Live, k: int) -> Piece:
+    """What sequence ``k`` gained in this step: its last token (and, once it ended, why)."""
+    topk = bool(state.request.topk_logprobs)
+    return Piece(k, state.tokens[k][-1:], state.logprobs[k][-1:], None if state.alive[k] else state.reasons[k],
+                 state.topk_ids[k][-1:] if topk else None, state.topk_logprobs[k][-1:] if topk else None)
+
+
+def choose(logits: torch.Tensor, options: SamplingOptions, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampled tokens and the log-distribution they were drawn from (after the processing)."""
+    if options.temperature == 0:
+        chosen = logits.argmax(-1)
+        processed = torch.full_like(logits, float("-inf")).scatter(-1, chosen[:, None], 0.0)
+        return chosen, processed
+    scaled = logits / options.temperature
+    if options.top_k and options.top_k < scaled.shape[-1]:
+        kth = scaled.topk(options.top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if options.top_p < 1.0:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the mass before it already reaches top_p (the first token always stays)
+        drop = probs.cumsum(-1) - probs >= options.top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
+    return torch.multinomial(scaled.softmax(-1), 1, generator=generator).squeeze(-1), scaled.log_softmax(-1)
