@@ -56,6 +56,7 @@ from temper.client.types import (
     TensorDtype,
     TrainingRun,
 )
+from temper.client.versions import VersionSpan, WeightsVersion
 from temper.common.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -77,5 +78,5 @@ __all__ = [
     "PermissionDeniedError", "RateLimitError", "RequestFailedError", "ResourceExhausted", "RestClient",
     "SampleResponse", "SampledSequence", "SamplingClient", "SamplingParams", "ServiceClient", "StopReason",
     "TemperError", "TensorData", "TensorDtype", "TinkerError", "TrainingClient", "TrainingRun", "Unauthenticated",
-    "Unavailable", "UnprocessableEntityError", "UnsupportedError", "types",
+    "Unavailable", "VersionSpan", "WeightsVersion", "UnprocessableEntityError", "UnsupportedError", "types",
 ]

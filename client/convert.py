@@ -8,6 +8,7 @@ from typing import Mapping
 import numpy as np
 
 from temper.client import types as t
+from temper.client.versions import spans_from_proto
 from temper.common.codec import decode_array, decode_floats, decode_tokens, encode_array, encode_tokens
 from temper.common.validation import TOPK_MASK_LOGPROB
 from temper.v1 import service_pb2, types_pb2
@@ -155,7 +156,8 @@ def sample_from_proto(message: types_pb2.SampleResponse) -> t.SampleResponse:
             lps = decode_floats(s.topk_logprobs).reshape(-1, s.topk)
             topk = [list(zip(row_ids.tolist(), row_lps.tolist())) for row_ids, row_lps in zip(ids, lps)]
         sequences.append(t.SampledSequence(stop_reason=_STOP.get(s.stop_reason, "length"), tokens=decode_tokens(s.tokens).tolist(),
-                                           logprobs=decode_floats(s.logprobs).tolist(), topk_logprobs=topk, sequence_id=s.sequence_id))
+                                           logprobs=decode_floats(s.logprobs).tolist(), topk_logprobs=topk, sequence_id=s.sequence_id,
+                                           versions=spans_from_proto(s.versions)))
     prompt = logprobs_list(message.prompt_logprobs) if message.HasField("prompt_logprobs") else None
     top_prompt = None
     if message.HasField("topk_prompt_token_ids"):

@@ -143,11 +143,13 @@ class ServiceClient:
         return await self.create_sampling_client(*args, **kwargs)
 
     async def _new_sampling_client(self, model_path: str | None = None, base_model: str | None = None,
-                                   deterministic: bool | None = None) -> SamplingClient:
+                                   deterministic: bool | None = None, inflight_training_run_id: str | None = None) -> SamplingClient:
         request = service_pb2.CreateSamplingClientRequest(session_id=self.session_id)
         if deterministic is not None:
             request.deterministic = deterministic
-        if model_path is not None:
+        if inflight_training_run_id is not None:
+            request.inflight_training_run_id = inflight_training_run_id
+        elif model_path is not None:
             request.model_path = model_path
         else:
             request.base_model = base_model

@@ -194,10 +194,22 @@ class TrainingClient:
                                              record_stability_info: bool = False, kind: str = "snapshot") -> "ClientFuture[SamplingClient]":
         """A future of the SamplingClient, usable as the client itself. Without a name the weights are an
         unlisted snapshot, deleted once no sampling client has used it for a while
-        (TEMPER_SCHEDULER_SNAPSHOT_IDLE_SECONDS) and a newer one exists."""
-        if kind != "snapshot":
-            raise unsupported(f"save_weights_and_get_sampling_client(kind={kind!r})", "only kind='snapshot'")
+        (TEMPER_SCHEDULER_SNAPSHOT_IDLE_SECONDS) and a newer one exists. ``kind="inflight"``: the run's
+        next in-flight version, and a client that follows the run's target from it on (later in-flight
+        saves move it, for this client too; docs/async_rl.md)."""
+        if kind not in ("snapshot", "inflight"):
+            raise ValueError(f"kind must be 'snapshot' or 'inflight', got {kind!r}")
+        if kind == "inflight" and name is not None:
+            raise ValueError("an inflight save takes no name (its versions are unlisted)")
         self.service._check_sampling_options(record_stability_info)
+        if kind == "inflight":
+            saved = self.save_weights_inflight()
+
+            async def follow() -> "SamplingClient":
+                await saved
+                return await self.service._new_sampling_client(inflight_training_run_id=self.model_id)
+
+            return ClientFuture(self._runtime.call_soon(follow()))
         if name is None:
             saved = self._save_for_sampler(f"snapshot-{uuid.uuid4().hex[:12]}", ephemeral=True)
         else:
@@ -207,6 +219,13 @@ class TrainingClient:
             return await self.service._new_sampling_client(model_path=(await saved).path)
 
         return ClientFuture(self._runtime.call_soon(create()))
+
+    def save_weights_inflight(self) -> APIFuture[t.WeightsVersion]:
+        """The run's weights as its next in-flight version (an unlisted sampler save): its path and version
+        once durable, before any sampler has loaded it."""
+        request = service_pb2.SaveWeightsRequest(training_run_id=self.model_id, seq_id=self._next_seq(), kind=types_pb2.CHECKPOINT_KIND_SAMPLER,
+                                                 name=f"inflight-{uuid.uuid4().hex[:12]}", ephemeral=True, inflight=True)
+        return APIFuture(self._send("SaveWeights", request), lambda r: t.WeightsVersion(r.weights.path, r.weights.version))
 
     async def save_weights_and_get_sampling_client_async(self, *args: Any, **kwargs: Any) -> "SamplingClient":
         return await self.save_weights_and_get_sampling_client(*args, **kwargs)

@@ -9,6 +9,7 @@ from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
 
+from temper.client.versions import VersionSpan, WeightsVersion  # noqa: F401  (public here too)
 from temper.common.optim import AdamParams  # noqa: F401  (public here: temper.client.AdamParams)
 
 LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"]
@@ -241,6 +242,7 @@ class SampledSequence:
     logprobs: list[float] | None = None
     topk_logprobs: list[list[tuple[int, float]]] | None = None  # per position: (token, logprob), raw model
     sequence_id: str = ""  # stable per sampled sequence, "<sampler_id>:<request_tag>:<i>" (Tinker's field)
+    versions: list[VersionSpan] = field(default_factory=list)  # the weights of each token, in order (docs/async_rl.md)
 
 
 @dataclass

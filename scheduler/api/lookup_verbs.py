@@ -133,8 +133,7 @@ class LookupVerbs:
 
     async def GetSamplingClient(self, request, context):
         row, _, _ = await asyncio.to_thread(self.store.get_sampling_client, request.sampler_id, caller())
-        info = service_pb2.SamplingClientInfo(sampler_id=row.id, base_model=row.base_model, model_path=row.model_path or "",
-                                              deterministic=bool(row.deterministic))
+        info = await self._client_info(row)  # an in-flight client: its run's target now (inflight_verbs.py)
         try:
             model = self.backends.sampler_info(row.base_model)
             info.tokenizer_id, info.vocab_size = model.tokenizer_id, model.vocab_size

@@ -22,6 +22,7 @@ from temper.common.defaults import sampling_with_defaults
 from temper.common.validation import check_last_n, check_prompt_scoring, check_sample_counts, check_sampling_params, check_token_range
 from temper.scheduler import metrics
 from temper.scheduler.tenancy.auth import caller
+from temper.scheduler.api.inflight_verbs import InflightSampling, PieceSpans, fill_spans
 from temper.scheduler.api.image_inputs import CheckedPrompt, check_prompt, has_images, pointer_digests, serves_images, vision_of
 from temper.scheduler.api.lookup_verbs import check_deterministic
 from temper.scheduler.db import models as m
@@ -47,6 +48,8 @@ class SamplingTarget:
     session_id: str = ""           # the sampling client's session (its sampling records)
     deterministic: bool = False    # the client samples deterministically (docs/deterministic.md)
     prompt: types_pb2.ModelInput | None = None  # with images: for the sampler, pointers resolved (image_inputs.py)
+    weights: types_pb2.WeightsVersion | None = None  # what checkpoint_key holds (docs/async_rl.md)
+    inflight_run: str = ""                           # an in-flight client's run: the sampler may move it to a newer version
 
     def to_sampler(self, request) -> None:
         """The prompt into a sampler's request: its tokens, and the prompt itself when it has images."""
@@ -55,7 +58,7 @@ class SamplingTarget:
             request.prompt.CopyFrom(self.prompt)
 
 
-class SamplingVerbs:
+class SamplingVerbs(InflightSampling):
     """Mixed into TemperServicer (store, backends, runs, admission come from it)."""
 
     def _init_sampling(self, image_limits: ImageLimits = DEFAULT_LIMITS) -> None:
@@ -83,6 +86,15 @@ class SamplingVerbs:
             # pushed now, to the sampler its first request will likely go to (another one if that one is down)
             await self.backends.on_a_sampler(base_model, path.key, None, load=lambda s: self._ensure_loaded(s, path.key, tenant))
             await asyncio.to_thread(self.store.touch_checkpoint, model_path)
+        elif source == "inflight_training_run_id":  # follows the run's target (inflight_verbs.py)
+            base_model, info, deterministic, target = await self._inflight_source(request, tenant)
+            row = await asyncio.to_thread(self.store.add_sampling_client, request.session_id, base_model, None, deterministic,
+                                          target.run_id, target.version)
+            self._samplers[row.id] = (row, tenant)
+            return service_pb2.SamplingClientInfo(
+                sampler_id=row.id, base_model=base_model, model_path=target.path, tokenizer_id=info.tokenizer_id,
+                vocab_size=info.vocab_size, deterministic=deterministic, inflight_training_run_id=target.run_id,
+                min_version=target.version)
         elif source == "base_model":
             base_model, model_path = request.base_model, None
             await self.backends.served("sampler", base_model)  # NotFound only for a model unknown here
@@ -91,7 +103,7 @@ class SamplingVerbs:
             if deterministic:
                 check_deterministic(info, base_model)
         else:
-            raise InvalidArgument("give base_model or model_path")
+            raise InvalidArgument("give base_model, model_path or inflight_training_run_id")
         row = await asyncio.to_thread(self.store.add_sampling_client, request.session_id, base_model, model_path, deterministic)
         self._samplers[row.id] = (row, tenant)
         return service_pb2.SamplingClientInfo(
@@ -122,9 +134,13 @@ class SamplingVerbs:
             raise FailedPrecondition(f"the session of sampling client {sampler_id} is closed")
         await self.backends.served("sampler", row.base_model)  # after a restart, until its samplers register again
         info = self.backends.sampler_info(row.base_model)
-        checkpoint_key = ""
-        if row.model_path:
-            path = parse_path(row.model_path)
+        checkpoint_key, model_path, inflight_run = "", row.model_path, row.inflight_run_id or ""
+        weights = types_pb2.WeightsVersion(path=model_path or "", version=0)
+        if inflight_run:  # the run's target now: a newer one than the last request's, if a save moved it
+            target = await self._target_of(row)
+            model_path, weights = target.path, target.weights()
+        if model_path:
+            path = parse_path(model_path)
             checkpoint_key = path.key
             await self._still_readable(str(path), tenant)
         tokens, with_images = await self._checked_prompt(prompt, info, tenant, row.base_model)
@@ -135,8 +151,8 @@ class SamplingVerbs:
             raise InvalidArgument(f"prompt has {len(tokens)} tokens; the context length is {info.max_context_length}")
         if row.deterministic:  # its sampler may have been replaced by one that cannot (refused, nothing sampled)
             check_deterministic(info, row.base_model)
-        return SamplingTarget(row.base_model, info, checkpoint_key, tokens, tenant, row.model_path or None, row.session_id,
-                              bool(row.deterministic), with_images)
+        return SamplingTarget(row.base_model, info, checkpoint_key, tokens, tenant, model_path or None, row.session_id,
+                              bool(row.deterministic), with_images, weights, inflight_run)
 
     async def _checked_prompt(self, prompt: types_pb2.ModelInput, info, tenant: str, base_model: str):
         """(tokens, the sampler's prompt with images or None), every chunk checked (image_inputs.py).
@@ -182,6 +198,7 @@ class SamplingVerbs:
         response = await self._call_sampler(target, "Sample", sample)
         for i, sequence in enumerate(response.sequences):
             sequence.sequence_id = f"{request.sampler_id}:{tag}:{i}"
+        fill_spans(response.sequences, target.weights)
         generated = sum(len(s.tokens) // 4 for s in response.sequences)
         await self._sampled(target, request, generated, started)
         return response
@@ -205,7 +222,9 @@ class SamplingVerbs:
             checkpoint_key=target.checkpoint_key, num_samples=request.num_samples, sampling_params=request.sampling_params,
             include_prompt_logprobs=request.include_prompt_logprobs, topk_logprobs=request.topk_logprobs,
             topk_prompt_logprobs=request.topk_prompt_logprobs, deterministic=target.deterministic,
-            sampling_session_id=request.sampler_id, tenant=target.tenant)  # the sampler's prefix-cache scope
+            sampling_session_id=request.sampler_id, tenant=target.tenant,  # the sampler's prefix-cache scope
+            weights=target.weights, inflight_run=target.inflight_run,
+            pin_version=request.pin_version and bool(target.inflight_run))  # pinning a fixed version changes nothing
         target.to_sampler(sample)
         if last_n is not None:
             sample.prompt_logprobs_last_n = last_n
@@ -217,12 +236,13 @@ class SamplingVerbs:
         started = unix_ms()
         await self.backends.wait_ready()
         target, sample, tag = await self._sample_call(request)
-        generated = 0
+        generated, spans = 0, PieceSpans(target.weights)
         try:
             async for chunk in stream_on_a_sampler(self.backends, target.base_model, sample, load=lambda sampler: (
                     self._ensure_loaded(sampler, target.checkpoint_key, target.tenant))):
                 for piece in chunk.pieces:
                     piece.sequence_id = f"{request.sampler_id}:{tag}:{piece.index}"
+                    spans.fill(piece)
                     generated += len(piece.tokens) // 4
                 yield chunk
         finally:  # what was sampled counts, also when the caller left midway
@@ -249,4 +269,4 @@ class SamplingVerbs:
         response = await self._call_sampler(target, "ComputeLogprobs", logprobs)
         await self._sampling_records.add(SamplingRow(target.session_id, request.sampler_id, "compute_logprobs", 0, len(target.tokens),
                                                      0, started, unix_ms()))
-        return service_pb2.ComputeLogprobsResponse(logprobs=response.logprobs)
+        return service_pb2.ComputeLogprobsResponse(logprobs=response.logprobs, weights=target.weights)

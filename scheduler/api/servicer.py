@@ -24,6 +24,7 @@ from temper.scheduler.api.checkpoint_verbs import CheckpointVerbs, check_ttl
 from temper.scheduler.api.cluster_status import ClusterStatusVerbs
 from temper.scheduler.api.image_inputs import has_images, serves_images, vision_of
 from temper.scheduler.api.image_verbs import ImageVerbs
+from temper.scheduler.api.inflight_verbs import check_inflight_save
 from temper.scheduler.api.import_verbs import ImportVerbs
 from temper.scheduler.api.record_verbs import RecordVerbs
 from temper.scheduler.api.lookup_verbs import (CheckpointSource, LookupVerbs, check_deterministic, check_lora, check_lora_for_model,
@@ -256,6 +257,8 @@ class TemperServicer(AuditVerbs, ClusterStatusVerbs, SamplingVerbs, CheckpointVe
                 raise InvalidArgument("kind must be CHECKPOINT_KIND_SAMPLER or CHECKPOINT_KIND_TRAINING")
             if request.ephemeral and request.kind != types_pb2.CHECKPOINT_KIND_SAMPLER:
                 raise InvalidArgument("only sampler checkpoints can be ephemeral")
+            if request.inflight:
+                check_inflight_save(request)
             check_ttl(request.ttl_seconds)
             check_name(request.name)
             check_user_metadata(request.user_metadata)
@@ -267,7 +270,7 @@ class TemperServicer(AuditVerbs, ClusterStatusVerbs, SamplingVerbs, CheckpointVe
             elif await asyncio.to_thread(self.store.checkpoint_exists, run.run_id, KIND_NAMES[request.kind], request.name):
                 raise AlreadyExists(f"checkpoint {KIND_DIRS[request.kind]}/{request.name} already exists for {run.run_id}")
             limit = (await self.admission.quotas.limits(run.tenant)).max_storage_bytes
-            if limit and not request.ephemeral:  # snapshots are collected by themselves; named saves are what fills storage
+            if limit and not (request.ephemeral or request.inflight):  # snapshots are collected by themselves; named saves are what fills storage
                 check_hard_limit("max_storage_bytes", limit, await asyncio.to_thread(self.store.storage_bytes, run.tenant), adding=1)
 
         return await self._submit(request, WorkKind.SAVE_WEIGHTS, check, not_taken)

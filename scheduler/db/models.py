@@ -104,6 +104,10 @@ class TrainingRun(Base):
     # A restore of its adapter is under way: set before the snapshot (or a fresh adapter) goes to the
     # trainer, cleared after the replay. Found set by a new scheduler process: restored again.
     restoring: Mapped[bool] = mapped_column(Boolean, default=False, server_default=sa_false())
+    # The run's in-flight target (docs/async_rl.md): its newest in-flight save's version (1, 2, ...; 0:
+    # none yet) and checkpoint path. Advanced with that checkpoint's row, in one transaction, never back.
+    inflight_version: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    inflight_path: Mapped[str | None] = mapped_column(String(512), nullable=True)
 
 
 class Checkpoint(Base):
@@ -122,6 +126,7 @@ class Checkpoint(Base):
     expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)  # by a sampling client
     user_metadata: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # as given to its save (NULL before 0007)
+    inflight_version: Mapped[int | None] = mapped_column(BigInteger, nullable=True)  # an in-flight save's version; else NULL
 
 
 class ImageAsset(Base):
@@ -154,6 +159,10 @@ class SamplingClient(Base):
     tokens_sampled: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     deterministic: Mapped[bool] = mapped_column(Boolean, default=False, server_default=sa_false())  # docs/deterministic.md
+    # An in-flight client (docs/async_rl.md): the run whose target it follows (model_path NULL) and the
+    # target's version when it was made; NULL for every other client.
+    inflight_run_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    min_version: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 class RequestRecord(Base):

@@ -25,6 +25,7 @@ from temper.scheduler.db.records import RecordsStore
 from temper.scheduler.db.request_log import RequestLogStore
 from temper.scheduler.db.catalog import CatalogStore
 from temper.scheduler.db.images import ImageStore
+from temper.scheduler.db.inflight import InflightStore
 from temper.scheduler.db.tenancy import TenancyStore
 
 def executor_threads() -> int:
@@ -78,7 +79,7 @@ def upgrade_schema(url: str) -> None:
 
 
 @database_errors
-class Store(TenancyStore, RequestLogStore, CatalogStore, AuditStore, RecordsStore, ImageStore):
+class Store(TenancyStore, RequestLogStore, CatalogStore, AuditStore, RecordsStore, ImageStore, InflightStore):
     def __init__(self, url: str):
         if url.startswith("sqlite:///"):
             Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
@@ -239,14 +240,15 @@ class Store(TenancyStore, RequestLogStore, CatalogStore, AuditStore, RecordsStor
 
     # ---- sampling clients ---------------------------------------------------------------------
 
-    def add_sampling_client(self, session_id: str, base_model: str, model_path: str | None,
-                            deterministic: bool = False) -> m.SamplingClient:
+    def add_sampling_client(self, session_id: str, base_model: str, model_path: str | None, deterministic: bool = False,
+                            inflight_run_id: str | None = None, min_version: int | None = None) -> m.SamplingClient:
+        """``inflight_run_id``: an in-flight client following that run's target from ``min_version`` on."""
         with self.sessions.begin() as db:
             session = db.get(m.Session, session_id, with_for_update=True)
             n = session.num_samplers
             session.num_samplers = n + 1
             row = m.SamplingClient(id=f"{session_id}:sample:{n}", session_id=session_id, base_model=base_model, model_path=model_path,
-                                   deterministic=deterministic)
+                                   deterministic=deterministic, inflight_run_id=inflight_run_id, min_version=min_version)
             db.add(row)
             return row
 

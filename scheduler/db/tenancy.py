@@ -234,20 +234,25 @@ class TenancyStore:
 
     def collectable_checkpoints(self, idle: timedelta) -> list[m.Checkpoint]:
         """Checkpoints past their TTL, and ephemeral snapshots no sampling client used for ``idle``
-        except each open run's newest (its client is about to use it)."""
+        except each open run's newest snapshot (its client is about to use it). A run's current
+        in-flight target is never collected (its clients sample it next); its earlier in-flight
+        versions are snapshots like the others, so a version a span named stays scorable for ``idle``
+        after its last use (docs/async_rl.md)."""
         cutoff = now() - idle
         with self.sessions() as db:
+            targets = set(db.scalars(select(m.TrainingRun.inflight_path).where(m.TrainingRun.inflight_path.is_not(None))))
             expired = list(db.scalars(select(m.Checkpoint).where(m.Checkpoint.expires_at.is_not(None),
                                                                  m.Checkpoint.expires_at <= now())))
             snapshots = db.execute(select(m.Checkpoint, m.Session.closed_at)
                                    .join(m.TrainingRun, m.TrainingRun.id == m.Checkpoint.training_run_id)
                                    .join(m.Session, m.Session.id == m.TrainingRun.session_id)
                                    .where(m.Checkpoint.ephemeral.is_(True)).order_by(m.Checkpoint.id)).all()
-        newest = {row.training_run_id: row.id for row, closed in snapshots if closed is None}
+        newest = {row.training_run_id: row.id for row, closed in snapshots if closed is None and row.inflight_version is None}
         idle_snapshots = [row for row, closed in snapshots
                           if _aware(max(filter(None, (row.created_at, row.last_used_at)), key=_aware)) <= cutoff
                           and newest.get(row.training_run_id) != row.id]
-        return expired + [row for row in idle_snapshots if row.id not in {e.id for e in expired}]
+        found = expired + [row for row in idle_snapshots if row.id not in {e.id for e in expired}]
+        return [row for row in found if row.path not in targets]
 
 
 def _aware(value: datetime) -> datetime:

@@ -37,7 +37,8 @@ def run_message(run: m.TrainingRun, owner: str, next_seq_id: int,
         training_run_id=run.id, base_model=run.base_model, lora_config=lora_of(run), next_seq_id=next_seq_id,
         user_metadata={str(k): str(v) for k, v in (run.user_metadata or {}).items()}, owner=owner,
         created_unix_ms=unix_ms(run.created_at), last_request_unix_ms=unix_ms(run.last_request_at or run.created_at),
-        deterministic=bool(run.deterministic))
+        deterministic=bool(run.deterministic),
+        inflight=types_pb2.WeightsVersion(path=run.inflight_path or "", version=run.inflight_version or 0))
     if model is not None:
         info.tokenizer_id, info.vocab_size, info.max_context_length = model.tokenizer_id, model.vocab_size, model.max_context_length
     return info

@@ -30,6 +30,7 @@ from temper.scheduler.workers.backends import Backends, TrainerHandle
 from temper.scheduler.planning.checkpoint_removal import remove_checkpoint
 from temper.scheduler.planning.cycles import build_cycle, cycle_outcomes
 from temper.scheduler.planning.group_commit import Finish, FinishWriter, Running
+from temper.scheduler.planning.inflight import Target
 from temper.scheduler.planning.lanes import Lane
 from temper.scheduler.planning.policy import CyclePlan, FairShare
 from temper.scheduler.planning.recovery import Recovery, adapter_missing
@@ -198,23 +199,33 @@ class SchedulerLoop:
     async def _save(self, trainer: TrainerHandle, work: Work, resent: bool) -> service_pb2.SaveWeightsResponse:
         request = work.request
         path = CheckpointPath(work.run_id, request.kind, request.name)
-        limit = 0 if request.ephemeral else self.admission.quotas.cached(work.tenant).max_storage_bytes
+        ephemeral = request.ephemeral or request.inflight  # in-flight versions are collected when idle, as snapshots
+        limit = 0 if ephemeral else self.admission.quotas.cached(work.tenant).max_storage_bytes
         if limit:  # snapshots are collected by themselves; named saves are what fills storage
             async with self.admission.quotas.storage_lock(work.tenant):  # measured to written: no other save of the tenant between
                 await self._within_storage(trainer, work, path, limit)
                 row = await self._write_checkpoint(trainer, work, path, resent)
         else:
             row = await self._write_checkpoint(trainer, work, path, resent)
-        if request.kind == types_pb2.CHECKPOINT_KIND_SAMPLER:
+        run = self.runs.known(work.run_id)
+        resident = self.admission.quotas.cached(work.tenant).max_resident_adapters
+        weights = None
+        if request.inflight:
+            # durable now (row and target in one transaction): answered at once, the samplers load it meanwhile
+            target = Target(work.run_id, row.inflight_version, row.path)
+            self.runs.inflight.advance(target)
+            self.runs.inflight.spread(self.backends, trainer, run.base_model, target, work.tenant, resident)
+            weights = target.weights()
+        elif request.kind == types_pb2.CHECKPOINT_KIND_SAMPLER:
+            weights = types_pb2.WeightsVersion(path=row.path, version=0)
             # Pushed now so a sampling client starts without waiting; if the sampler is down, the first
             # sampling client on this checkpoint pushes it instead.
             try:
-                sampler = self.backends.sampler_for(self.runs.known(work.run_id).base_model)
-                limit = self.admission.quotas.cached(work.tenant).max_resident_adapters
-                await self.backends.push_checkpoint(trainer, sampler, path.key, tenant=work.tenant, max_resident=limit)
+                sampler = self.backends.sampler_for(run.base_model)
+                await self.backends.push_checkpoint(trainer, sampler, path.key, tenant=work.tenant, max_resident=resident)
             except TemperError as exc:
                 log.warning("could not push %s to a sampler now: %s", path.key, exc.message)
-        return service_pb2.SaveWeightsResponse(checkpoint=checkpoint_message(row, self.runs.known(work.run_id).row))
+        return service_pb2.SaveWeightsResponse(checkpoint=checkpoint_message(row, run.row), weights=weights)
 
     async def _within_storage(self, trainer: TrainerHandle, work: Work, path: CheckpointPath, limit: int) -> None:
         """ResourceExhausted, before anything is written or removed, if the save would take the tenant's
@@ -247,6 +258,9 @@ class SchedulerLoop:
                 raise
             # The first attempt wrote it (its answer was lost); nothing of the run has run since.
             size = sum([len(chunk.data) async for chunk in trainer.read_checkpoint(path.key)])
+        if request.inflight:  # the row and the run's move to it, in one transaction (db/inflight.py)
+            return await self.persist(self.store.add_inflight_checkpoint, work.run_id, request.name, str(path), size,
+                                      dict(request.user_metadata))
         return await self.persist(self.store.add_or_get_checkpoint, work.run_id, KIND_NAMES[request.kind], request.name, str(path),
                                   size, request.ephemeral, request.ttl_seconds, dict(request.user_metadata))
 

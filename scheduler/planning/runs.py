@@ -1,5 +1,6 @@
 """What the scheduler knows about each training run, held once per process: owner, base model and
-the seq it resumes from. Loaded from the database on a run's first use in this process."""
+the seq it resumes from, loaded from the database on a run's first use in this process; and each
+run's in-flight target (``inflight``: planning/inflight.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Callable
 from temper.common.errors import NotFound
 from temper.scheduler.db import models as m
 from temper.scheduler.db.catalog import RunNumber
+from temper.scheduler.planning.inflight import InflightTargets
 from temper.v1 import trainer_pb2, types_pb2
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,7 @@ class RunRegistry:
         self.on_load = on_load  # told each run this process learns of (the app records its trainer placement)
         self._runs: dict[str, RunInfo] = {}
         self._loading: dict[str, asyncio.Future] = {}
+        self.inflight = InflightTargets(store)  # saved by the loop, followed by the sampling verbs
 
     def add(self, row: m.TrainingRun, tenant: str, closed: bool = False, recorded_upto: int = 0,
             skipped: tuple[int, ...] = ()) -> RunInfo:

@@ -271,7 +271,8 @@ def sample_to_json(resp: types_pb2.SampleResponse) -> dict:
     sequences = []
     for s in resp.sequences:
         item = {"stop_reason": _STOP_TO_JSON.get(s.stop_reason, "length"), "tokens": decode_tokens(s.tokens).tolist(),
-                "logprobs": decode_floats(s.logprobs).tolist(), "sequence_id": s.sequence_id}
+                "logprobs": decode_floats(s.logprobs).tolist(), "sequence_id": s.sequence_id,
+                "weights_versions": spans_to_json(s.versions)}  # Temper's: the weights of each token (docs/async_rl.md)
         if s.topk:
             ids = decode_tokens(s.topk_token_ids).reshape(-1, s.topk)
             lps = decode_floats(s.topk_logprobs).reshape(-1, s.topk)
@@ -287,6 +288,10 @@ def sample_to_json(resp: types_pb2.SampleResponse) -> dict:
         body["topk_prompt_logprobs"] = [None if r_lps[0] == TOPK_MASK_LOGPROB else list(zip(r_ids.tolist(), r_lps.tolist()))
                                         for r_ids, r_lps in zip(*top)]
     return body
+
+
+def spans_to_json(spans) -> list[dict]:
+    return [{"path": v.weights.path, "version": v.weights.version, "first_token": v.first_token, "count": v.count} for v in spans]
 
 
 def _iso(unix_ms: int) -> str:

@@ -17,6 +17,7 @@ from temper.services.gateway.errors import GatewayError, failed_result
 from temper.v1 import service_pb2, types_pb2
 
 EPHEMERAL_PREFIX = "ephemeral-"  # the name of an unlisted sampler snapshot (save_weights_for_sampler without a path)
+INFLIGHT_PREFIX = "inflight-"    # the name of an in-flight version (save_weights_for_sampler kind="inflight")
 
 
 def forward_backward_result(out) -> Result:
@@ -74,8 +75,17 @@ async def recovered(gw: Gateway, key: str, request_id: str) -> Result | dict | N
     checkpoint = record.save_weights.checkpoint
     if checkpoint.kind != types_pb2.CHECKPOINT_KIND_SAMPLER:
         return save_weights_result(record.save_weights)
-    if not checkpoint.checkpoint_id.split("/", 1)[-1].startswith(EPHEMERAL_PREFIX):
+    name = checkpoint.checkpoint_id.split("/", 1)[-1]
+    if not name.startswith((EPHEMERAL_PREFIX, INFLIGHT_PREFIX)):
         return Result(json=lambda: {"type": "save_weights_for_sampler", "path": checkpoint.path})
-    sampler = await gw.scheduler.call("CreateSamplingClient", service_pb2.CreateSamplingClientRequest(
-        session_id=convert.session_of(run), model_path=checkpoint.path), key)
+    client = client_on(checkpoint, convert.session_of(run), inflight=record.save_weights.weights.version > 0)
+    sampler = await gw.scheduler.call("CreateSamplingClient", client, key)
     return Result(json=lambda: {"type": "save_weights_for_sampler", "sampling_session_id": sampler.sampler_id})
+
+
+def client_on(checkpoint: types_pb2.Checkpoint, session: str, inflight: bool) -> service_pb2.CreateSamplingClientRequest:
+    """The sampling client an unnamed sampler save answers with: on the snapshot, or (in-flight) on the
+    run's target, which is this save's version or a newer one."""
+    if inflight:
+        return service_pb2.CreateSamplingClientRequest(session_id=session, inflight_training_run_id=checkpoint.training_run_id)
+    return service_pb2.CreateSamplingClientRequest(session_id=session, model_path=checkpoint.path)

@@ -61,6 +61,7 @@ def sample_request(body: dict) -> service_pb2.SampleRequest:
         topk_logprobs=fields.integer(body, "topk_sample_logprobs", 0, fields.INT32[1], default=0),
         topk_prompt_logprobs=fields.integer(body, "topk_prompt_logprobs", 0, fields.INT32[1], default=0),
         record_stability_info=fields.boolean(body, "record_stability_info"),
+        pin_version=fields.boolean(body, "pin_version"),  # Temper's: an in-flight client's sequences on one version
         request_tag=str(seq) if seq is not None else uuid.uuid4().hex[:16])
     last_n = fields.integer(body, "prompt_logprobs_last_n", *fields.INT32, default=None)
     if last_n is not None:

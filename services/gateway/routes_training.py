@@ -180,16 +180,23 @@ async def save_weights(request: Request):
 @router.post("/save_weights_for_sampler")
 async def save_weights_for_sampler(request: Request):
     """Named (``path``: a listed sampler checkpoint) or ephemeral (``sampling_session_seq_id``: an
-    unlisted snapshot, answered with a sampling client on it)."""
+    unlisted snapshot, answered with a sampling client on it); ``kind="inflight"``: the run's next
+    in-flight version (docs/async_rl.md), answered with an in-flight sampling client."""
     gw, key, body = gateway(request), api_key(request), await json_body(request)
     run, seq = _run_and_seq(body)
 
     def build(seq):
         kind = fields.string(body, "kind", default="snapshot")
-        if kind != "snapshot":
-            raise invalid(f"sampler kind {shown(kind)} is not supported by Temper (snapshot only)")
+        if kind not in ("snapshot", "inflight"):
+            raise invalid(f"sampler kind {shown(kind)} is not supported: snapshot or inflight")
         fields.integer(body, "sampling_session_seq_id", 0, default=None)  # the scheduler names the sampler
         name = fields.string(body, "path", default=None)
+        if kind == "inflight":
+            if name is not None:
+                raise invalid("an inflight save takes no path (its versions are unlisted)")
+            save = _save_request(body, run, seq, types_pb2.CHECKPOINT_KIND_SAMPLER, f"{results.INFLIGHT_PREFIX}{seq}", ephemeral=True)
+            save.inflight = True
+            return save, convert.session_of(run)
         ephemeral = name is None
         save = _save_request(body, run, seq, types_pb2.CHECKPOINT_KIND_SAMPLER, name or f"{results.EPHEMERAL_PREFIX}{seq}-{uuid.uuid4().hex[:8]}",
                              ephemeral=ephemeral)
@@ -204,8 +211,7 @@ async def save_weights_for_sampler(request: Request):
             raise
         if session is None:
             return Result(json=lambda: {"type": "save_weights_for_sampler", "path": saved.checkpoint.path})
-        sampler = await gw.scheduler.verb("CreateSamplingClient", service_pb2.CreateSamplingClientRequest(
-            session_id=session, model_path=saved.checkpoint.path), key)
+        sampler = await gw.scheduler.verb("CreateSamplingClient", results.client_on(saved.checkpoint, session, save.inflight), key)
         return Result(json=lambda: {"type": "save_weights_for_sampler", "sampling_session_id": sampler.sampler_id})
 
     return gw.submit(key, results.sequenced_id(run, seq), work, await fingerprint(request))

@@ -169,7 +169,10 @@ def _wire(seq, shape, crow=None, values=2):
     ("/save_weights", {"model_id": RUN, "seq_id": 7, "path": 1.5}, "path must be a string"),
     ("/save_weights", {"model_id": RUN, "seq_id": 7, "ttl_seconds": 2**70}, "ttl_seconds"),
     ("/load_weights", {"model_id": RUN, "seq_id": 7, "path": "p", "optimizer": "yes"}, "optimizer"),
-    ("/save_weights_for_sampler", {"model_id": RUN, "seq_id": 7, "kind": "inflight"}, "snapshot only"),
+    ("/save_weights_for_sampler", {"model_id": RUN, "seq_id": 7, "kind": "mutable"}, "snapshot or inflight"),
+    ("/save_weights_for_sampler", {"model_id": RUN, "seq_id": 7, "kind": 1}, "kind must be a string"),
+    ("/save_weights_for_sampler", {"model_id": RUN, "seq_id": 7, "kind": ["inflight"]}, "kind must be a string"),
+    ("/save_weights_for_sampler", {"model_id": RUN, "seq_id": 7, "kind": "inflight", "path": "p"}, "takes no path"),
     ("/save_weights_for_sampler", {"model_id": RUN, "seq_id": 7, "path": 1.5}, "path must be a string"),
     ("/save_weights_for_sampler", {"model_id": "no-session", "seq_id": 7}, "<session>:train:<n>"),
 ])
