@@ -7,6 +7,7 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
+from sqlalchemy import create_engine, text
 
 from fixtures_stack import adapter_weights, assert_same_weights, request_rows, sft_datum, raw_stub
 from temper.client import AdamParams, Datum, ModelInput, convert
@@ -181,3 +182,30 @@ def test_sampling_requests_the_sampler_would_refuse_are_refused_first(raw, servi
                                       (1, dict(max_tokens=4), -1)):
         refused(raw.Sample, service_pb2.SampleRequest(sampler_id=sampler.sampler_id, prompt=prompt, num_samples=num_samples,
                                                       topk_logprobs=topk, sampling_params=types_pb2.SamplingParams(**params)))
+
+
+def test_inflight_requests_that_cannot_be_served_are_refused_and_change_nothing(raw, stack, service_client, tiny_model_dir,
+                                                                                postgres_url):
+    """docs/async_rl.md: an in-flight save of a training checkpoint, with a TTL or overwriting; an in-flight
+    client on another tenant's run, an unknown run, a run without an in-flight save. No row, no
+    checkpoint, no sampling client, no move of any target."""
+    run = service_client.create_lora_training_client(tiny_model_dir, rank=4, seed=7)
+    with stack.client("mallory") as other:
+        theirs = other.create_lora_training_client(tiny_model_dir, rank=4, seed=7)
+        theirs.save_weights_inflight().result()
+    info = raw.GetInfo(service_pb2.GetInfoRequest(training_run_id=run.model_id), timeout=60)
+    for seq, extra in ((1, dict(kind=types_pb2.CHECKPOINT_KIND_TRAINING)), (2, dict(kind=types_pb2.CHECKPOINT_KIND_SAMPLER, ttl_seconds=3600)),
+                       (3, dict(kind=types_pb2.CHECKPOINT_KIND_SAMPLER, overwrite=True))):
+        refused(raw.SaveWeights, service_pb2.SaveWeightsRequest(training_run_id=run.model_id, seq_id=seq, name="v", inflight=True, **extra))
+    session = service_client.session_id
+    for run_id, code in ((theirs.model_id, grpc.StatusCode.NOT_FOUND), (f"{session}:train:999", grpc.StatusCode.NOT_FOUND),
+                         (run.model_id, grpc.StatusCode.FAILED_PRECONDITION)):
+        refused(raw.CreateSamplingClient, service_pb2.CreateSamplingClientRequest(session_id=session, inflight_training_run_id=run_id),
+                code=code)
+    assert raw.GetInfo(service_pb2.GetInfoRequest(training_run_id=run.model_id), timeout=60).inflight == info.inflight
+    assert request_rows(postgres_url, run.model_id) == [] and run.list_checkpoints() == []
+    engine = create_engine(postgres_url)
+    with engine.connect() as conn:
+        clients = conn.execute(text("select count(*) from sampling_clients where session_id = :s"), {"s": session}).scalar()
+    engine.dispose()
+    assert clients == 0

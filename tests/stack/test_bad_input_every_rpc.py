@@ -129,12 +129,14 @@ def call(stub, method, request, timeout: float = 30):
 
 @pytest.fixture(scope="module")
 def world(stack, tiny_model_dir):
-    """The caller's valid ids: a session, a run with a step and a sampler checkpoint, a sampling client."""
+    """The caller's valid ids: a session, a run with a step, a sampler checkpoint and an in-flight version, a
+    sampling client."""
     client = stack.client()
     run = client.create_lora_training_client(tiny_model_dir, rank=4, seed=3)
     run.forward_backward([sft_datum([5, 9, 17, 33, 2])], "cross_entropy").result()
     run.optim_step(AdamParams(learning_rate=1e-3)).result()
     path = run.save_weights_for_sampler("corpus").result().path
+    run.save_weights_inflight().result()  # the run has an in-flight target (docs/async_rl.md): no bad input may move it
     sampler = client.create_sampling_client(model_path=path)
     yield {"session_id": client.session_id, "training_run_id": run.model_id, "path": path, "base_model": tiny_model_dir,
            "sampler_id": sampler.sampler_id}
