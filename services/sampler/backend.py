@@ -8,7 +8,13 @@ plus the LoRA weights of saved checkpoints, each loaded under its checkpoint key
 Streaming: a request with ``progress`` set is told what each of its sequences gained, as ``Piece``s,
 after every decode step (``sample_batch`` calls it on the compute thread). A backend that cannot
 stream calls it once, at the end, with every sequence whole: the pieces of a sequence, joined, are
-always its ``GeneratedSequence``."""
+always its ``GeneratedSequence``.
+
+Versions (docs/async_rl.md): every sequence and piece carries ``VersionSpan``s saying which weights
+decoded its tokens. A request names the ``WeightsVersion`` its checkpoint key holds; one that follows a
+training run's in-flight target (``retarget`` set) may move to newer weights between decode steps, so its
+sequences then have several spans. A backend that leaves ``versions`` empty decoded every token on the
+request's own version (the servicer fills in that one span)."""
 
 from __future__ import annotations
 
@@ -35,6 +41,39 @@ class SamplingOptions:
     processed_logprobs: bool = False
 
 
+@dataclass(frozen=True)
+class WeightsVersion:
+    """The weights a checkpoint key holds: its sampler checkpoint path ("" for the base model) and its
+    training run's in-flight version (0 for a snapshot checkpoint or the base model)."""
+
+    path: str = ""
+    version: int = 0
+
+
+@dataclass
+class VersionSpan:
+    """Tokens [first, first + count) of a sequence were decoded with ``weights``."""
+
+    weights: WeightsVersion
+    first: int
+    count: int
+
+
+def add_token(spans: list[VersionSpan], weights: WeightsVersion, position: int) -> None:
+    """Record that the token at ``position`` (the next one) was decoded with ``weights``."""
+    if spans and spans[-1].weights == weights:
+        spans[-1].count += 1
+    else:
+        spans.append(VersionSpan(weights, position, 1))
+
+
+# The servicer's follow hook of an in-flight request: given the version a request decodes with now,
+# the (checkpoint key, version) to move to from the next step on, or None to stay.
+Retarget = Callable[[WeightsVersion], tuple[str, WeightsVersion] | None]
+# Run between two decode steps (adapter installs): told the checkpoint keys the running batch uses.
+BetweenSteps = Callable[[frozenset], None]
+
+
 @dataclass
 class GeneratedSequence:
     tokens: list[int]
@@ -42,6 +81,7 @@ class GeneratedSequence:
     stop_reason: str            # "stop" | "length"
     topk_ids: list[list[int]] | None = None        # per position, the k most likely tokens (raw)
     topk_logprobs: list[list[float]] | None = None
+    versions: list[VersionSpan] = field(default_factory=list)   # empty: all on the request's ``weights``
 
 
 @dataclass
@@ -54,6 +94,8 @@ class Piece:
     stop_reason: str | None = None   # "stop" | "length" on the sequence's last piece
     topk_ids: list[list[int]] | None = None
     topk_logprobs: list[list[float]] | None = None
+    # its tokens' weights, ``first`` counted from the sequence's start; empty: the request's ``weights``
+    versions: list[VersionSpan] = field(default_factory=list)
 
 
 Progress = Callable[[list[Piece]], None]
@@ -85,6 +127,10 @@ class SampleRequest:
     # the prefix cache's scope (prefix_cache.py): the sampling client it came from and its tenant; "": not cached
     cache_session: str = ""
     tenant: str = ""
+    weights: WeightsVersion = WeightsVersion()   # what checkpoint_key holds (its tokens' version spans)
+    # an in-flight request that follows its run's target between decode steps (torch backend; None: it does not)
+    retarget: Retarget | None = None
+    between_steps: BetweenSteps | None = None   # the servicer's pending adapter installs (decode_steps calls it)
 
 
 @dataclass
@@ -145,4 +191,14 @@ class SamplerBackend(abc.ABC):
 
 def whole_pieces(result: SampleResult) -> list[Piece]:
     """Every sequence of a result as one last piece (a backend that does not stream)."""
-    return [Piece(i, s.tokens, s.logprobs, s.stop_reason, s.topk_ids, s.topk_logprobs) for i, s in enumerate(result.sequences)]
+    return [Piece(i, s.tokens, s.logprobs, s.stop_reason, s.topk_ids, s.topk_logprobs, list(s.versions))
+            for i, s in enumerate(result.sequences)]
+
+
+def fill_versions(result: SampleResult, weights: WeightsVersion) -> SampleResult:
+    """Sequences a backend left without spans were decoded wholly on ``weights``: one span each (none
+    for a sequence without tokens: spans cover tokens)."""
+    for seq in result.sequences:
+        if not seq.versions and seq.tokens:
+            seq.versions = [VersionSpan(weights, 0, len(seq.tokens))]
+    return result

@@ -12,7 +12,9 @@ from temper.common.codec import decode_tokens, encode_array, encode_floats, enco
 from temper.common.errors import InvalidArgument
 from temper.common.validation import (  # noqa: F401 (MAX_TOPK_LOGPROBS, MIN_TEMPERATURE: re-exported)
     MAX_TOPK_LOGPROBS, MIN_TEMPERATURE, check_last_n, check_prompt_scoring, check_sample_counts, check_sampling_params)
-from temper.services.sampler.backend import ModelDescription, Piece, SampleRequest, SampleResult, SamplingOptions
+from temper.services.sampler.backend import (ModelDescription, Piece, SampleRequest, SampleResult, SamplingOptions,
+                                             VersionSpan, WeightsVersion)
+from temper.services.sampler.inflight import check_target
 from temper.common.defaults import sampling_with_defaults
 from temper.services.models.images import DEFAULT_LIMITS, ImageInput, ImageLimits, VisionProcessor, flatten
 from temper.v1 import sampler_pb2, types_pb2
@@ -57,10 +59,15 @@ def sample_request_from_pb(request: sampler_pb2.SamplerSampleRequest, vocab_size
     check_prompt_scoring(len(prompt), request.include_prompt_logprobs, request.topk_prompt_logprobs, last_n)
     if bool(request.sampling_session_id) != bool(request.tenant):  # a session without its tenant could be shared
         raise InvalidArgument("sampling_session_id and tenant are set together (the prefix cache's scope) or not at all")
+    weights = WeightsVersion(request.weights.path, request.weights.version)
+    if request.inflight_run:  # a request that follows a run's in-flight target starts on one of its versions
+        check_target(request.inflight_run, request.checkpoint_key, weights)
+    elif weights.version < 0:
+        raise InvalidArgument(f"weights.version must be >= 0, got {weights.version}")
     return SampleRequest(request.checkpoint_key or None, prompt, request.num_samples, options,
                          request.include_prompt_logprobs, request.topk_logprobs, request.topk_prompt_logprobs, last_n,
                          deterministic=request.deterministic, images=images,
-                         cache_session=request.sampling_session_id, tenant=request.tenant)
+                         cache_session=request.sampling_session_id, tenant=request.tenant, weights=weights)
 
 
 def sample_result_to_pb(result: SampleResult, topk_logprobs: int) -> types_pb2.SampleResponse:
@@ -73,6 +80,7 @@ def sample_result_to_pb(result: SampleResult, topk_logprobs: int) -> types_pb2.S
             out.topk = topk_logprobs
             out.topk_token_ids = encode_tokens([t for row in seq.topk_ids for t in row])
             out.topk_logprobs = encode_floats([x for row in seq.topk_logprobs for x in row])
+        _add_spans(out.versions, seq.versions)
     if result.prompt_logprobs is not None:
         response.prompt_logprobs.CopyFrom(encode_array(result.prompt_logprobs, "float32"))
     if result.topk_prompt_ids is not None:
@@ -90,7 +98,19 @@ def pieces_to_pb(pieces: list[Piece], topk_logprobs: int) -> types_pb2.SampleStr
             out.topk = topk_logprobs
             out.topk_token_ids = encode_tokens([t for row in p.topk_ids for t in row])
             out.topk_logprobs = encode_floats([x for row in p.topk_logprobs for x in row])
+        _add_spans(out.versions, p.versions)
     return chunk
+
+
+def _add_spans(field, spans: list[VersionSpan]) -> None:
+    for span in spans:
+        field.add(weights=types_pb2.WeightsVersion(path=span.weights.path, version=span.weights.version),
+                  first_token=span.first, count=span.count)
+
+
+def spans_from_pb(versions) -> list[VersionSpan]:
+    """A sequence's or piece's ``versions`` (types.proto VersionSpan) as backend spans."""
+    return [VersionSpan(WeightsVersion(v.weights.path, v.weights.version), v.first_token, v.count) for v in versions]
 
 
 def stream_end_to_pb(result: SampleResult) -> types_pb2.SampleStreamChunk:

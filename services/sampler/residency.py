@@ -1,8 +1,9 @@
 """Which adapters a sampler keeps loaded: at most ``max_adapters`` (and ``max_bytes`` when set),
 the least recently used out first, never one in use.
 
-Pure bookkeeping, behind one lock: requests pin and release on the event loop, loads reserve room
-on the servicer's one compute thread (so loads never interleave). An adapter is *pinned* while a
+Pure bookkeeping, behind one lock: requests pin and release on the event loop (a request that follows
+an in-flight target also pins the adapters it moves to, on the compute thread), loads reserve room on
+the servicer's one compute thread (so loads never interleave). An adapter is *pinned* while a
 request that names it is queued or decoding; pinned adapters are never chosen to make room. A victim
 is forgotten here, under the lock, before it is dropped, so no request can pin it after it was chosen.
 """
@@ -56,6 +57,11 @@ class Residency:
             entry = self._entries.get(key)
             return entry.pins if entry else 0
 
+    def usable(self, key: str) -> bool:
+        """Loaded, and not being dropped (``use`` would pin it)."""
+        with self._lock:
+            return self._usable(key)
+
     def _usable(self, key: str) -> bool:
         entry = self._entries.get(key)
         return entry is not None and entry.ready and not entry.retiring
@@ -87,11 +93,12 @@ class Residency:
 
     # ---- loading and dropping -----------------------------------------------------------------
 
-    def reserve(self, key: str, size: int) -> list[str]:
+    def reserve(self, key: str, size: int, keep: frozenset = frozenset()) -> list[str]:
         """Hold a place for ``key`` (``size`` bytes; a key already here is being replaced, and stays
         usable meanwhile). Returns the adapters to drop first, least recently used first, already
-        forgotten here. Nothing changes when there is no room: InvalidArgument if ``size`` alone is
-        over the byte bound, ResourceExhausted if the adapters in use leave no room (retry later)."""
+        forgotten here; never one in ``keep`` (the adapters of a batch that is decoding). Nothing
+        changes when there is no room: InvalidArgument if ``size`` alone is over the byte bound,
+        ResourceExhausted if the adapters in use (or kept) leave no room (retry later)."""
         if self.max_bytes and size > self.max_bytes:
             raise InvalidArgument(f"adapter {key} has {size} bytes; this sampler holds at most {self.max_bytes}")
         with self._lock:
@@ -104,7 +111,7 @@ class Residency:
             for other, entry in self._entries.items():
                 if self._fits(count, total):
                     break
-                if other == key or entry.pins or not entry.ready or entry.retiring:
+                if other == key or other in keep or entry.pins or not entry.ready or entry.retiring:
                     continue
                 victims.append(other)
                 count, total = count - 1, total - entry.size

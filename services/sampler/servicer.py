@@ -4,7 +4,12 @@ decoded by ``convert`` and sampled on one compute thread, batched with whatever 
 At most ``max_adapters`` adapters (and ``max_adapter_bytes`` of pushed files, when set) stay loaded;
 a push evicts the least recently used ones that no request is using (``residency.py``). A request
 for an adapter that is not here answers AdapterNotLoaded (FAILED_PRECONDITION, details starting
-"ADAPTER_NOT_LOADED: "): the scheduler pushes it again and retries."""
+"ADAPTER_NOT_LOADED: "): the scheduler pushes it again and retries.
+
+Pushed adapters are installed on the compute thread, between two decode steps when a batch is decoding
+(``installs.py``). In-flight weights (docs/async_rl.md, ``inflight.py``): ``SetInflightTarget`` records a
+run's newest version; requests that follow the run start on it and move to newer ones between decode
+steps (unless pinned); every sequence reports its tokens' versions."""
 
 from __future__ import annotations
 
@@ -19,10 +24,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from temper.common.checkpoints import WEIGHT_FILES
-from temper.common.errors import AdapterNotLoaded, FailedPrecondition, InvalidArgument
+from temper.common.errors import AdapterNotLoaded, FailedPrecondition, InvalidArgument, ResourceExhausted
 from temper.services.models.images import DEFAULT_LIMITS, ImageLimits
 from temper.services.sampler import convert, metrics
-from temper.services.sampler.backend import SampleRequest, SampleResult, SamplerBackend
+from temper.services.sampler.backend import (SampleRequest, SampleResult, SamplerBackend, VersionSpan, WeightsVersion,
+                                             fill_versions)
+from temper.services.sampler.inflight import Follower, InflightTargets, check_target
+from temper.services.sampler.installs import Busy, Job, PendingInstalls
 from temper.services.sampler.residency import Residency
 from temper.v1 import sampler_pb2, sampler_pb2_grpc
 
@@ -48,6 +56,9 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         self.adapter_dir.mkdir(parents=True, exist_ok=True)
         self.max_num_samples = max_num_samples
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sampler-compute")
+        self.inflight = InflightTargets()
+        self._installs = PendingInstalls(self._install_one)
+        self._install_runs: set[asyncio.Task] = set()
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
@@ -57,7 +68,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
 
     async def PushAdapter(self, request_iterator, context):
         staging = Path(tempfile.mkdtemp(dir=self.adapter_dir, prefix=".push-"))
-        checkpoint_key, received, handles = None, 0, {}
+        checkpoint_key, received, handles, job = None, 0, {}, None
         try:
             async for message in request_iterator:
                 if message.WhichOneof("payload") == "checkpoint_key":
@@ -78,26 +89,46 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
             missing = [n for n in WEIGHT_FILES if not (staging / n).is_file()]
             if missing:
                 raise InvalidArgument(f"adapter push is missing {missing}")
-            await self._run(self._install, checkpoint_key, staging, received)
+            # the staged files are the job's now (removed once it ran); a batch that is decoding runs it
+            # between two steps, else the compute thread does when it is free (whichever comes first)
+            job = self._installs.submit(checkpoint_key, staging, received)
+            run = asyncio.create_task(self._run(self._install))
+            self._install_runs.add(run)
+            run.add_done_callback(self._install_runs.discard)
+            await asyncio.wrap_future(job.done)
         finally:
             for fh in handles.values():
                 fh.close()
-            # weights are in memory now (or the push failed): the files are not needed either way
-            shutil.rmtree(staging, ignore_errors=True)
+            if job is None:  # refused before it was queued
+                shutil.rmtree(staging, ignore_errors=True)
             self._count_adapters()
         return sampler_pb2.PushAdapterResponse(bytes_received=received)
 
-    def _install(self, key: str, folder: Path, size: int) -> None:
-        """On the compute thread (so loads never interleave): check, make room, then load. An adapter the
-        backend refuses evicts nothing."""
-        self.backend.check_adapter(folder)
-        for victim in self.residency.reserve(key, size):
+    def _install(self) -> None:
+        """On the compute thread, between batches: every queued install."""
+        self._installs.run()
+
+    def _install_one(self, job: Job, busy: frozenset | None) -> None:
+        """On the compute thread (so loads never interleave with a forward): check, make room, then load.
+        An adapter the backend refuses evicts nothing. ``busy``: between two decode steps, the adapters
+        the batch decodes with, which this install may neither replace nor evict (Busy: after the batch)."""
+        key = job.key
+        if busy is not None and key in busy:
+            raise Busy(key)
+        self.backend.check_adapter(job.folder)
+        try:
+            victims = self.residency.reserve(key, job.size, keep=busy or frozenset())
+        except ResourceExhausted:
+            if busy is not None:  # the batch's adapters may be the room it needs
+                raise Busy(key) from None
+            raise
+        for victim in victims:
             with contextlib.suppress(AdapterNotLoaded):
                 self.backend.drop_adapter(victim)
             metrics.EVICTIONS.inc()
             log.info("evicted adapter %s (least recently used) to load %s", victim, key)
         try:
-            self.backend.load_adapter(key, folder)
+            self.backend.load_adapter(key, job.folder)
         except BaseException:
             self.residency.forget(key)  # a failed push leaves the key not loaded (a replaced one too)
             with contextlib.suppress(AdapterNotLoaded):
@@ -139,10 +170,42 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         try:
             yield
         finally:
-            if pin is not None and self.residency.release(pin) == 0:
-                for waiter in self._unpin_waiters.pop(key, ()):
-                    if not waiter.done():
-                        waiter.set_result(None)
+            if pin is not None:
+                self._release(key, pin)
+
+    def _release(self, key: str, pin) -> None:
+        if self.residency.release(pin) == 0:
+            for waiter in self._unpin_waiters.pop(key, ()):
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    @contextlib.contextmanager
+    def _using(self, sample: SampleRequest, run: str, pin_version: bool):
+        """Pin the adapter ``sample`` starts on while it is queued and decoding. An in-flight request
+        (``run`` set) starts on the run's newest version held here when it names an older one (if that
+        adapter is usable here), advances the run's target when it names a newer one, and, unless
+        ``pin_version``, follows the target between decode steps (each adapter it moves to is pinned
+        too, until it ends)."""
+        held = self.inflight.get(run) if run else None
+        pin = None
+        if held is not None and held.weights.version > sample.weights.version:
+            with contextlib.suppress(AdapterNotLoaded):  # its newer adapter went: start on the one named
+                pin = self.residency.use(held.checkpoint_key)
+                sample.checkpoint_key, sample.weights = held.checkpoint_key, held.weights
+        if pin is None and sample.checkpoint_key:
+            pin = self.residency.use(sample.checkpoint_key)
+        follower = Follower(self.inflight, run, self.residency.use) if run and not pin_version else None
+        sample.retarget = follower
+        sample.between_steps = self._installs.run
+        try:
+            if run:  # (convert checked its fields)
+                self.inflight.advance(run, sample.checkpoint_key, sample.weights)
+            yield
+        finally:
+            if pin is not None:
+                self._release(sample.checkpoint_key, pin)
+            for key, extra in follower.close() if follower is not None else ():
+                self._release(key, extra)
 
     def _count_adapters(self) -> None:
         metrics.RESIDENT_ADAPTERS.set(len(self.backend.describe().loaded_checkpoints))
@@ -165,8 +228,8 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
     async def Sample(self, request, context):
         start = time.perf_counter()
         sample = self._decoded_sample(request)
-        with self._pinned(sample.checkpoint_key):
-            result = await self._submit(sample)
+        with self._using(sample, request.inflight_run, request.pin_version):
+            result = fill_versions(await self._submit(sample), sample.weights)
         metrics.SAMPLE_SECONDS.observe(time.perf_counter() - start)
         return convert.sample_result_to_pb(result, request.topk_logprobs)
 
@@ -176,7 +239,8 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         sample = self._decoded_sample(request)
         stream = _Stream(asyncio.get_running_loop())
         sample.progress = stream
-        with self._pinned(sample.checkpoint_key):
+        with self._using(sample, request.inflight_run, request.pin_version):
+            stream.weights = sample.weights
             future = self._enqueue(sample)
             future.add_done_callback(lambda _: stream.queue.put_nowait(None))
             try:
@@ -188,6 +252,17 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
                 future.cancel()  # a caller gone before its batch began: never decoded (_drain skips it)
         metrics.SAMPLE_SECONDS.observe(time.perf_counter() - start)
         yield convert.stream_end_to_pb(result)
+
+    async def SetInflightTarget(self, request, context):
+        """Hold the run's newest version (docs/async_rl.md): its adapter must be loaded here; an older
+        version than the one held changes nothing. Answers the version held now."""
+        run, key = request.training_run_id, request.checkpoint_key
+        weights = WeightsVersion(request.weights.path, request.weights.version)
+        check_target(run, key, weights)
+        if not self.residency.usable(key):
+            raise AdapterNotLoaded(key)
+        held = self.inflight.advance(run, key, weights)
+        return sampler_pb2.SetInflightTargetResponse(version=held.weights.version)
 
     async def _submit(self, request: SampleRequest) -> SampleResult:
         return await self._enqueue(request)
@@ -254,7 +329,14 @@ class _Stream:
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.sent = False
+        self.weights = WeightsVersion()   # the version the request starts on: pieces without spans are on it
+        self._told: dict[int, int] = {}   # tokens sent so far per sequence
 
     def __call__(self, pieces) -> None:
         self.sent = True
+        for p in pieces:
+            told = self._told.get(p.sequence, 0)
+            if not p.versions and p.tokens:
+                p.versions = [VersionSpan(self.weights, told, len(p.tokens))]
+            self._told[p.sequence] = told + len(p.tokens)
         self.loop.call_soon_threadsafe(self.queue.put_nowait, pieces)

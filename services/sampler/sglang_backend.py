@@ -29,6 +29,13 @@ Temper's ``residency.py`` alone decides what stays loaded: SGLang runs with no L
 (``max_loaded_loras`` unset) and the servicer unloads the adapters it evicts. An adapter SGLang would
 accept but not serve as trained (LoRA on routed experts, per-module ranks, ...) is refused before it
 reaches SGLang: ``check_servable`` (sglang_adapters.py), and docs/sglang_moe_lora.md for what 0.5.23 serves per family.
+
+In-flight weights (docs/async_rl.md): each in-flight version is its own checkpoint key, so its own SGLang
+adapter name; the servicer starts an in-flight request on its run's newest version. SGLang cannot move a
+running request to another adapter, so ``SampleRequest.retarget`` is not asked: the request finishes on
+the version it started on (one version span per sequence, ``sglang_requests``). ``between_steps`` is not
+called either: a load runs on the engine's thread, which the running ``generate`` holds, so a push waits
+for the batch that is generating.
 """
 
 from __future__ import annotations

@@ -59,7 +59,8 @@ import numpy as np
 
 from temper.common.errors import AdapterNotLoaded, Internal, InvalidArgument, ResourceExhausted, TemperError, Unavailable
 from temper.common.validation import TOPK_MASK_LOGPROB
-from temper.services.sampler.backend import GeneratedSequence, Piece, SampleRequest, SampleResult, SamplingOptions
+from temper.services.sampler.backend import (GeneratedSequence, Piece, SampleRequest, SampleResult, SamplingOptions,
+                                             VersionSpan)
 
 # Set in the sampler's environment before sglang is imported (its subprocesses inherit it).
 ENGINE_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
@@ -269,7 +270,9 @@ def _sequence(request: SampleRequest, item: Item, out: dict, meta: dict) -> Gene
         topk_ids = [[int(t) for _, t, _ in row[:k]] for row in rows]
         topk_lps = [[float(lp) for lp, _, _ in row[:k]] for row in rows]
     reason = (meta.get("finish_reason") or {}).get("type")
-    return GeneratedSequence(tokens, logprobs, "stop" if reason == "stop" else "length", topk_ids, topk_lps)
+    # SGLang cannot move a running request to another adapter: every token is on the version it started on
+    return GeneratedSequence(tokens, logprobs, "stop" if reason == "stop" else "length", topk_ids, topk_lps,
+                             [VersionSpan(request.weights, 0, len(tokens))] if tokens else [])
 
 
 def prompt_logprobs(n: int, item: Item, meta: dict) -> np.ndarray:
@@ -334,7 +337,8 @@ class StreamedBatch:
         topk = whole.topk_ids is not None
         request.progress([Piece(item.sample, whole.tokens[start:], whole.logprobs[start:],
                                 whole.stop_reason if finished else None,
-                                whole.topk_ids[start:] if topk else None, whole.topk_logprobs[start:] if topk else None)])
+                                whole.topk_ids[start:] if topk else None, whole.topk_logprobs[start:] if topk else None,
+                                [VersionSpan(request.weights, start, len(tokens) - start)] if len(tokens) > start else [])])
 
     def outputs(self) -> list[dict]:
         if any(o is None for o in self._last):

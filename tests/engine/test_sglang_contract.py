@@ -23,7 +23,7 @@ from temper.common.codec import decode_array, decode_floats, decode_tokens, enco
 from temper.common.errors import AdapterNotLoaded, Internal, InvalidArgument, TemperError, Unavailable
 from temper.services.lora.model import AdapterSpec, LoraModel
 from temper.services.models.loading import load_model
-from temper.services.sampler.backend import SampleRequest, SamplingOptions
+from temper.services.sampler.backend import SampleRequest, SamplingOptions, VersionSpan, WeightsVersion
 from temper.services.sampler.servicer import SamplerServicer
 from temper.services.sampler.settings import SamplerConfigError, SamplerSettings
 from temper.services.sampler.sglang_backend import (SGLangSamplerBackend, check_parallel, check_servable,
@@ -245,6 +245,55 @@ def test_deterministic_requests_are_refused_never_served_best_effort(backend, tm
     sample.deterministic = scoring.deterministic = False  # the same requests, default mode: served
     assert len(asyncio.run(servicer.Sample(sample, None)).sequences) == 1
     assert len(decode_array(asyncio.run(servicer.ComputeLogprobs(scoring, None)).logprobs)) == len(prompt)
+
+
+def test_both_backends_report_the_same_version_spans(backend, reference, tmp_path):
+    """Every sequence and streamed piece carries its tokens' versions (docs/async_rl.md). A request on one
+    version (in-flight, snapshot, base model) gets the same spans from both backends, through Sample and
+    through SampleStream's pieces (first_token counted from the sequence's start). SGLang never asks a
+    request's ``retarget``: a running SGLang request stays on the adapter it started on."""
+    inflight = types_pb2.WeightsVersion(path="tinker://run1/sampler_weights/inflight-3", version=3)
+    cases = [(A, inflight, "run1"), (B, types_pb2.WeightsVersion(path="tinker://run2/sampler_weights/b"), ""),
+             ("", types_pb2.WeightsVersion(), "")]
+
+    async def spans(servicer, request):
+        whole = await servicer.Sample(request, None)
+        pieces = [[] for _ in range(request.num_samples)]
+        async for chunk in servicer.SampleStream(request, None):
+            for piece in chunk.pieces:
+                told = sum(len(decode_tokens(p.tokens)) for p in pieces[piece.index])
+                assert [(v.first_token, v.count) for v in piece.versions] == (
+                    [(told, len(decode_tokens(piece.tokens)))] if piece.tokens else [])
+                pieces[piece.index].append(piece)
+        return ([[(v.weights.path, v.weights.version, v.first_token, v.count) for v in seq.versions] for seq in whole.sequences],
+                [[(v.weights.path, v.weights.version, v.first_token, v.count) for p in seq for v in p.versions]
+                 for seq in pieces])
+
+    for key, weights, run in cases:
+        request = sampler_pb2.SamplerSampleRequest(
+            checkpoint_key=key, prompt_tokens=encode_tokens([5, 17, 42, 9]), num_samples=2, weights=weights,
+            inflight_run=run, sampling_params=types_pb2.SamplingParams(max_tokens=5, temperature=0.0, stop_disabled=True))
+        got = {name: asyncio.run(spans(SamplerServicer(b, tmp_path / name, max_num_samples=8), request))
+               for name, b in (("sglang", backend), ("torch", reference))}
+        whole = [[(weights.path, weights.version, 0, 5)]] * 2
+        per_token = [[(weights.path, weights.version, j, 1) for j in range(5)]] * 2
+        assert got["torch"] == (whole, per_token)   # the torch backend streams one token per piece
+        assert got["sglang"][0] == whole and [merge_spans(s) for s in got["sglang"][1]] == whole
+
+    asked = []
+    result = backend.sample_batch([SampleRequest(A, np.array([5, 17, 42]), 1, GREEDY, weights=WeightsVersion("a", 1),
+                                                 retarget=lambda now: asked.append(now) or (B, WeightsVersion("b", 2)))])
+    assert asked == [] and result[0].sequences[0].versions == [VersionSpan(WeightsVersion("a", 1), 0, GREEDY.max_tokens)]
+
+
+def merge_spans(spans: list[tuple]) -> list[tuple]:
+    out: list[tuple] = []
+    for path, version, first, count in spans:
+        if out and out[-1][:2] == (path, version) and out[-1][2] + out[-1][3] == first:
+            out[-1] = (path, version, out[-1][2], out[-1][3] + count)
+        else:
+            out.append((path, version, first, count))
+    return out
 
 
 async def push(servicer: SamplerServicer, key: str, folder) -> None:
