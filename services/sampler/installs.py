@@ -52,14 +52,17 @@ class PendingInstalls:
     def run(self, busy: frozenset | None = None) -> None:
         """Run the queued installs, in order (on the compute thread). ``busy``: between two decode steps,
         the adapters the batch decodes with (None: no batch is running); an install that needs one of
-        them stays queued. A job's staged
-        folder is removed once it ran (or its push gave up)."""
+        them stays queued, and so does every later job for its key (pushes of one key land in order).
+        A job's staged folder is removed once it ran (or its push gave up)."""
         with self._lock:
             jobs, self._jobs = list(self._jobs), collections.deque()
         waiting = []
         for job in jobs:
             if job.done.cancelled():  # its push gave up before it ran
                 shutil.rmtree(job.folder, ignore_errors=True)
+                continue
+            if any(w.key == job.key for w in waiting):  # a later push of a waiting key lands after it
+                waiting.append(job)
                 continue
             try:
                 self._install(job, busy)
