@@ -37,7 +37,7 @@ class TorchSamplerBackend(SamplerBackend):
         self.loaded = loaded
         self.device = torch.device(device)
         self.lora = LoraModel(loaded.model, loaded.name)
-        # text models with a plain KV cache prefill each prompt once, alone, through the prefix cache
+        # text models with a plain KV cache prefill each distinct prompt once, through the prefix cache
         # (prompt_prefill.py); vision models keep the batched prefill (their positions are multimodal)
         self.prompt_prefill = (loaded.vision is None
                                and prompt_prefill.supports_prompt_prefill(loaded.model, self.lora, self.device))
@@ -170,13 +170,15 @@ class TorchSamplerBackend(SamplerBackend):
             generator.manual_seed(r.options.seed) if r.options.seed is not None else generator.seed()
             live.append(_Live(r, rows, self._stop_ids(r.options), generator, [[] for _ in rows], [[] for _ in rows],
                               [[] for _ in rows], [[] for _ in rows], ["length"] * len(rows), [True] * len(rows)))
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        mask = torch.zeros(len(prompts), width, dtype=torch.long)
-        for row, prompt in enumerate(prompts):  # left padding keeps every row's last token aligned
-            ids[row, width - len(prompt):] = torch.from_numpy(prompt.astype(np.int64))
-            mask[row, width - len(prompt):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        sizes = np.array([len(p) for p in prompts])  # left padding keeps every row's last token aligned
+        mask = torch.from_numpy(np.arange(width)[None] >= (width - sizes)[:, None]).to(self.device, torch.long)
+        ids = None
+        if not self.prompt_prefill:  # the per-row token grid only the batched prefill reads (prompt_prefill.py builds its own)
+            grid = np.zeros((len(prompts), width), dtype=np.int64)
+            for row, prompt in enumerate(prompts):
+                grid[row, width - len(prompt):] = prompt
+            ids = torch.from_numpy(grid).to(self.device)
+        lengths = torch.from_numpy(sizes).to(self.device)
         if self.loaded.vision is not None:  # explicit multimodal positions, text-only rows too (vision_inputs.py)
             row_inputs = [(s.request.checkpoint_key, s.request.images) for s in live for _ in s.rows]
             prefill = vision_inputs.prefill_inputs(self, ids, mask, row_inputs)
@@ -197,21 +199,25 @@ class TorchSamplerBackend(SamplerBackend):
                 logits, past = prefilled
         return decode_steps.decode(self, live, logits, past, mask, next_position, routing, steps)
 
+    # False: each missed prompt prefilled alone, one forward each (benchmarks/prefix_cache.py's control)
+    batch_missed_prompts = True
+
     def _prefill_each(self, live: list[_Live], width: int):
-        """Each request's prompt once, through the prefix cache (prompt_prefill.py): the first step's
+        """Each distinct prompt once, through the prefix cache (prompt_prefill.py): the first step's
         logits per row and the left-padded batch cache."""
-        prompts = []
-        for state in live:
-            r = state.request
-            done = prompt_prefill.prefill(self.loaded.model, self.lora, self.device, r, self.prefix_cache,
-                                          self._cache_scope(r))
-            state.prompt_cache_hit_tokens = done.hit_tokens
-            if done.prompt_logits is not None:
-                ids = torch.from_numpy(r.prompt.astype(np.int64)).to(self.device)
-                self._keep_prompt_scores(state, done.prompt_logits, ids)
-            prompts.append(done)
-        logits = torch.cat([p.last_logits[None].expand(len(s.rows), -1) for p, s in zip(prompts, live)])
-        return logits, prompt_prefill.batch_cache(prompts, [s.rows for s in live], width)
+        requests = [state.request for state in live]
+        done = prompt_prefill.prefill(self.loaded.model, self.lora, self.device, requests,
+                                      [self._cache_scope(r) for r in requests], self.prefix_cache,
+                                      together=self.batch_missed_prompts)
+        for state, prompt in zip(live, done.prompts):
+            state.prompt_cache_hit_tokens = prompt.hit_tokens
+            if prompt.prompt_logits is not None:
+                ids = torch.from_numpy(state.request.prompt.astype(np.int64)).to(self.device)
+                self._keep_prompt_scores(state, prompt.prompt_logits, ids)
+        if done.past is not None:
+            return done.logits, done.past
+        logits = torch.cat([p.last_logits[None].expand(len(s.rows), -1) for p, s in zip(done.prompts, live)])
+        return logits, prompt_prefill.batch_cache(done.prompts, [s.rows for s in live], width)
 
     def _prefill_batched(self, live: list[_Live], ids, mask, extra, width: int):
         """Every row's prompt in one left-padded forward (vision models, caches that cannot be sliced)."""

@@ -203,3 +203,36 @@ def test_sample_stream_through_the_raw_stub(slow, tiny_model_dir):
             assert mine[-1].stop_reason == seq.stop_reason and mine[0].sequence_id.startswith(f"{sampler.sampler_id}:")
         generated = sum(len(s.tokens) // 4 for s in whole.sequences)
         assert stub.GetUsage(service_pb2.GetUsageRequest(), metadata=meta).tokens_sampled == usage + 2 * generated
+
+
+def test_prompt_cache_hits_reach_the_client_and_the_gateway_json(slow, tiny_model_dir):
+    """The same prompt twice from one sampling client: the second reuses the whole prompt (a full hit in
+    the sampler's prefix cache), reported through temper.client and the gateway's JSON, the same bits."""
+    from temper.client import ModelInput, SamplingParams
+
+    tokens, params = [5, 17, 42, 99, 7, 8], dict(max_tokens=4, temperature=0.9, seed=11)
+    client = slow.client()
+    try:
+        sc = client.create_sampling_client(base_model=tiny_model_dir)
+        first, again = (sc.sample(ModelInput.from_ints(tokens), num_samples=2, sampling_params=SamplingParams(**params)).result()
+                        for _ in range(2))
+    finally:
+        client.close()
+    assert (first.prompt_cache_hit_tokens, again.prompt_cache_hit_tokens) == (0, len(tokens))
+    assert [(s.tokens, list(s.logprobs)) for s in again.sequences] == [(s.tokens, list(s.logprobs)) for s in first.sequences]
+
+    headers, url = {"X-API-Key": slow.api_key}, slow.gateway_url
+    session = httpx.post(f"{url}/api/v1/create_session", headers=headers, timeout=60,
+                         json={"tags": [], "sdk_version": "0.38.0"}).json()["session_id"]
+    sampler = httpx.post(f"{url}/api/v1/create_sampling_session", headers=headers, timeout=60, json={
+        "session_id": session, "sampling_session_seq_id": 0, "base_model": tiny_model_dir}).json()["sampling_session_id"]
+    hits = []
+    for _ in range(2):
+        future = httpx.post(f"{url}/api/v1/asample", headers=headers, timeout=60, json={
+            "sampling_session_id": sampler, "num_samples": 1, "prompt": {"chunks": [{"type": "encoded_text", "tokens": tokens}]},
+            "sampling_params": params}).json()["request_id"]
+        body = {"type": "try_again"}
+        while body.get("type") == "try_again":
+            body = httpx.post(f"{url}/api/v1/retrieve_future", headers=headers, timeout=120, json={"request_id": future}).json()
+        hits.append(body["prompt_cache_hit_tokens"])
+    assert hits == [0, len(tokens)]
