@@ -10,12 +10,17 @@ prompts x 1 sample, (b) 1 prompt x 8 samples, (c) 16 short prompts, four ways, i
 - no_session: today's path for requests that name no session (the cache never consulted).
 Ratios are seconds / batched's seconds (below 1: faster), medians over --repeats.
 
+(d) 8 distinct prompts over a session's cached system prompt (partial hits): batched without
+cache, per_request (each rest alone), together (the rests in one forward over the cached prefixes).
+
 Group sampling: 8 requests of one prompt in one session (the prompt prefilled once, 7 full hits) and
 without a session; 1 request x 8 samples (one row prefilled) against batched (8 rows).
 
 Numerics: a full hit's tokens and logprobs equal the miss before it bit for bit (sampled, seeded);
 a partial hit (a second turn over the first turn's cached KV) against the batched prefill without
-cache: greedy tokens equal and the largest |logprob difference| (the bound the docs state).
+cache: greedy tokens equal and the largest |logprob difference| (the bound the docs state), next to
+the same prompt prefilled uncached by today's path against the batched prefill (two layouts of one
+computation: the float32 rounding any prefill change brings).
 
 Writes benchmarks/results/prefix_cache.json (and .png when matplotlib is present).
 
@@ -92,6 +97,33 @@ def prefill_throughput(backend, cases, repeats: int) -> dict:
     return out
 
 
+def shared_prefix(backend, rng, vocab: int, prompt_tokens: int, repeats: int) -> dict:
+    """(d) an RL step in a session that has cached its system prompt: 8 distinct prompts extending it (8
+    partial hits: one forward of their rests over the cached prefix, or one forward each) against the
+    batched prefill of the whole prompts without cache."""
+    system = rng.integers(10, vocab - 10, prompt_tokens // 2).astype(np.int32)
+    prompts = [np.concatenate([system, rng.integers(10, vocab - 10, n).astype(np.int32)])
+               for n in rng.integers(prompt_tokens // 4, prompt_tokens // 2 + 1, 8)]
+    modes = ("batched", "per_request", "together")
+    seconds, hits = {m: [] for m in modes}, 0
+    for repeat in range(repeats + 1):  # the first round warms up
+        for mode in modes:
+            configure(backend, mode)
+            session = f"sys{next(_sessions)}"
+            if mode != "batched":
+                backend.sample_batch(requests_for(mode, [system], 1, session=session))
+            batch = requests_for(mode, prompts, 1, session=session)
+            started = time.perf_counter()
+            results = backend.sample_batch(batch)
+            if repeat:
+                seconds[mode].append(time.perf_counter() - started)
+            hits = sum(r.prompt_cache_hit_tokens for r in results) if mode == "together" else hits
+    base = statistics.median(seconds["batched"])
+    return {"system_tokens": len(system), "prompt_tokens": sum(map(len, prompts)), "hit_tokens": hits,
+            "median_s": {m: round(statistics.median(v), 5) for m, v in seconds.items()},
+            "ratio_to_batched": {m: round(statistics.median(v) / base, 3) for m, v in seconds.items()}}
+
+
 def group_sampling(backend, prompt: np.ndarray, group: int, repeats: int) -> dict:
     """An RL group: ``group`` requests of one prompt (one session vs none), and one request of ``group`` samples."""
     as_requests = {"session": [], "no_session": []}
@@ -122,7 +154,7 @@ def group_sampling(backend, prompt: np.ndarray, group: int, repeats: int) -> dic
                                                  statistics.median(one["together"]) / statistics.median(one["batched"]), 3)}}
 
 
-def numerics(backend, rng, vocab: int, prompt_tokens: int) -> dict:
+def numerics(backend, rng, vocab: int, prompt_tokens: int, turns: int) -> dict:
     """A full hit against its miss (bits), and a partial hit against the batched prefill without cache."""
     base = rng.integers(10, vocab - 10, prompt_tokens).astype(np.int32)
     sampled = SamplingOptions(max_tokens=8, temperature=0.9, seed=3, stop_disabled=True)
@@ -132,20 +164,27 @@ def numerics(backend, rng, vocab: int, prompt_tokens: int) -> dict:
         a.tokens == b.tokens and np.array_equal(np.float32(a.logprobs), np.float32(b.logprobs))
         for a, b in zip(first.sequences, again.sequences))
     greedy = SamplingOptions(max_tokens=8, temperature=0.0, stop_disabled=True)
-    worst, tokens_equal, hit = 0.0, True, 0
-    for turn in range(3):
+    worst, layout, tokens_equal, hit = 0.0, 0.0, True, 0
+    for turn in range(turns):
         start = rng.integers(10, vocab - 10, prompt_tokens).astype(np.int32)
         configure(backend, "together")
         first = backend.sample_batch(requests_for("together", [start], 1, greedy, f"turns-{turn}"))[0]
         extended = np.concatenate([start, np.int32(first.sequences[0].tokens), rng.integers(10, vocab - 10, 32).astype(np.int32)])
         got = backend.sample_batch(requests_for("together", [extended], 1, greedy, f"turns-{turn}"))[0]
+        alone = backend.sample_batch(requests_for("together", [extended], 1, greedy))[0]  # a fresh session: uncached
         hit = got.prompt_cache_hit_tokens
         configure(backend, "batched")
         want = backend.sample_batch(requests_for("batched", [extended], 1, greedy))[0]
         tokens_equal &= got.sequences[0].tokens == want.sequences[0].tokens
-        worst = max(worst, float(np.abs(np.float64(got.sequences[0].logprobs) - np.float64(want.sequences[0].logprobs)).max()))
-    return {"full_hit_bit_identical": bool(bit_identical), "partial_hit_tokens": hit,
-            "partial_hit_greedy_tokens_equal": bool(tokens_equal), "partial_hit_max_abs_logprob_diff": worst}
+        worst = max(worst, _max_diff(got, want))
+        layout = max(layout, _max_diff(alone, want))
+    return {"full_hit_bit_identical": bool(bit_identical), "partial_hit_tokens": hit, "turns": turns,
+            "partial_hit_greedy_tokens_equal": bool(tokens_equal), "partial_hit_max_abs_logprob_diff": worst,
+            "uncached_prefill_vs_batched_max_abs_logprob_diff": layout}
+
+
+def _max_diff(a, b) -> float:
+    return float(np.abs(np.float64(a.sequences[0].logprobs) - np.float64(b.sequences[0].logprobs)).max())
 
 
 def bench_model(name: str, path: str, args) -> dict:
@@ -156,12 +195,16 @@ def bench_model(name: str, path: str, args) -> dict:
     vocab = backend.loaded.vocab_size
     cases = scenarios(rng, vocab, args.prompt_tokens, args.short_tokens)
     report = {"model": name, "prefill": prefill_throughput(backend, cases, args.repeats),
+              "d_8_prompts_over_a_cached_system_prompt": shared_prefix(backend, rng, vocab, args.prompt_tokens, args.repeats),
               "group_sampling": group_sampling(backend, cases["b_1_prompt_x8"][0][0], 8, args.repeats),
-              "numerics": numerics(backend, rng, vocab, args.prompt_tokens)}
+              "numerics": numerics(backend, rng, vocab, args.prompt_tokens, args.turns)}
     print(f"\n{name}: seconds / batched (median of {args.repeats}; below 1 = faster)")
     print(f"  {'case':22s}" + "".join(f"{m:>13s}" for m in MODES))
     for case, row in report["prefill"].items():
         print(f"  {case:22s}" + "".join(f"{row['ratio_to_batched'][m]:13.3f}" for m in MODES))
+    d = report["d_8_prompts_over_a_cached_system_prompt"]
+    print(f"  {'d_8_over_cached_prefix':22s}{1.0:13.3f}" + "".join(f"{d['ratio_to_batched'][m]:13.3f}" for m in MODES[1:3])
+          + f"   ({d['hit_tokens']} of {d['prompt_tokens']} prompt tokens from the cache)")
     g = report["group_sampling"]
     print(f"  group of 8 requests: hit rate {g['requests_of_one_prompt']['hit_rate']}, session / no session "
           f"{g['requests_of_one_prompt']['time_ratio_session_to_no_session']}; 1 request x 8: together / batched "
@@ -202,6 +245,7 @@ def main(argv=None) -> None:
     parser.add_argument("--short-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--turns", type=int, default=8, help="multi-turn prompts for the partial-hit bound")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "prefix_cache.json")
     args = parser.parse_args(argv)
     from benchmarks import harness

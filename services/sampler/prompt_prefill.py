@@ -5,11 +5,15 @@ session, and the rows' KV are laid out as the decode loop's left-padded batch ca
 Per distinct prompt (same adapter, same cache scope, same tokens):
 - a full hit (the same prompt again in the session) reuses the stored KV and last-position logits:
   the request decodes bit for bit as the one that stored them;
-- a partial hit (a cached prefix) prefills only the rest, alone, over the cached KV;
-- misses are prefilled together, in one left-padded forward (as the batched prefill does), and
-  each row's KV is sliced out for the cache. A prompt prefilled alone and the same prompt prefilled
-  in a padded batch may differ in the last float32 bits; a full hit returns whichever the cache
-  holds, the KV and logits of one computation, never a mix.
+- a partial hit (a cached prefix: a shared system prompt, the last turn) prefills only the rest
+  over the cached KV;
+- a miss prefills the whole prompt.
+The partial hits and misses of a batch run in one forward (the scored prompts in a second: only they
+need every position's logits): the cached prefixes are its past, right-aligned, and every row's rest
+is left-padded after them, pads masked (``_prefill_rows``); without prefixes that is the plain
+left-padded batched prefill. Each row's KV is cut out for the cache. A prompt prefilled alone and
+the same prompt prefilled in a padded batch may differ in the last float32 bits; a full hit returns
+whichever the cache holds, the KV and logits of one computation, never a mix.
 
 Why once per distinct prompt: a group of N samples of one prompt prefilled as N padded rows computes
 the same KV N times; once, then broadcast to its N rows, is the same numbers (attention never reads
@@ -56,6 +60,8 @@ class _Distinct:
     scores: bool
     done: PrefilledPrompt | None = None
     requests: list[int] = field(default_factory=list)
+    start: int = 0               # a partial hit: the cached leading tokens ...
+    prefix: PrefixKV = ()        # ... and their KV (views of the cache's tensors)
 
 
 def supports_prompt_prefill(model, lora, device: torch.device) -> bool:
@@ -94,29 +100,32 @@ def prefill(model, lora, device: torch.device, requests: list[SampleRequest], sc
         if name not in distinct:
             distinct[name] = _Distinct(r.checkpoint_key, tokens, scope, scores)
         distinct[name].requests.append(i)
-    missed = []
+    pending = []
     for d in distinct.values():
         hit = (cache.lookup(d.scope, d.tokens, len(d.tokens) - 1, whole=True)
                if d.scope is not None and not d.scores else None)
-        if hit is None:
-            missed.append(d)
-        elif hit.logits is not None:  # the same prompt again: its stored KV and logits, nothing computed
+        if hit is not None and hit.logits is not None:  # the same prompt again: its stored KV and logits, nothing computed
             d.done = PrefilledPrompt(hit.kv, hit.logits, None, hit.tokens)
-        else:
-            d.done = _extend(model, lora, device, d, hit.tokens, hit.kv)
-            cache.store(d.scope, d.tokens, d.done.kv, d.done.last_logits)  # new tensors (the suffix concatenated), read-only from here
+            continue
+        if hit is not None:  # a cached prefix: only the rest is prefilled, over it
+            d.start, d.prefix = hit.tokens, hit.kv
+        pending.append(d)
     past = logits = None
     for scoring in (False, True):  # the scored prompts apart: only they need every position's logits
-        group = [d for d in missed if d.scores == scoring]
+        group = [d for d in pending if d.scores == scoring]
         for chunk in ([group] if together else [[d] for d in group]):
             if not chunk:
                 continue
-            out = _prefill_missed(model, lora, device, chunk, cache)
-            if len(chunk) == len(distinct) == len(requests) and all(r.num_samples == 1 for r in requests):
-                # every request one row, in order: the forward's cache and logits are the decode's as they are
+            out = _prefill_rows(model, lora, device, chunk, cache)
+            if (len(chunk) == len(distinct) == len(requests) and not any(d.start for d in chunk)
+                    and all(r.num_samples == 1 for r in requests)):
+                # every request one row, in order, no cached prefix: the forward's cache and logits are the decode's
                 past, logits = out.past_key_values, out.logits[:, -1].float()
-            else:
-                _slice_rows(out.past_key_values, chunk)
+                continue
+            total = out.past_key_values.layers[0].keys.shape[-2]
+            for row, d in enumerate(chunk):
+                if not d.start:  # a miss: its tokens are the row's last positions (views)
+                    d.done.kv = _row_kv(out.past_key_values, row, total, len(d.tokens))
     prompts = [None] * len(requests)
     for d in distinct.values():
         for i in d.requests:
@@ -124,58 +133,67 @@ def prefill(model, lora, device: torch.device, requests: list[SampleRequest], sc
     return Prefill(prompts, past, logits)
 
 
-def _extend(model, lora, device, d: _Distinct, start: int, kv: PrefixKV) -> PrefilledPrompt:
-    """A partial hit: positions [start, n) prefilled alone over the cached KV of [0, start)."""
-    past = DynamicCache()
-    for layer, (k, v) in enumerate(kv):
-        past.update(k, v, layer)  # concatenated into new tensors by the layer: the cached ones stay untouched
-    n = len(d.tokens)
-    ids = torch.from_numpy(d.tokens[start:]).to(device)[None]
-    with lora.route([(d.key, None)]):
-        out = model(input_ids=ids, position_ids=torch.arange(start, n, device=device)[None], past_key_values=past,
-                    use_cache=True, **({"logits_to_keep": 1} if _keeps_logits(model) else {}))
-    kv = tuple((layer.keys, layer.values) for layer in out.past_key_values.layers)
-    return PrefilledPrompt(kv, out.logits[0, -1].float().clone(), None, start)  # its own tensor: the cache keeps it
-
-
-def _prefill_missed(model, lora, device, chunk: list[_Distinct], cache: PrefixCache):
-    """The missed prompts of ``chunk`` in one left-padded forward (each prompt one row); each row's KV
-    is copied into the cache when the prompt has a scope. Returns the forward's output; the rows' KV
-    views are cut only when the decode needs them (``_slice_rows``)."""
-    width = max(len(d.tokens) for d in chunk)
-    lengths = np.array([len(d.tokens) for d in chunk])
+def _prefill_rows(model, lora, device, chunk: list[_Distinct], cache: PrefixCache):
+    """The prompts of ``chunk`` in one forward, one row each. A partial hit's cached prefix is the
+    forward's past, right-aligned in P positions (zeros before it); every row's remaining tokens are
+    left-padded in the S positions after those: [pad][prefix][pad][rest] per row, the pads masked and
+    the position ids counting each row's own tokens. Without prefixes (P = 0) this is the plain
+    left-padded batched prefill. Each row's KV is copied into the cache when the prompt has a scope;
+    a partial hit's KV is cut out here, the gap left out (a miss's are views, cut by the caller)."""
+    starts = np.array([d.start for d in chunk])
+    rests = np.array([len(d.tokens) for d in chunk]) - starts
+    prefix_width, width = int(starts.max()), int(rests.max())
     ids = np.zeros((len(chunk), width), dtype=np.int64)
     for row, d in enumerate(chunk):
-        ids[row, width - len(d.tokens):] = d.tokens
-    mask = torch.from_numpy(np.arange(width)[None] >= (width - lengths)[:, None]).to(device=device, dtype=torch.long)
-    ids = torch.from_numpy(ids).to(device)
+        ids[row, width - rests[row]:] = d.tokens[d.start:]
+    first = (width - rests)[:, None]  # each row's first real column
+    rest_mask = np.arange(width)[None] >= first
+    positions = np.where(rest_mask, starts[:, None] + np.arange(width)[None] - first, 0)
+    mask = np.concatenate([np.arange(prefix_width)[None] >= (prefix_width - starts)[:, None], rest_mask], axis=1)
+    past = _prefix_past([d.prefix for d in chunk], prefix_width) if prefix_width else None
     groups: dict[str | None, list[int]] = {}
     for row, d in enumerate(chunk):
         groups.setdefault(d.key, []).append(row)
     scores = chunk[0].scores
     keep = {} if scores or not _keeps_logits(model) else {"logits_to_keep": 1}
     with lora.route([(key, torch.tensor(rows, device=device)) for key, rows in groups.items() if key is not None]):
-        out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                    use_cache=True, **keep)
+        out = model(input_ids=torch.from_numpy(ids).to(device), attention_mask=torch.from_numpy(mask).to(device, torch.long),
+                    position_ids=torch.from_numpy(positions).to(device), past_key_values=past, use_cache=True, **keep)
     last = out.logits[:, -1].float()
     for row, (d, row_logits) in enumerate(zip(chunk, last.unbind(0))):
         n = len(d.tokens)
-        d.done = PrefilledPrompt((), row_logits, out.logits[row, width - n:] if scores else None, 0)
+        kv = ()
+        if d.start:  # the prefix's positions and the rest's, the gap between them left out (new tensors)
+            layers = out.past_key_values.layers
+            cut = (slice(prefix_width - d.start, prefix_width), slice(prefix_width + width - rests[row], None))
+            kv = tuple((torch.cat([l.keys[row:row + 1, :, c] for c in cut], -2),
+                        torch.cat([l.values[row:row + 1, :, c] for c in cut], -2)) for l in layers)
+        d.done = PrefilledPrompt(kv, row_logits, out.logits[row, width - n:] if scores else None, d.start)
         if d.scope is not None:
-            cache.store(d.scope, d.tokens, _row_kv(out.past_key_values, row, width, n, copy=True), row_logits.clone())
+            kv = kv or _row_kv(out.past_key_values, row, prefix_width + width, n, copy=True)
+            cache.store(d.scope, d.tokens, kv, row_logits.clone())
     return out
+
+
+def _prefix_past(prefixes: list[PrefixKV], width: int) -> DynamicCache:
+    """The cached prefixes as one past: row r's right-aligned in ``width`` positions, zeros before (masked)."""
+    some = next(p for p in prefixes if p)
+    layers = []
+    for layer, (k0, v0) in enumerate(some):
+        keys = k0.new_zeros(len(prefixes), k0.shape[1], width, k0.shape[3])
+        values = v0.new_zeros(len(prefixes), v0.shape[1], width, v0.shape[3])
+        for row, prefix in enumerate(prefixes):
+            if prefix:
+                k, v = prefix[layer]
+                keys[row, :, width - k.shape[2]:], values[row, :, width - v.shape[2]:] = k[0], v[0]
+        layers.append((keys, values))
+    return DynamicCache(ddp_cache_data=layers)
 
 
 def _row_kv(past: DynamicCache, row: int, width: int, n: int, copy: bool = False) -> PrefixKV:
     """Row ``row``'s KV of its last ``n`` positions (views of the batch's tensors, or copies that own their memory)."""
     views = tuple((layer.keys[row:row + 1, :, width - n:], layer.values[row:row + 1, :, width - n:]) for layer in past.layers)
     return tuple((k.clone(), v.clone()) for k, v in views) if copy else views
-
-
-def _slice_rows(past: DynamicCache, chunk: list[_Distinct]) -> None:
-    width = past.layers[0].keys.shape[-2]
-    for row, d in enumerate(chunk):
-        d.done.kv = _row_kv(past, row, width, len(d.tokens))
 
 
 def batch_cache(prompts: list[PrefilledPrompt], rows: list[list[int]], width: int) -> DynamicCache:

@@ -147,3 +147,47 @@ def test_the_clients_sample_response_carries_the_hit_tokens():
 
     assert sample_from_proto(types_pb2.SampleResponse(prompt_cache_hit_tokens=17)).prompt_cache_hit_tokens == 17
     assert sample_from_proto(types_pb2.SampleResponse()).prompt_cache_hit_tokens == 0
+
+
+def logits(value, vocab=8):
+    return torch.full((vocab,), float(value))
+
+
+def test_a_full_hit_returns_the_stored_logits_of_that_very_prompt():
+    cache = PrefixCache(1 << 20)
+    cache.store(SCOPE, np.array([1, 2, 3]), fake_kv([1, 2, 3]), logits(3))
+    hit = cache.lookup(SCOPE, np.array([1, 2, 3]), max_tokens=2, whole=True)
+    assert hit.tokens == 3 and hit.logits.tolist() == [3.0] * 8 and hit.kv[0][0].shape[-2] == 3
+    assert cache.lookup(SCOPE, np.array([1, 2, 3]), max_tokens=2).logits is None  # not asked: a partial hit of 2
+    assert cache.lookup(SCOPE, np.array([1, 2]), max_tokens=1, whole=True).logits is None  # no logits for [1, 2]
+    # a longer prompt over it keeps the ends of the entry it extends (the same KV bits there)
+    assert cache.store(SCOPE, np.array([1, 2, 3, 4]), fake_kv([1, 2, 3, 4]), logits(4))
+    assert len(cache) == 1 and cache.bytes == entry_bytes(4) + 2 * logits(0).numel() * 4
+    assert cache.lookup(SCOPE, np.array([1, 2, 3]), max_tokens=2, whole=True).logits.tolist() == [3.0] * 8
+    assert cache.lookup(SCOPE, np.array([1, 2, 3, 4]), max_tokens=3, whole=True).logits.tolist() == [4.0] * 8
+    # the same tokens stored again with the same KV only add their logits to the entry that holds them
+    assert not cache.store(SCOPE, np.array([1, 2]), fake_kv([1, 2]), logits(2))
+    assert len(cache) == 1 and cache.lookup(SCOPE, np.array([1, 2]), max_tokens=1, whole=True).logits[0] == 2.0
+
+
+def test_kv_computed_apart_is_never_paired_with_another_computations_logits():
+    """The same tokens with other KV bits (prefilled in another batch layout) stay a separate entry: a full
+    hit always returns the KV and logits of one computation."""
+    cache = PrefixCache(1 << 20)
+    cache.store(SCOPE, np.array([1, 2, 3]), fake_kv([1, 2, 3]), logits(3))
+    other = tuple((k + 1e-6, v) for k, v in fake_kv([1, 2, 3, 4]))  # its first 3 positions differ in the last bits
+    assert cache.store(SCOPE, np.array([1, 2, 3, 4]), other, logits(4))
+    assert len(cache) == 2
+    hit = cache.lookup(SCOPE, np.array([1, 2, 3]), max_tokens=2, whole=True)
+    assert hit.logits[0] == 3.0 and torch.equal(hit.kv[0][0], fake_kv([1, 2, 3])[0][0])
+    hit = cache.lookup(SCOPE, np.array([1, 2, 3, 4]), max_tokens=3, whole=True)
+    assert hit.logits[0] == 4.0 and torch.equal(hit.kv[0][0], other[0][0])
+
+
+def test_logits_count_against_the_budget():
+    cache = PrefixCache(entry_bytes(3) + 8 * 4)
+    assert cache.store(SCOPE, np.array([1, 2, 3]), fake_kv([1, 2, 3]), logits(3))
+    assert cache.bytes == cache.budget_bytes
+    assert not cache.store(SCOPE, np.array([1, 2, 3]), fake_kv([1, 2, 3]), torch.zeros(9))  # over the whole budget
+    assert cache.store(SCOPE, np.array([5, 6, 7]), fake_kv([5, 6, 7]), logits(7))  # evicts the first
+    assert len(cache) == 1 and cache.bytes <= cache.budget_bytes
