@@ -223,10 +223,11 @@ def plot(report: dict, out: Path) -> None:
     models = report["models"]
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
     for ax, m in zip(axes[0], models):
-        cases = list(m["prefill"])
+        rows = {**m["prefill"], "d_8_over_cached_prefix": m["d_8_prompts_over_a_cached_system_prompt"]}
+        cases = list(rows)
         width = 0.8 / len(MODES)
         for i, mode in enumerate(MODES):
-            ax.bar(np.arange(len(cases)) + i * width, [m["prefill"][c]["ratio_to_batched"][mode] for c in cases], width,
+            ax.bar(np.arange(len(cases)) + i * width, [rows[c]["ratio_to_batched"].get(mode, np.nan) for c in cases], width,
                    label=mode)
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xticks(np.arange(len(cases)) + 0.4 - width / 2, cases, fontsize=8)
