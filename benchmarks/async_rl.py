@@ -20,7 +20,8 @@ Figures (printed as one JSON line, written to results/async_rl.json, plotted to 
   requests of one prompt on a fresh client (the later ones should hit all but the last prompt token),
   with the first (cold) and later (warm) request times.
 
-    python benchmarks/async_rl.py                            # SmolLM2-135M-Instruct, 20 steps each
+    python benchmarks/async_rl.py                            # SmolLM2-135M-Instruct, 12 steps each, 1 thread per service
+    python benchmarks/async_rl.py --threads 2 --steps 20     # sampler and trainer sharing both cores
     python benchmarks/async_rl.py --quick --model <tiny dir> # the smoke test's run
 """
 
@@ -51,13 +52,14 @@ from temper.v1 import service_pb2  # noqa: E402
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=SMOLLM2_NAME)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=12)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--batch-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--heldout", type=int, default=64)
     p.add_argument("--learning-rate", type=float, default=2e-4)
-    p.add_argument("--threads", type=int, default=2, help="torch threads per service")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per service (1: the trainer and the sampler each on a core of their own, as on separate devices)")
     p.add_argument("--probe-tokens", type=int, default=32, help="tokens per streamed probe sequence")
     p.add_argument("--quick", action="store_true", help="3 steps, groups of 4, 2 prompts, 4 held-out: a smoke run")
     p.add_argument("--parity-reward", action="store_true",
