@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from recipes.common import mean, rl_datum
+from recipes.common import finish_figure, mean, rl_datum
 
 
 def token_versions(seq) -> list[int]:
@@ -161,12 +161,4 @@ def plot_async(path: Path, title: str, train_rows: list[dict], evals: list[tuple
     ax_k.axhline(0.0, color="grey", lw=0.8)
     ax_k.set_xlabel("optimizer step")
     ax_k.set_ylabel("mean(sampled lp − trainer lp)")
-    for ax in (ax_r, ax_h, ax_k):
-        ax.grid(alpha=0.3)
-        if any(ax.get_legend_handles_labels()[1]):
-            ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish_figure(fig, (ax_r, ax_h, ax_k), title, path)

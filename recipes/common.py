@@ -205,6 +205,14 @@ def plot_panels(path: Path, title: str, panels: list[dict]) -> None:
             ax.plot(px, py, marker="o" if len(pts) <= 30 else None, ms=3, lw=1.5, label=label)
         ax.set_xlabel(panel.get("xlabel", "optimizer step"))
         ax.set_ylabel(panel["ylabel"])
+    finish_figure(fig, axes[0], title, path)
+
+
+def finish_figure(fig, axes, title: str, path: Path) -> None:
+    """Grid and legend on each axis, the title, then the PNG at ``path`` (its folder made)."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
         ax.grid(alpha=0.3)
         if any(ax.get_legend_handles_labels()[1]):
             ax.legend(fontsize=8)

@@ -27,6 +27,7 @@ from temper.services.sampler.convert import spans_from_pb
 from temper.services.sampler.servicer import SamplerServicer
 from temper.services.sampler.torch_backend import TorchSamplerBackend
 from temper.v1 import sampler_pb2, types_pb2
+from tests.engine.conftest import random_adapter_folders
 
 SPECS = {
     "A": AdapterSpec(rank=4, alpha=8, targets=("q_proj", "v_proj", "down_proj")),
@@ -45,16 +46,7 @@ def v(n: int, key: str = "") -> WeightsVersion:
 
 @pytest.fixture(scope="module")
 def folders(tiny_model_dir, tmp_path_factory):
-    scratch = LoraModel(load_model(tiny_model_dir).model, tiny_model_dir)
-    out = {}
-    for i, (key, spec) in enumerate(SPECS.items()):
-        scratch.add(key, spec, seed=i)
-        with torch.no_grad():
-            for p in scratch.adapters[key].params.values():
-                p.normal_(0, 0.4, generator=torch.Generator().manual_seed(40 + i))
-        out[key] = tmp_path_factory.mktemp(f"adapter-{key}")
-        scratch.save(key, out[key])
-    return out
+    return random_adapter_folders(tiny_model_dir, tmp_path_factory, SPECS, scale=0.4, seed=40)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from temper.services.models.loading import load_model
 from temper.services.sampler.servicer import SamplerServicer
 from temper.services.sampler.torch_backend import TorchSamplerBackend
 from temper.v1 import sampler_pb2, types_pb2
+from tests.engine.conftest import random_adapter_folders
 
 SPECS = {   # smallest to largest adapter files
     "a": AdapterSpec(rank=2, alpha=4, targets=("q_proj", "v_proj")),
@@ -31,16 +32,7 @@ PROMPT = [5, 17, 42, 99, 7]
 
 @pytest.fixture(scope="module")
 def folders(tiny_model_dir, tmp_path_factory):
-    scratch = LoraModel(load_model(tiny_model_dir).model, tiny_model_dir)
-    out = {}
-    for i, (key, spec) in enumerate(SPECS.items()):
-        scratch.add(key, spec, seed=i)
-        with torch.no_grad():
-            for p in scratch.adapters[key].params.values():
-                p.normal_(0, 0.3, generator=torch.Generator().manual_seed(10 + i))
-        out[key] = tmp_path_factory.mktemp(f"adapter-{key}")
-        scratch.save(key, out[key])
-    return out
+    return random_adapter_folders(tiny_model_dir, tmp_path_factory, SPECS, scale=0.3, seed=10)
 
 
 @pytest.fixture

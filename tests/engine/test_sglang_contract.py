@@ -31,6 +31,7 @@ from temper.services.sampler.sglang_backend import (SGLangSamplerBackend, check_
 from temper.services.sampler.sglang_requests import ModelFacts, check_options, derive_seed
 from temper.services.sampler.torch_backend import TorchSamplerBackend
 from temper.v1 import sampler_pb2, types_pb2
+from tests.engine.conftest import random_adapter_folders
 
 SPECS = {
     "run1/sampler_weights/a": AdapterSpec(rank=2, alpha=4, targets=("q_proj", "v_proj")),
@@ -43,16 +44,7 @@ GREEDY = SamplingOptions(max_tokens=8, temperature=0.0, stop_disabled=True)
 
 @pytest.fixture(scope="module")
 def folders(tiny_model_dir, tmp_path_factory):
-    scratch = LoraModel(load_model(tiny_model_dir).model, tiny_model_dir)
-    out = {}
-    for i, (key, spec) in enumerate(SPECS.items()):
-        scratch.add(key, spec, seed=i)
-        with torch.no_grad():
-            for p in scratch.adapters[key].params.values():
-                p.normal_(0, 0.3, generator=torch.Generator().manual_seed(20 + i))
-        out[key] = tmp_path_factory.mktemp("adapter")
-        scratch.save(key, out[key])
-    return out
+    return random_adapter_folders(tiny_model_dir, tmp_path_factory, SPECS, scale=0.3, seed=20)
 
 
 @pytest.fixture(scope="module")
