@@ -90,6 +90,7 @@ class Item:
     sampling_mask: bool = False
     image_data: list[str] = field(default_factory=list)   # data URLs; input_ids then hold one image token each
     flat_length: int = 0                                   # the prompt's length with its images expanded
+    extra_key: str = ""                                    # the radix cache's namespace (cache_namespace)
 
 
 @dataclass
@@ -105,6 +106,7 @@ class Batch:
             input_ids=[i.input_ids for i in it], sampling_params=[i.sampling_params for i in it],
             return_logprob=[True] * len(it), logprob_start_len=[i.logprob_start_len for i in it],
             top_logprobs_num=[i.top_logprobs_num for i in it], lora_path=[i.lora_name for i in it],
+            extra_key=[i.extra_key for i in it],
         )
         if any(i.image_data for i in it):  # a list per item ([] for text), as io_struct._normalize_image_data reads it
             fields["image_data"] = [list(i.image_data) for i in it]
@@ -153,9 +155,19 @@ def sampling_params(options: SamplingOptions, seed: int | None, facts: ModelFact
     return params
 
 
+def cache_namespace(request: SampleRequest, lora_name: str | None) -> str:
+    """SGLang's radix cache matches prefixes within one ``extra_key`` (``RadixKey(token_ids, extra_key)``
+    in ``srt/managers/schedule_batch.py``): the tenant's sampling client and the adapter version, as the
+    torch backend's prefix cache is scoped, so no prefix is reused across tenants, clients or versions.
+    A request naming no client gets a namespace of its own (its samples still share its prompt)."""
+    scope = f"{request.tenant}/{request.cache_session}" if request.cache_session else f"request/{secrets.token_hex(8)}"
+    return f"{scope}/{lora_name or ''}"
+
+
 def build_batch(requests: list[SampleRequest], lora_names: list[str | None], facts: ModelFacts) -> Batch:
     batch = Batch()
     for r_index, (request, lora_name) in enumerate(zip(requests, lora_names)):
+        namespace = cache_namespace(request, lora_name)
         check_options(request.options, facts)
         top = max(request.topk_logprobs, request.topk_prompt_logprobs)
         for sample in range(request.num_samples):
@@ -166,7 +178,7 @@ def build_batch(requests: list[SampleRequest], lora_names: list[str | None], fac
                 r_index, sample, collapsed_ids(request.prompt, request.images), sampling_params(request.options, seed, facts),
                 lora_name, prompt_start(len(request.prompt), request.prompt_logprobs_last_n) if scores_prompt else -1,
                 top, request.options.processed_logprobs and request.options.temperature > 0,
-                image_urls(request.images), len(request.prompt),
+                image_urls(request.images), len(request.prompt), namespace,
             ))
     return batch
 
@@ -249,6 +261,8 @@ def parse_results(requests: list[SampleRequest], batch: Batch, outputs: list[dic
         request, meta = requests[item.request], out["meta_info"]
         check_prompt_length(item, meta)
         results[item.request].sequences[item.sample] = _sequence(request, item, out, meta)
+        if item.sample == 0:  # SGLang's radix-cache hit for the request's prompt (its first sequence's)
+            results[item.request].prompt_cache_hit_tokens = int(meta.get("cached_tokens") or 0)
         if item.logprob_start_len >= 0:
             _fill_prompt(results[item.request], request, item, meta)
     return results

@@ -82,6 +82,7 @@ class GenerateReqInput:
     return_sampling_mask: list | bool | None = None
     sampling_logprobs_mode: list | str | None = None
     image_data: list | None = None   # per item: a list of images (data URLs here), [] for a text item
+    extra_key: list | str | None = None  # the radix cache's namespace (RadixKey.extra_key)
     stream: bool = False
 
 
@@ -128,6 +129,7 @@ class Engine:
         self.loaded = self.torch.loaded
         self.adapters: dict[str, Path] = {}
         self.generate_calls: list[GenerateReqInput] = []
+        self.radix: dict[tuple, list[list[int]]] = {}  # (extra_key, adapter) -> sequences held (_radix_hit)
         self.loop = asyncio.new_event_loop()
         self.tokenizer_manager = _TokenizerManager(self)
         self._scratch = Path(tempfile.mkdtemp(prefix="fake-sglang-"))
@@ -267,11 +269,22 @@ class Engine:
             tokens, reason, processed = seq.tokens, seq.stop_reason, seq.logprobs
         meta = self._logprobs(name, input_ids, tokens, item, 1.0 if greedy or self.original_logprob else temperature, images)
         meta["finish_reason"] = {"type": reason, "matched": tokens[-1] if reason == "stop" and tokens else None}
-        meta.update(prompt_tokens=len(input_ids), completion_tokens=len(tokens), cached_tokens=0)
+        meta.update(prompt_tokens=len(input_ids), completion_tokens=len(tokens),
+                    cached_tokens=self._radix_hit((item.get("extra_key"), name), input_ids + tokens, len(input_ids)))
         if mask:
             meta["output_token_sampling_logprobs"] = [float(x) for x in processed]
             meta["output_token_sampling_mask"] = [[t] for t in tokens]  # (the support ids; unused by Temper)
         return {"text": self.loaded.tokenizer.decode(tokens), "output_ids": tokens, "meta_info": meta}
+
+    def _radix_hit(self, key, sequence: list[int], prompt_length: int) -> int:
+        """The radix cache's answer (srt/mem_cache/radix_cache.py): the longest prefix of the prompt that an
+        earlier sequence of the same (extra_key, adapter) holds, at most prompt_length - 1 (the last
+        prompt token is always computed); the whole sequence is then kept."""
+        held = self.radix.setdefault(key, [])
+        hit = max((next((i for i, (a, b) in enumerate(zip(old, sequence)) if a != b), min(len(old), len(sequence)))
+                   for old in held), default=0)
+        held.append(list(sequence))
+        return min(hit, prompt_length - 1)
 
     def _abort(self, input_ids, message, status) -> dict:
         return {"text": "", "output_ids": [], "meta_info": {

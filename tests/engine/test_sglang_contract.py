@@ -278,6 +278,30 @@ def test_both_backends_report_the_same_version_spans(backend, reference, tmp_pat
     assert asked == [] and result[0].sequences[0].versions == [VersionSpan(WeightsVersion("a", 1), 0, GREEDY.max_tokens)]
 
 
+def test_both_backends_reuse_prompt_prefixes_only_within_one_client_tenant_and_version(backend, tiny_model_dir, folders):
+    """The prefix cache's scope (docs/async_rl.md) on both backends: the torch backend's own cache, and
+    SGLang's radix cache through the ``extra_key`` namespace Temper sets. A prompt asked again by the
+    same sampling client of the same tenant on the same adapter reports prompt_cache_hit_tokens > 0;
+    another client, another tenant with the same client id, another adapter, or no client: 0."""
+    cached = TorchSamplerBackend(load_model(tiny_model_dir), prefix_cache_bytes=64 << 20)
+    for key, folder in folders.items():
+        cached.load_adapter(key, folder)
+    prompt = np.array([5, 17, 42, 9, 33, 8, 61, 12])
+
+    def hits(b, key, tenant, session):
+        [result] = b.sample_batch([SampleRequest(key, prompt, 1, GREEDY, tenant=tenant, cache_session=session)])
+        return result.prompt_cache_hit_tokens
+
+    for name, b in (("sglang", backend), ("torch", cached)):
+        assert hits(b, A, "t1", "s1") == 0, name
+        again = hits(b, A, "t1", "s1")
+        assert 0 < again <= len(prompt), name
+        assert [hits(b, A, "t1", "s2"), hits(b, A, "t2", "s1"), hits(b, B, "t1", "s1"), hits(b, A, "t1", ""),
+                hits(b, A, "t1", "")] == [0, 0, 0, 0, 0], name
+    namespaces = {k for call in engine_of(backend).generate_calls[-7:] for k in call.extra_key}
+    assert len(namespaces) == 6  # the repeat shares the first's; each other request has its own
+
+
 def merge_spans(spans: list[tuple]) -> list[tuple]:
     out: list[tuple] = []
     for path, version, first, count in spans:
