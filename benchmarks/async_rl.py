@@ -60,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--learning-rate", type=float, default=2e-4)
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads per service (1: the trainer and the sampler each on a core of their own, as on separate devices)")
+    p.add_argument("--device", default="cpu", help="torch device of the trainer and sampler: cuda on a GPU machine (benchmarks/gpu_async_rl.sh)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="base model dtype of both services")
     p.add_argument("--probe-tokens", type=int, default=32, help="tokens per streamed probe sequence")
     p.add_argument("--quick", action="store_true", help="3 steps, groups of 4, 2 prompts, 4 held-out: a smoke run")
     p.add_argument("--parity-reward", action="store_true",
@@ -179,7 +181,9 @@ def main(argv=None) -> int:
     common = ["--base-model", args.model, "--steps", str(args.steps), "--group-size", str(args.group_size),
               "--batch-prompts", str(args.batch_prompts), "--max-tokens", str(args.max_tokens), "--heldout", str(args.heldout),
               "--eval-every", str(args.steps), "--learning-rate", str(args.learning_rate)]
-    with LocalStack(args.model, work / "stack", num_threads=args.threads) as stack:
+    devices = {f"TEMPER_{role}_{key}": value for role in ("TRAINER", "SAMPLER")
+               for key, value in (("DEVICE", args.device), ("DTYPE", args.dtype))}
+    with LocalStack(args.model, work / "stack", num_threads=args.threads, extra_env=devices) as stack:
         address = stack.start()
         os.environ["TEMPER_API_KEY"] = stack.api_key  # the recipes' --address client reads it
         common += ["--address", address]
@@ -208,7 +212,7 @@ def main(argv=None) -> int:
     prompt_tokens_total = sum(r["prompt_tokens"] for r in async_rows)
     result = {
         "benchmark": "async_rl", "model": args.model, "quick": args.quick, "parity_reward": args.parity_reward, "steps": args.steps, "group_size": args.group_size,
-        "batch_prompts": args.batch_prompts, "threads": args.threads, "cpu_count": os.cpu_count(),
+        "batch_prompts": args.batch_prompts, "threads": args.threads, "device": args.device, "dtype": args.dtype, "cpu_count": os.cpu_count(),
         "load_avg_end": [round(x, 2) for x in os.getloadavg()],
         "steps_per_hour_ratio": round(sync_period / async_period, 3),
         "switch_ratio": round(statistics.median(latencies) / train_step, 4) if latencies else None,
@@ -230,8 +234,9 @@ def main(argv=None) -> int:
         "goals": {"steps_per_hour_ratio": ">= 1.25 at equal held-out reward", "switch_ratio": "<= 0.05"},
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "async_rl.json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(args.out_dir / "async_rl.png", sync_rows, async_rows, result)
+    name = "async_rl" + ("" if args.device == "cpu" else f"_{args.device.split(':')[0]}")  # a GPU run keeps the CPU figures
+    (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(args.out_dir / f"{name}.png", sync_rows, async_rows, result)
     print(f"steps/hour async/sync {result['steps_per_hour_ratio']} (goal >= 1.25; held-out sync {equal and 'equal' or 'DIFFERENT'}: "
           f"{result['heldout']['sync_after']} vs {result['heldout']['async_after']}); switch/step {result['switch_ratio']} (goal <= 0.05); "
           f"cache hit rate {result['prefix_cache']['async_run_hit_rate']}", file=sys.stderr)
