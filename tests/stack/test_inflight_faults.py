@@ -10,7 +10,15 @@ Attribution, in both: each sampled sequence's spans cover its tokens in order an
 sequence's first span (all of them when pinned) have the logprobs a snapshot client on that span's path
 computes for the same prompt and tokens, within 1e-4, while the versions' weights differ by far more
 than that: no token is attributed to weights other than the ones that produced it. (A sampler killed
-without load, and a scheduler restart, are in test_inflight_weights.py.)"""
+without load, and a scheduler restart, are in test_inflight_weights.py.)
+
+Float32 limit of that comparison: the sampler's logprobs come from a KV-cached decode step, a snapshot's
+from one forward over the whole sequence, and the two round differently (~1e-7). The trained tiny
+model's last layer amplifies that at a few (prompt, tokens) positions: measured offline on one run's
+four saved versions with the sampler backend alone (no stack, no retarget, no install, prefix cache on
+or off), 0-2% of sequences have ONE position off by 1e-4 to 5.9e-3, the rest within 1e-5; with the
+model and LoRA math in float64 the two agree exactly. On the stack both cases show it (up to ~3%). Such a sequence is held to OUTLIER_ATOL and must
+still be far nearer its named version than any other saved version (``assert_attributed``)."""
 
 from __future__ import annotations
 
@@ -30,6 +38,8 @@ PATTERN = [7, 19, 42, 101, 250, 33, 77, 5, 310, 64, 128, 12]
 PROMPTS = [[3, 14, 15, 92], [2, 71, 82, 81, 82], [11, 22, 33]]
 PARAMS = SamplingParams(max_tokens=6, temperature=1.0, stop=[])  # temperature 1: sampled logprobs are the model's
 LR = AdamParams(learning_rate=5e-2)
+OUTLIER_ATOL = 1e-2  # float32 cached-decode vs one-pass scoring at an ill-conditioned position (module docstring)
+MARGIN = 10          # ... and then every other saved version must be this many times farther off (measured: >1000)
 
 
 @pytest.fixture(scope="module")
@@ -105,13 +115,22 @@ def newest_seen(records) -> int:
 def assert_attributed(stack, client, records, saved: set[WeightsVersion], atol: float = 1e-4) -> None:
     """Spans cover the tokens in order and name saved versions only; each first span's (a pinned
     sequence's whole) logprobs are those of a snapshot client on its path within ``atol``, and another
-    version would give logprobs farther off than that."""
+    version would give logprobs farther off than that. A first span off by more (float32 rounding
+    amplified at one position: module docstring) must be within OUTLIER_ATOL and its named version must
+    be the nearest saved one by MARGIN times: no token is attributed to another version either way."""
     assert records
     stored = stored_versions(stack.url, next(iter(saved)).path.split("/")[2])
     assert saved <= stored, (saved, stored)
     for path in {w.path for w in saved}:
         raw_stub(stack).GetCheckpoint(service_pb2.GetCheckpointRequest(path=path), timeout=60)  # NOT_FOUND would raise
-    snapshots, scores, distinct = {}, {}, 0
+    snapshots, scores, distinct, outliers = {}, {}, 0, 0
+
+    def score(path: str, tokens: list[int]) -> np.ndarray:
+        if (path, tuple(tokens)) not in scores:
+            snapshot = snapshots.setdefault(path, client.create_sampling_client(model_path=path))
+            scores[path, tuple(tokens)] = np.asarray(snapshot.compute_logprobs(ModelInput.from_ints(tokens)).result(timeout=120))
+        return scores[path, tuple(tokens)]
+
     for prompt, pinned, sequence, _ in records:
         spans = sequence.versions
         assert [s.first_token for s in spans] == [sum(s.count for s in spans[:k]) for k in range(len(spans))]
@@ -120,18 +139,19 @@ def assert_attributed(stack, client, records, saved: set[WeightsVersion], atol: 
         assert [s.version for s in spans] == sorted({s.version for s in spans})  # never backwards within a sequence
         if pinned:
             assert len(spans) == 1, spans
-        first = spans[0]
-        key = (first.path, tuple(prompt), tuple(sequence.tokens[:first.count]))
-        if key not in scores:
-            snapshot = snapshots.setdefault(first.path, client.create_sampling_client(model_path=first.path))
-            scores[key] = snapshot.compute_logprobs(ModelInput.from_ints(prompt + sequence.tokens[:first.count])).result(timeout=120)
-        np.testing.assert_allclose(scores[key][len(prompt):], sequence.logprobs[:first.count], atol=atol, rtol=0)
+        first, tokens = spans[0], prompt + sequence.tokens[:spans[0].count]
+        got = np.asarray(sequence.logprobs[:first.count])
+        off = np.abs(score(first.path, tokens)[len(prompt):] - got).max()
+        if off > atol:
+            others = {w.version: np.abs(score(w.path, tokens)[len(prompt):] - got).max() for w in saved if w != first.weights}
+            assert off <= OUTLIER_ATOL and all(o > MARGIN * off for o in others.values()), (first, off, others)
+            outliers += 1
         other = next((w for w in sorted(saved, key=lambda w: w.version) if w.version != first.version), None)
         if pinned and other is not None and distinct < 3:  # the check tells versions apart
-            snapshot = snapshots.setdefault(other.path, client.create_sampling_client(model_path=other.path))
-            wrong = snapshot.compute_logprobs(ModelInput.from_ints(prompt + sequence.tokens)).result(timeout=120)
+            wrong = score(other.path, prompt + sequence.tokens)
             distinct += np.abs(np.subtract(wrong[len(prompt):], sequence.logprobs)).max() > 10 * atol
     assert distinct >= 1
+    assert outliers <= max(1, len(records) // 20), (outliers, len(records))  # rare (measured <= 3%), not the rule
 
 
 def test_a_trainer_killed_mid_inflight_save_leaves_the_last_durable_target_and_versions_go_on(stack, tiny_model_dir):
@@ -173,11 +193,7 @@ def test_a_trainer_killed_mid_inflight_save_leaves_the_last_durable_target_and_v
         assert not load.errors, load.errors[:3]  # the samplers never needed the trainer that died
         assert stored_versions(stack.url, run.model_id) == saved
         assert all(s.versions[0].version <= 2 for _, _, s, at in load.records if at < killed_at)
-        # 1e-4 fails here: while the trainer is down and restarting, ~3% of sequences have ONE position whose
-        # sampled logprob is off the snapshot's by up to 3.4e-3 (the rest within 1e-6; other versions differ by
-        # 0.1-3 there, so the version is right). Not seen without the trainer kill (the sampler case below holds
-        # 1e-4). Cause not found yet: the bound here is the measured worst case with margin, not the goal.
-        assert_attributed(stack, client, load.records, saved, atol=1e-2)
+        assert_attributed(stack, client, load.records, saved)
 
 
 def test_a_sampler_killed_mid_update_under_load_comes_back_on_the_newest_target(stack, tiny_model_dir):
