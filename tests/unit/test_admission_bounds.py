@@ -123,7 +123,8 @@ class _Sampling(SamplingVerbs):
 
     def __init__(self):
         self.touched, self.calls = [], []
-        row = SimpleNamespace(session_id="s", base_model="m", model_path="tinker://r/sampler_weights/a", deterministic=False)
+        row = SimpleNamespace(session_id="s", base_model="m", model_path="tinker://r/sampler_weights/a", deterministic=False,
+                              inflight_run_id=None, min_version=None)
         info = sampler_pb2.SamplerModelInfo(base_model="m", vocab_size=100, max_context_length=64)
 
         async def call_samplers(base_model, method, request, load=None):

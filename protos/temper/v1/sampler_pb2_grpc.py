@@ -107,7 +107,9 @@ class SamplerServicer:
 
     def SampleStream(self, request, context):
         """Sample as a stream: each decode step's tokens as soon as they are decoded, then a done message
-        (same tokens, logprobs and stop reasons as Sample gives for the same request and seed).
+        (same tokens, logprobs and stop reasons as Sample gives for the same request and seed; a request
+        repeated in one sampling session is a full prefix-cache hit, which keeps this bit for bit:
+        types.proto's SampleResponse.prompt_cache_hit_tokens).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
