@@ -39,7 +39,10 @@ async def create_sampling_session(request: Request):
 async def get_sampler(sampler_id: str, request: Request):
     key = api_key(request)
     info = await gateway(request).scheduler.call("GetSamplingClient", service_pb2.GetSamplingClientRequest(sampler_id=sampler_id), key)
-    return {"sampler_id": info.sampler_id, "base_model": info.base_model, "model_path": info.model_path or None}
+    answer = {"sampler_id": info.sampler_id, "base_model": info.base_model, "model_path": info.model_path or None}
+    if info.inflight_training_run_id:  # beyond Tinker's fields (its SDK ignores extra ones): the run followed
+        answer.update(inflight_training_run_id=info.inflight_training_run_id, min_version=info.min_version)
+    return answer
 
 
 def sample_request(body: dict) -> service_pb2.SampleRequest:

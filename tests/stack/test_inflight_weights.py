@@ -133,6 +133,10 @@ def test_the_sdk_and_raw_http_see_the_second_version(stack, tiny_model_dir, monk
         [sequence] = answer["sequences"]
         assert sequence["tokens"] == tokens
         assert sequence["weights_versions"] == [{"path": info.inflight.path, "version": 2, "first_token": 0, "count": len(tokens)}]
+        described = httpx.get(f"{url}/api/v1/samplers/{first._sampling_session_id}", headers=headers, timeout=60).json()
+        assert described["model_path"] == info.inflight.path and described["inflight_training_run_id"] == tc.model_id
+        assert described["min_version"] == 1
+        assert sdk.create_rest_client().get_sampler(first._sampling_session_id).result().model_path == info.inflight.path
         refused = httpx.post(f"{url}/api/v1/asample", headers=headers, timeout=60, json={**body, "pin_version": "yes"})
         assert refused.status_code == 400 and "pin_version" in refused.text
     finally:
