@@ -98,6 +98,24 @@ class Abandoned(TemperError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class LeaseLost(TemperError):
+    """This scheduler replica no longer holds the lease of a trainer's lane (scheduler/cluster/): it
+    expired, or another replica took it with a newer fencing token. Raised before any of the lane's
+    rows are written, so the caller's transaction rolls back and the verb was not applied.
+
+    UNAVAILABLE on the wire, not FAILED_PRECONDITION: nothing is wrong with the request, only with
+    where it landed; the client's retry, through any replica, reaches the lane's new owner and gets
+    the true outcome from the (run, seq) log, as after a restart (clients raise FAILED_PRECONDITION
+    at once). Not an Unavailable, like Abandoned, so no in-process retry loop resends it here: this
+    replica will never hold that token again."""
+    code = grpc.StatusCode.UNAVAILABLE
+
+    def __init__(self, lane: str, token: int, why: str):
+        super().__init__(f"lease of lane {lane!r} lost (token {token}): {why}; retry through any replica")
+        self.lane = lane
+        self.token = token
+
+
 class Unauthenticated(TemperError):
     code = grpc.StatusCode.UNAUTHENTICATED
 

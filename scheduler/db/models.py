@@ -249,3 +249,18 @@ class SamplingRecord(Base):
     tokens_sampled: Mapped[int] = mapped_column(BigInteger)
     started_ms: Mapped[int] = mapped_column(BigInteger, index=True)
     answered_ms: Mapped[int] = mapped_column(BigInteger)
+
+
+class LaneLease(Base):
+    """Which scheduler replica owns a trainer's lane, until when, under which fencing token (issue 32;
+    migration 0015; scheduler/cluster/). Times are only ever the database's clock (written by SQL,
+    no Python default), so a replica's own clock never decides a lease. A row is never deleted: a
+    released lease is expired in place, so the lane's next token still counts up from it."""
+
+    __tablename__ = "lane_leases"
+
+    lane: Mapped[str] = mapped_column(String(256), primary_key=True)  # the trainer's address, as training_runs.trainer
+    owner: Mapped[str] = mapped_column(String(256))                   # the replica's id (one per process incarnation)
+    token: Mapped[int] = mapped_column(BigInteger)                    # strictly increasing per lane, never reused
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    renewed_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

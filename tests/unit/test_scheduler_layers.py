@@ -15,6 +15,7 @@ LAYERS = [
     ("entry", {"app", "__main__", "admin"}),
     ("api", {"api"}),
     ("planning", {"planning"}),
+    ("cluster", {"cluster"}),  # lane leases and fencing (issue 32): lanes in planning ask it whether they may write
     ("workers", {"workers"}),
     ("tenancy", {"tenancy"}),
     ("db", {"db"}),
