@@ -12,9 +12,9 @@ from typing import Any, Awaitable, Callable, Iterable
 import grpc
 
 from temper.client.errors import APIConnectionError, from_rpc_error
+from temper.common.channel_target import MULTI_SCHEMES, channel_target
 from temper.common.errors import is_hard_limit
 from temper.common.seqs import settles
-from temper.common.server_options import CHANNEL_OPTIONS
 from temper.common.tls import channel_credentials
 from temper.v1 import service_pb2, service_pb2_grpc
 
@@ -52,12 +52,14 @@ def connect_timeout_setting(value: float | None) -> float:
 
 
 def resolve_target(base_url: str, root_certificates: bytes | None = None) -> tuple[str, grpc.ChannelCredentials | None]:
-    """(host:port, TLS credentials or None) of a base URL. ``grpcs://host:port`` is TLS, checked against
+    """(target, TLS credentials or None) of a base URL. The address is one host:port, a list
+    host1:port1,host2:port2 or dns:///name:port (several replicas: common/channel_target.py), with an
+    optional scheme: ``grpcs://host:port`` is TLS, checked against
     ``root_certificates``, else the PEM file TEMPER_TLS_CA_FILE names, else the system's roots;
     ``grpc://host:port`` is plaintext; a bare ``host:port`` is TLS when a CA is given that way.
     TEMPER_TLS_CLIENT_CERT_FILE and TEMPER_TLS_CLIENT_KEY_FILE add a client certificate (mutual TLS)."""
     scheme, sep, target = base_url.partition("://")
-    if not sep:
+    if not sep or base_url.startswith(MULTI_SCHEMES):  # dns:///name:port is a target, not a scheme of ours
         scheme, target = "", base_url
     if scheme not in ("", "grpc", "grpcs"):
         raise ValueError(f"base URL {base_url!r}: the scheme is grpc:// (plaintext) or grpcs:// (TLS); {GRPC_HINT}")
@@ -88,12 +90,13 @@ def open_runtime(base_url: str | None, api_key: str | None, timeout: float | Non
 class Runtime:
     def __init__(self, target: str, metadata: list[tuple[str, str]], max_retries: int = 8, timeout: float | None = None,
                  credentials: grpc.ChannelCredentials | None = None, connect_timeout: float = 0.0):
-        """``target``: host:port; ``credentials``: TLS (``resolve_target``), None for plaintext;
+        """``target``: an address as ``channel_target`` reads it; ``credentials``: TLS (``resolve_target``), None for plaintext;
         ``connect_timeout``: seconds to wait for the first connection (0: forever), then APIConnectionError."""
         self.metadata = metadata
         self.credentials = credentials
         self.max_retries = max_retries
         self.timeout = timeout
+        channel_target(target)  # a malformed address is a ValueError here, in the caller's thread
         self.loop = asyncio.new_event_loop()
         self._background: set[asyncio.Task] = set()  # held here: the loop keeps only weak references
         self._thread = threading.Thread(target=self.loop.run_forever, name="temper-client", daemon=True)
@@ -105,10 +108,13 @@ class Runtime:
             raise
 
     async def _connect(self, target: str, connect_timeout: float):
+        # Several replicas: round_robin spreads the calls and skips a dead one; a call caught on a
+        # replica as it died fails UNAVAILABLE and is resent by _call (through another replica).
+        grpc_target, options = channel_target(target)
         if self.credentials is None:
-            self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+            self.channel = grpc.aio.insecure_channel(grpc_target, options=options)
         else:
-            self.channel = grpc.aio.secure_channel(target, self.credentials, options=CHANNEL_OPTIONS)
+            self.channel = grpc.aio.secure_channel(grpc_target, self.credentials, options=options)
         if connect_timeout > 0:
             # Calls wait for the channel (wait_for_ready: a restarting scheduler is waited for), so a
             # wrong or dead address would hang the first call forever: it is checked once, here.

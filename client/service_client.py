@@ -32,8 +32,8 @@ class ServiceClient:
                  display_name: str | None = None, **kwargs: Any):
         """Positional arguments are Tinker's ``(user_metadata, project_id)`` or Temper's ``(base_url, api_key)``.
 
-        ``base_url``: ``host:port`` or ``grpc://host:port`` (plaintext), ``grpcs://host:port`` (TLS), else
-        TEMPER_BASE_URL, TEMPER_ADDRESS, or a gRPC TINKER_BASE_URL (runtime.resolve_base_url); TLS checks
+        ``base_url``: ``host:port`` or ``grpc://host:port`` (plaintext), ``grpcs://host:port`` (TLS); several
+        replicas as ``host1:port1,host2:port2`` or ``dns:///name:port`` (round_robin); else TEMPER_BASE_URL, TEMPER_ADDRESS, or a gRPC TINKER_BASE_URL (runtime.resolve_base_url); TLS checks
         the server against ``root_certificates`` (PEM), else TEMPER_TLS_CA_FILE, else the system's roots.
         ``api_key``: else TEMPER_API_KEY, else TINKER_API_KEY. ``connect_timeout``: seconds to reach the
         scheduler before failing (else TEMPER_CONNECT_TIMEOUT, else 30). ``project_id`` (else

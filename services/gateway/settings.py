@@ -19,7 +19,9 @@ class GatewaySettings(ProcessSettings):
     model_config = SettingsConfigDict(env_prefix="TEMPER_GATEWAY_")
 
     bind: str = Field("127.0.0.1:8000", description="host:port of the HTTP server (port 0 picks a free one).")
-    scheduler_address: str = Field("127.0.0.1:50051", description="host:port of the scheduler's public gRPC API.")
+    scheduler_address: str = Field("127.0.0.1:50051", description="host:port of the scheduler's public gRPC API; for several "
+                                                                  "replicas a list 10.0.0.1:50051,10.0.0.2:50051 or "
+                                                                  "dns:///name:port (round_robin over them).")
     scheduler_tls: bool = Field(False, description="Reach the scheduler over TLS, checked against the system's roots "
                                                    "(or scheduler_tls_ca_file).")
     scheduler_tls_ca_file: Path | None = Field(None, description="PEM CA of the scheduler's certificate; set: TLS.")

@@ -10,8 +10,8 @@ from typing import Any, AsyncIterator
 
 import grpc
 
+from temper.common.channel_target import channel_target
 from temper.common.retry import retry
-from temper.common.server_options import CHANNEL_OPTIONS
 from temper.common.tls import channel_credentials
 from temper.services.gateway.errors import GatewayError
 from temper.v1 import service_pb2_grpc
@@ -20,9 +20,11 @@ from temper.v1 import service_pb2_grpc
 class Scheduler:
     def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None, timeout: float = 60.0,
                  unavailable_seconds: float = 120.0):
-        """``timeout``: deadline of the calls that answer at once (sessions, info, listings);
+        """``address``: one host:port, or several replicas as host1:port1,host2:port2 or dns:///name:port
+        (round_robin: common/channel_target.py); ``timeout``: deadline of the calls that answer at once (sessions, info, listings);
         ``unavailable_seconds``: how long a verb is resent while the scheduler is unreachable."""
         self.address = address
+        self._target, self._options = channel_target(address)  # a malformed address fails at startup
         self.timeout = timeout
         self.unavailable_seconds = unavailable_seconds
         self._credentials = credentials
@@ -42,9 +44,9 @@ class Scheduler:
         # made on first use, inside the server's event loop (a grpc.aio channel belongs to one loop)
         if self._stub is None:
             if self._credentials is None:
-                self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+                self._channel = grpc.aio.insecure_channel(self._target, options=self._options)
             else:
-                self._channel = grpc.aio.secure_channel(self.address, self._credentials, options=CHANNEL_OPTIONS)
+                self._channel = grpc.aio.secure_channel(self._target, self._credentials, options=self._options)
             self._stub = service_pb2_grpc.TemperStub(self._channel)
         return self._stub
 
