@@ -51,7 +51,7 @@ class _Route:
 
     def __init__(self, lora, groups):
         self.lora, self._scope = lora, contextlib.ExitStack()
-        self._scope.enter_context(lora.route(groups))
+        self.switch(groups)
 
     def switch(self, groups) -> None:
         self._scope.close()
@@ -69,7 +69,8 @@ def decode(backend, live: list[_Live], logits: torch.Tensor, past, mask: torch.T
     rows routed to their adapters by ``routing`` (LoraModel.route)."""
     model, device = backend.loaded.model, backend.device
     rows_total = sum(len(s.rows) for s in live)
-    hooks = list({id(s.request.between_steps): s.request.between_steps for s in live if s.request.between_steps}.values())
+    # each request holds its own bound method of the one install queue: equal, not identical, so dedupe by equality
+    hooks = list(dict.fromkeys(s.request.between_steps for s in live if s.request.between_steps))
     route = _Route(backend.lora, routing)
     try:
         for step in range(steps):
@@ -112,7 +113,7 @@ def decode(backend, live: list[_Live], logits: torch.Tensor, past, mask: torch.T
             for hook in hooks:  # adapter installs, between this step's tokens and the next forward
                 hook(frozenset(s.key for s in live if s.key))
             if _follow(live):
-                route.switch(_groups(live, device))
+                route.switch(row_groups(live, device))
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             positions = (next_position + step)[:, None]  # the row's length + its rotary delta, never cached state
             out = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
@@ -143,7 +144,7 @@ def _follow(live: list[_Live]) -> bool:
     return moved
 
 
-def _groups(live: list[_Live], device) -> list[tuple[str | None, torch.Tensor]]:
+def row_groups(live: list[_Live], device) -> list[tuple[str | None, torch.Tensor]]:
     """(adapter key, rows) of the batch as its requests decode now."""
     groups: dict[str | None, list[int]] = {}
     for state in live:

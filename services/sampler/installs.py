@@ -29,6 +29,7 @@ class Job:
     folder: Path
     size: int
     done: Future = field(default_factory=Future)
+    checked: bool = False  # the backend accepted its files (a job that waits for a batch is not read again)
 
 
 class PendingInstalls:

@@ -150,7 +150,7 @@ def _prefill_rows(model, lora, device, chunk: list[_Distinct], cache: PrefixCach
     rest_mask = np.arange(width)[None] >= first
     positions = np.where(rest_mask, starts[:, None] + np.arange(width)[None] - first, 0)
     mask = np.concatenate([np.arange(prefix_width)[None] >= (prefix_width - starts)[:, None], rest_mask], axis=1)
-    past = _prefix_past([d.prefix for d in chunk], prefix_width) if prefix_width else None
+    past = padded_past([d.prefix for d in chunk], [[r] for r in range(len(chunk))], prefix_width) if prefix_width else None
     groups: dict[str | None, list[int]] = {}
     for row, d in enumerate(chunk):
         groups.setdefault(d.key, []).append(row)
@@ -175,40 +175,27 @@ def _prefill_rows(model, lora, device, chunk: list[_Distinct], cache: PrefixCach
     return out
 
 
-def _prefix_past(prefixes: list[PrefixKV], width: int) -> DynamicCache:
-    """The cached prefixes as one past: row r's right-aligned in ``width`` positions, zeros before (masked)."""
-    some = next(p for p in prefixes if p)
-    layers = []
-    for layer, (k0, v0) in enumerate(some):
-        keys = k0.new_zeros(len(prefixes), k0.shape[1], width, k0.shape[3])
-        values = v0.new_zeros(len(prefixes), v0.shape[1], width, v0.shape[3])
-        for row, prefix in enumerate(prefixes):
-            if prefix:
-                k, v = prefix[layer]
-                keys[row, :, width - k.shape[2]:], values[row, :, width - v.shape[2]:] = k[0], v[0]
-        layers.append((keys, values))
-    return DynamicCache(ddp_cache_data=layers)
-
-
 def _row_kv(past: DynamicCache, row: int, width: int, n: int, copy: bool = False) -> PrefixKV:
     """Row ``row``'s KV of its last ``n`` positions (views of the batch's tensors, or copies that own their memory)."""
     views = tuple((layer.keys[row:row + 1, :, width - n:], layer.values[row:row + 1, :, width - n:]) for layer in past.layers)
     return tuple((k.clone(), v.clone()) for k, v in views) if copy else views
 
 
-def batch_cache(prompts: list[PrefilledPrompt], rows: list[list[int]], width: int) -> DynamicCache:
-    """The decode loop's cache: row r of prompt i holds its KV right-aligned in ``width`` positions
-    (left padding, as the batched prefill lays it out; the padding is zeros and masked out)."""
+def padded_past(kvs: list[PrefixKV], rows: list[list[int]], width: int) -> DynamicCache:
+    """KV laid out as a left-padded batch: ``kvs[i]`` (one row's; empty: none) right-aligned in ``width``
+    positions of each row of ``rows[i]``, zeros before (the padding, masked out). The decode loop's cache
+    (a prompt's KV in each of its samples' rows) and a prefill's past of cached prefixes alike."""
+    some = next(kv for kv in kvs if kv)
     total = sum(len(r) for r in rows)
     layers = []
-    for layer in range(len(prompts[0].kv)):
-        k0, v0 = prompts[0].kv[layer]
+    for layer, (k0, v0) in enumerate(some):
         keys = k0.new_zeros(total, k0.shape[1], width, k0.shape[3])
         values = v0.new_zeros(total, v0.shape[1], width, v0.shape[3])
-        for prompt, prompt_rows in zip(prompts, rows):
-            k, v = prompt.kv[layer]
-            index = torch.tensor(prompt_rows, device=k.device)
-            keys[index, :, width - k.shape[2]:] = k
-            values[index, :, width - v.shape[2]:] = v
+        for kv, kv_rows in zip(kvs, rows):
+            if kv:
+                k, v = kv[layer]
+                index = torch.tensor(kv_rows, device=k.device)
+                keys[index, :, width - k.shape[2]:] = k
+                values[index, :, width - v.shape[2]:] = v
         layers.append((keys, values))
     return DynamicCache(ddp_cache_data=layers)

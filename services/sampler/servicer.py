@@ -115,7 +115,9 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         key = job.key
         if busy is not None and key in busy:
             raise Busy(key)
-        self.backend.check_adapter(job.folder)
+        if not job.checked:
+            self.backend.check_adapter(job.folder)
+            job.checked = True
         try:
             victims = self.residency.reserve(key, job.size, keep=busy or frozenset())
         except ResourceExhausted:

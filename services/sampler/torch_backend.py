@@ -185,18 +185,13 @@ class TorchSamplerBackend(SamplerBackend):
             extra, next_position = prefill.kwargs, lengths + prefill.deltas
         else:
             extra, next_position = {"position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}, lengths
-        groups: dict[str | None, list[int]] = {}
-        for state in live:
-            groups.setdefault(state.request.checkpoint_key, []).extend(state.rows)
-        routing = [(key, torch.tensor(rows, device=self.device)) for key, rows in groups.items()]
-        model = self.loaded.model
+        routing = decode_steps.row_groups(live, self.device)
         steps = max(r.options.max_tokens for r in requests)
-        prefilled = self._prefill_each(live, width) if self.prompt_prefill else None
-        with self.lora.route(routing):
-            if prefilled is None:
+        if self.prompt_prefill:
+            logits, past = self._prefill_each(live, width)
+        else:
+            with self.lora.route(routing):
                 logits, past = self._prefill_batched(live, ids, mask, extra, width)
-            else:
-                logits, past = prefilled
         return decode_steps.decode(self, live, logits, past, mask, next_position, routing, steps)
 
     # False: each missed prompt prefilled alone, one forward each (benchmarks/prefix_cache.py's control)
@@ -217,7 +212,7 @@ class TorchSamplerBackend(SamplerBackend):
         if done.past is not None:
             return done.logits, done.past
         logits = torch.cat([p.last_logits[None].expand(len(s.rows), -1) for p, s in zip(done.prompts, live)])
-        return logits, prompt_prefill.batch_cache(done.prompts, [s.rows for s in live], width)
+        return logits, prompt_prefill.padded_past([p.kv for p in done.prompts], [s.rows for s in live], width)
 
     def _prefill_batched(self, live: list[_Live], ids, mask, extra, width: int):
         """Every row's prompt in one left-padded forward (vision models, caches that cannot be sliced)."""
