@@ -62,6 +62,23 @@ def _add_adapters(lora: LoraModel) -> None:
                     p.normal_(0, 0.1, generator=generator)
 
 
+def _experts_out(wrapper, family, lora, owners, token_keys, x, idx, weights, reference: bool):
+    """The experts' output on ``x``: the per-token reference, or the wrapper with rows routed to their owners."""
+    if reference:
+        return reference_experts(wrapper, family, lora, token_keys, x, idx, weights)
+    routing = Routing(_groups(owners))
+    routing.batch_rows = len(owners)
+    with lora.router.route(routing):
+        return wrapper(x, idx, weights)
+
+
+def _out_and_grads(out, x, probe, mask, params: dict):
+    """(output, d loss / d x, d loss / d each param) for loss = sum(out * probe * mask); zeros where unused."""
+    grads = torch.autograd.grad((out * probe * mask).sum(), [x, *params.values()], allow_unused=True)
+    grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, [x, *params.values()])]
+    return out.detach(), grads[0], dict(zip(params, grads[1:]))
+
+
 def _groups(owners: list[str | None]) -> list[tuple[str, torch.Tensor]]:
     keys = list(dict.fromkeys(k for k in owners if k is not None))
     return [(k, torch.tensor([r for r, o in enumerate(owners) if o == k])) for k in keys]
@@ -314,19 +331,10 @@ def test_experts_layer_with_chosen_routing_matches_the_reference(folders, family
 
     def run(reference: bool, weight_rows=None):
         x = hidden.clone().requires_grad_(True)
-        if reference:
-            out = reference_experts(wrapper, family, lora, token_keys, x, idx, weights)
-        else:
-            routing = Routing(_groups(owners))
-            routing.batch_rows = rows
-            with lora.router.route(routing):
-                out = wrapper(x, idx, weights)
+        out = _experts_out(wrapper, family, lora, owners, token_keys, x, idx, weights, reference)
         mask = torch.ones(tokens, 1) if weight_rows is None else torch.tensor(
             [[1.0] if token_keys[t] in weight_rows else [0.0] for t in range(tokens)])
-        loss = (out * probe * mask).sum()
-        grads = torch.autograd.grad(loss, [x, *params.values()], allow_unused=True)
-        grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, [x, *params.values()])]
-        return out.detach(), grads[0], dict(zip(params, grads[1:]))
+        return _out_and_grads(out, x, probe, mask, params)
 
     out, x_grad, grads = run(False)
     ref_out, ref_x_grad, ref_grads = run(True)
@@ -395,17 +403,9 @@ def test_per_expert_grouping_of_small_slices_matches_the_plain_loop(folders, low
 
     def run(reference: bool, only=None):
         x = hidden.clone().requires_grad_(True)
-        if reference:
-            out = reference_experts(wrapper, family, lora, token_keys, x, idx, weights)
-        else:
-            routing = Routing(_groups(owners))
-            routing.batch_rows = rows
-            with lora.router.route(routing):
-                out = wrapper(x, idx, weights)
+        out = _experts_out(wrapper, family, lora, owners, token_keys, x, idx, weights, reference)
         mask = torch.tensor([[1.0] if only is None or token_keys[t] == only else [0.0] for t in range(tokens)])
-        grads = torch.autograd.grad((out * probe * mask).sum(), [x, *params.values()], allow_unused=True)
-        grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, [x, *params.values()])]
-        return out.detach(), grads[0], dict(zip(params, grads[1:]))
+        return _out_and_grads(out, x, probe, mask, params)
 
     out, x_grad, grads = run(False)
     assert used and set(used) == {2 if low_width == 4 else 5}
