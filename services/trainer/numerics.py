@@ -26,7 +26,7 @@ from temper.services.trainer.deterministic_passes import deterministic_passes
 from temper.services.trainer.losses import LOSS_FNS, loss_positions
 from temper.services.trainer.memory import ActivationModel
 from temper.services.trainer.target_logprobs import target_logprobs
-from temper.services.trainer.vision import ImageFeatures, PassImages
+from temper.services.trainer.vision import ImageFeatures, PassImages, pass_images
 
 
 class TokenDatum(Protocol):
@@ -271,11 +271,7 @@ def run_pass(lora: LoraModel, groups: list[LossGroup], batch: list[Row], options
     routing = [(key, torch.tensor(rs, device=device)) for key, rs in rows_of.items()]
     if checkpointed is None:
         checkpointed = options.checkpoint_decoder(ids.numel(), ids.shape[1])
-    images = None
-    if features is not None:
-        images = features.pass_inputs(ids, mask, [(groups[row.group].adapter, _images(row)) for row in batch], checkpointed)
-    elif any(_images(row) for row in batch):
-        raise ValueError("rows with images need the model's vision processor (numerics.forward_backward's vision)")
+    images = pass_images(features, ids, mask, [(groups[row.group].adapter, _images(row)) for row in batch], checkpointed)
     lp = target_logprobs_pass(lora, ids, mask, targets, routing, options.logprob_chunk_tokens, checkpointed, images)
     elementwise, stats = apply_losses(lp, mask, groups, batch)
     return lp, elementwise, stats

@@ -143,3 +143,14 @@ class ImageFeatures:
     def _count(self, images: int) -> None:
         self.tower_calls += 1
         self.images_encoded += images
+
+
+def pass_images(features: "ImageFeatures | None", ids, mask, rows: list[tuple], checkpointed: bool):
+    """A training pass's image inputs: ``rows`` is (adapter, images) per row; None for a text-only model,
+    which refuses rows with images."""
+    if features is not None:
+        return features.pass_inputs(ids, mask, rows, checkpointed)
+    if any(images for _, images in rows):
+        raise ValueError("rows with images need the model's vision processor (numerics.forward_backward's vision)")
+    return None
+
