@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import secrets
+import socket
 
 from temper.common.errors import Unavailable
 from temper.common.metrics import ready_line, serve_metrics
 from temper.common.server import build_server, mark_serving
 from temper.common.tls import settings_server_credentials
+from temper.scheduler.cluster.directory import ReplicaDirectory
+from temper.scheduler.cluster.forwarding import Forwarder
+from temper.scheduler.cluster.keeper import LeaseKeeper
+from temper.scheduler.cluster.ownership import LaneOwner, LaneOwnership, SoleOwner
 from temper.scheduler.planning.admission import Admission
+from temper.scheduler.planning.handover import LaneHandover
 from temper.scheduler.tenancy.auth import LOCAL_TENANT, ApiKeyAuth
 from temper.scheduler.workers.backends import Backends
 from temper.scheduler.api.checkpoint_verbs import CheckpointCollector
@@ -30,6 +38,16 @@ from temper.v1 import service_pb2, service_pb2_grpc
 log = logging.getLogger("temper.scheduler")
 SERVICE = service_pb2.DESCRIPTOR.services_by_name["Temper"].full_name
 EXIT_LOOP_FAILED = 3
+EXIT_LEASE_LOST = 4
+
+
+def advertised(bind: str, port: int) -> str:
+    """Where other replicas reach this one: bind's host (this machine's name for a wildcard) and the
+    port actually bound."""
+    host = bind.rsplit(":", 1)[0].strip("[]")
+    if host in ("", "0.0.0.0", "::"):
+        host = socket.gethostname()
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class SchedulerApp:
@@ -48,6 +66,8 @@ class SchedulerApp:
         self.servicer.cluster = ClusterSources(self.membership, self.loop.recovery)  # what GetClusterStatus reads
         self.server = self.health = self.registry = None
         self.port = self.metrics_port = self.registry_port = None
+        self.ownership: LaneOwner = SoleOwner()
+        self.workers_ready = False
 
     async def start(self) -> None:
         await asyncio.to_thread(self.store.set_tenant_weights, self.settings.tenant_weights)
@@ -60,6 +80,8 @@ class SchedulerApp:
             log.warning("TEMPER_SCHEDULER_AUTH=disabled: no API keys; every caller is tenant %r", LOCAL_TENANT)
         await mark_serving(self.health, [SERVICE], serving=False)  # until the trainers and samplers answer
         await self.server.start()
+        if self.settings.replicas:
+            self._replicate()
         if self.settings.registry_bind:
             # models served before a restart: until their workers register again, they answer UNAVAILABLE, not NOT_FOUND
             self.backends.known_models.update(await asyncio.to_thread(named_base_models, self.store))
@@ -67,11 +89,31 @@ class SchedulerApp:
             log.info("worker registry on port %d", self.registry_port)
         self.metrics_port = serve_metrics(self.settings.metrics_bind)
 
+    def _replicate(self) -> None:
+        """One replica of several (scheduler/cluster/): lanes by lease, lane writes fenced, verbs of
+        another replica's lanes forwarded there."""
+        owner = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"  # one per process incarnation
+        address = self.settings.advertise_address or advertised(self.settings.bind, self.port)
+        handover = LaneHandover(self.loop, on_health=lambda serving: asyncio.ensure_future(self._set_health()))
+        self.ownership = LaneOwnership(LeaseKeeper(self.store.sessions), ReplicaDirectory(self.store.sessions), owner, address,
+                                       self.settings.lease_seconds, handover)
+        self.store.fence_runs = self.ownership.fence_runs
+        self.loop.ownership = self.servicer.ownership = self.ownership
+        self.servicer.forwarder = Forwarder(owner)
+        self.runs.inflight.reread_after = self.settings.lease_seconds / 6
+        log.info("scheduler replica %s at %s (leases of %.1f s)", owner, address, self.settings.lease_seconds)
+
+    async def _set_health(self) -> None:
+        """SERVING once the workers answered and, for a replica, while its database and leases answer."""
+        await mark_serving(self.health, [SERVICE], serving=self.workers_ready and (not self.ownership.replicated or self.ownership.serving))
+
     async def run(self) -> int:
         """Serve until the server stops (0) or the loop dies (EXIT_LOOP_FAILED: the process supervisor
-        restarts the scheduler, and the new process recovers the queue from the database)."""
+        restarts the scheduler, and the new process recovers the queue from the database), or, for a
+        replica, a lane's lease was taken by another replica (EXIT_LEASE_LOST: restarted the same way)."""
         connecting = asyncio.create_task(self._connect(), name="scheduler-connect")
         loop_task = asyncio.create_task(self.loop.run_forever(), name="scheduler-loop")
+        leasing = asyncio.create_task(self.ownership.run_forever(), name="scheduler-leases")
         stopped = asyncio.create_task(self.server.wait_for_termination(), name="scheduler-server")
         collecting = asyncio.create_task(self.collector.run_forever(), name="scheduler-checkpoint-collector")
         sweeping = asyncio.create_task(self.membership.run_forever(), name="scheduler-membership")
@@ -79,7 +121,12 @@ class SchedulerApp:
                                                     self.settings.metrics_max_rows_per_run,
                                                     self.settings.metrics_prune_interval_seconds), name="scheduler-records-prune")
         try:
-            await asyncio.wait([loop_task, stopped], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([loop_task, stopped, leasing], return_when=asyncio.FIRST_COMPLETED)
+            if leasing.done():
+                exc = leasing.exception() if not leasing.cancelled() else None
+                log.critical("replica lease lost: %r; failing waiting requests with UNAVAILABLE and exiting", exc)
+                await self.fail_over()
+                return EXIT_LEASE_LOST
             if loop_task.done():
                 exc = loop_task.exception() if not loop_task.cancelled() else None
                 log.critical("the scheduler loop stopped: %r; failing waiting requests with UNAVAILABLE and exiting", exc,
@@ -88,8 +135,11 @@ class SchedulerApp:
                 return EXIT_LOOP_FAILED
             return 0
         finally:
-            for task in (connecting, loop_task, stopped, collecting, sweeping, pruning):
+            for task in (connecting, loop_task, stopped, collecting, sweeping, pruning, leasing):
                 task.cancel()
+            await self.ownership.stop()  # the leases still held released: the others take those lanes at once
+            if self.servicer.forwarder is not None:
+                await self.servicer.forwarder.close()
             if self.registry is not None:
                 await self.registry.stop(grace=None)
             await self.backends.close()
@@ -107,7 +157,8 @@ class SchedulerApp:
                 await self.backends.wait_ready()
             except Unavailable:
                 continue
-        await mark_serving(self.health, [SERVICE])
+        self.workers_ready = True
+        await self._set_health()
         log.info("scheduler serving on port %d; models: %s", self.port, self.backends.model_names())
 
 

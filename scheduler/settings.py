@@ -52,6 +52,17 @@ class SchedulerSettings(ProcessSettings, InternalTokenSettings):
     registry_tls_key_file: Path | None = Field(None, description="PEM private key of registry_tls_cert_file.")
     registry_tls_client_ca_file: Path | None = Field(
         None, description="PEM CA; set, every worker must present a certificate it signed to register (mutual TLS).")
+    # replicas (scheduler/cluster/, docs/replicas.md)
+    replicas: bool = Field(
+        False, description="Run as one of several scheduler replicas sharing one PostgreSQL database: each trainer's lane "
+                           "is owned by one replica at a time through a lease, and a verb of a lane another replica owns "
+                           "is forwarded to it. Off: this process owns every lane (one scheduler).")
+    advertise_address: str = Field(
+        "", description="host:port other replicas forward a lane's verbs to; empty: bind's host (the host name when "
+                        "bind's host is 0.0.0.0 or ::) with the port actually bound.")
+    lease_seconds: float = Field(
+        3.0, gt=0, description="A lane lease's length: renewed every third of it while the replica is healthy; a dead or "
+                               "frozen replica's lanes are taken by the others after at most this long plus a renewal round.")
     # admission
     max_queued_requests: int = Field(1024, description="Queued training requests across all tenants before RESOURCE_EXHAUSTED.")
     max_queued_per_tenant: int = Field(256, description="Queued training requests of one tenant (all its runs) before RESOURCE_EXHAUSTED.")

@@ -65,7 +65,7 @@ def _pump(service: Service, log) -> None:
 class LocalStack:
     def __init__(self, base_model: str, data_dir: Path, database_url: str | None = None, extra_env: dict[str, str] | None = None,
                  num_threads: int = 0, num_trainers: int = 1, num_samplers: int = 1, registration: bool = False, gateway: bool = False,
-                 trainer_world_size: int = 1):
+                 trainer_world_size: int = 1, num_schedulers: int = 1):
         """``registration``: the scheduler serves a worker registry and starts first; the workers
         register with it (register_with) instead of being listed in its trainer/sampler addresses.
         ``trainer_world_size`` > 1: every trainer is a group of that many local processes (issue 20,
@@ -80,6 +80,9 @@ class LocalStack:
         self.gateway = gateway  # also start the Tinker gateway (HTTP, services/gateway) in front of the scheduler
         self.registration = registration
         self.trainer_world_size = trainer_world_size
+        # > 1: that many scheduler replicas ("scheduler", "scheduler-1", ...) on one PostgreSQL database
+        # (TEMPER_SCHEDULER_REPLICAS, docs/replicas.md); clients and the gateway get every address (round_robin)
+        self.num_schedulers = num_schedulers
         self.services: list[Service] = []
         self._keys: dict[str, str] = {}
         self.api_key: str | None = None  # the LOCAL_TENANT's key, once started
@@ -144,9 +147,13 @@ class LocalStack:
                 self.wait_registered(self.counts, timeout)
             else:
                 self._start_workers(timeout)
-                scheduler = self._start_scheduler({
-                    "TEMPER_SCHEDULER_TRAINER_ADDRESSES": ",".join(s.address for s in self.services_of("trainer")),
-                    "TEMPER_SCHEDULER_SAMPLER_ADDRESSES": ",".join(s.address for s in self.services_of("sampler"))}, timeout)
+                lists = {"TEMPER_SCHEDULER_TRAINER_ADDRESSES": ",".join(s.address for s in self.services_of("trainer")),
+                         "TEMPER_SCHEDULER_SAMPLER_ADDRESSES": ",".join(s.address for s in self.services_of("sampler"))}
+                if self.num_schedulers > 1:
+                    lists["TEMPER_SCHEDULER_REPLICAS"] = "true"
+                scheduler = self._start_scheduler(lists, timeout)
+                for index in range(1, self.num_schedulers):
+                    self._start_scheduler(lists, timeout, name=f"scheduler-{index}")
             self._start_gateway(timeout)
             self.api_key = self.key_for(LOCAL_TENANT)
         except BaseException:
@@ -161,9 +168,15 @@ class LocalStack:
         for service in started:
             self._wait_ready(service, timeout)
 
-    def _start_scheduler(self, env: dict[str, str], timeout: float) -> Service:
+    def _start_scheduler(self, env: dict[str, str], timeout: float, name: str = "scheduler") -> Service:
         return self._wait_ready(self._launch("scheduler", {
-            "TEMPER_SCHEDULER_DATABASE_URL": self.database_url, "TEMPER_SCHEDULER_INTERNAL_TOKEN": self.internal_token, **env}), timeout)
+            "TEMPER_SCHEDULER_DATABASE_URL": self.database_url, "TEMPER_SCHEDULER_INTERNAL_TOKEN": self.internal_token, **env},
+            name=name), timeout)
+
+    @property
+    def scheduler_address(self) -> str:
+        """The address clients use: the scheduler's, or every replica's, comma-separated (round_robin)."""
+        return ",".join(s.address for s in self.services_of("scheduler"))
 
     def add_worker(self, role: str, timeout: float = 300.0) -> Service:
         """Start one more trainer or sampler that registers with the running scheduler (registration
@@ -230,7 +243,7 @@ class LocalStack:
 
     def _start_gateway(self, timeout: float) -> None:
         if self.gateway:
-            self._wait_ready(self._launch("gateway", {"TEMPER_GATEWAY_SCHEDULER_ADDRESS": self.service("scheduler").address}), timeout)
+            self._wait_ready(self._launch("gateway", {"TEMPER_GATEWAY_SCHEDULER_ADDRESS": self.scheduler_address}), timeout)
 
     @property
     def gateway_url(self) -> str:
@@ -249,7 +262,7 @@ class LocalStack:
         """A ServiceClient of ``tenant`` on this stack (its key made on first use)."""
         from temper.client import ServiceClient
 
-        return ServiceClient(self.service("scheduler").address, api_key=self.key_for(tenant), **kwargs)
+        return ServiceClient(self.scheduler_address, api_key=self.key_for(tenant), **kwargs)
 
     def restart(self, name: str, crash: bool = False, timeout: float = 300.0, argv: list[str] | None = None) -> Service:
         """Stop service ``name`` (SIGKILL when ``crash``, else SIGTERM) and start it again with the same

@@ -25,10 +25,12 @@ from temper.scheduler.api.cluster_status import ClusterStatusVerbs
 from temper.scheduler.api.image_inputs import has_images, serves_images, vision_of
 from temper.scheduler.api.image_verbs import ImageVerbs
 from temper.scheduler.api.inflight_verbs import check_inflight_save
+from temper.scheduler.api.lane_routing import LaneRouting, on_lane_owner
 from temper.scheduler.api.import_verbs import ImportVerbs
 from temper.scheduler.api.record_verbs import RecordVerbs
 from temper.scheduler.api.lookup_verbs import (CheckpointSource, LookupVerbs, check_deterministic, check_lora, check_lora_for_model,
                                                check_user_metadata)
+from temper.scheduler.cluster.ownership import SoleOwner
 from temper.scheduler.db import models as m
 from temper.scheduler.tenancy.quotas import check_hard_limit
 from temper.scheduler.planning.recovery import snapshot_key
@@ -55,7 +57,7 @@ def needs_workers(method):
     return wrapper
 
 
-class TemperServicer(AuditVerbs, ClusterStatusVerbs, SamplingVerbs, CheckpointVerbs, ImportVerbs, ImageVerbs, LookupVerbs, TokenizerVerbs,
+class TemperServicer(LaneRouting, AuditVerbs, ClusterStatusVerbs, SamplingVerbs, CheckpointVerbs, ImportVerbs, ImageVerbs, LookupVerbs, TokenizerVerbs,
                      RecordVerbs, service_pb2_grpc.TemperServicer):
     def __init__(self, store, backends: Backends, runs: RunRegistry, admission: Admission):
         self.store = store
@@ -65,6 +67,7 @@ class TemperServicer(AuditVerbs, ClusterStatusVerbs, SamplingVerbs, CheckpointVe
         self._closed_sessions: set[str] = set()   # closed in this process (sampling clients check it)
         self._creating_runs: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)  # per tenant: the run limit holds exactly
         self._init_sampling(admission.settings.image_limits())
+        self.ownership = SoleOwner()  # replicas: the app sets LaneOwnership and a Forwarder (lane_routing.py)
 
     # ---- sessions -----------------------------------------------------------------------------
 
@@ -165,7 +168,9 @@ class TemperServicer(AuditVerbs, ClusterStatusVerbs, SamplingVerbs, CheckpointVe
                 created = await trainer.call("CreateAdapter", create)
                 await source.load_into(run_id)
             else:
-                trainer = self.backends.place(base_model)
+                # replicas: each knows only the runs it has seen; the database knows them all
+                counts = await asyncio.to_thread(self.store.open_runs_per_trainer) if self.ownership.replicated else None
+                trainer = self.backends.place(base_model, counts=counts)
                 try:
                     asked.append(trainer)
                     created = await trainer.call("CreateAdapter", create)
@@ -195,6 +200,7 @@ class TemperServicer(AuditVerbs, ClusterStatusVerbs, SamplingVerbs, CheckpointVe
         return self._run_info(self.runs.add(row, tenant))
 
     @needs_workers
+    @on_lane_owner
     async def GetInfo(self, request, context):
         run = await self.runs.get(request.training_run_id, caller())
         return self._run_info(run, await asyncio.to_thread(self.store.get_training_run, run.run_id))
@@ -212,6 +218,7 @@ class TemperServicer(AuditVerbs, ClusterStatusVerbs, SamplingVerbs, CheckpointVe
             return await self.admission.submit(request.training_run_id, request.seq_id, kind, request, check, check_async,
                                                tenant=caller(), offload=offload)
 
+    @on_lane_owner
     async def AbandonSeq(self, request, context):
         """A seq its client gave up on (retries spent in an outage, or the request failed before it was
         sent): skipped unless recorded, so the run's next request does not wait seq_gap_timeout_seconds."""
@@ -219,6 +226,7 @@ class TemperServicer(AuditVerbs, ClusterStatusVerbs, SamplingVerbs, CheckpointVe
             skipped = await self.admission.abandon(request.training_run_id, request.seq_id, tenant=caller())
         return service_pb2.AbandonSeqResponse(skipped=skipped)
 
+    @on_lane_owner
     async def ForwardBackward(self, request, context):
         def check(run: RunInfo) -> int:
             # images are checked, counted (N each, by the model's own processor) and expanded here: the
@@ -242,6 +250,7 @@ class TemperServicer(AuditVerbs, ClusterStatusVerbs, SamplingVerbs, CheckpointVe
         except TemperError:  # no trainer now: the check answers that, inline
             return False
 
+    @on_lane_owner
     async def OptimStep(self, request, context):
         def check(run: RunInfo) -> int:
             if not request.HasField("adam_params"):
@@ -251,6 +260,7 @@ class TemperServicer(AuditVerbs, ClusterStatusVerbs, SamplingVerbs, CheckpointVe
 
         return await self._submit(request, WorkKind.OPTIM_STEP, check)
 
+    @on_lane_owner
     async def SaveWeights(self, request, context):
         def check(run: RunInfo) -> int:
             if request.kind not in KIND_DIRS:
@@ -275,6 +285,7 @@ class TemperServicer(AuditVerbs, ClusterStatusVerbs, SamplingVerbs, CheckpointVe
 
         return await self._submit(request, WorkKind.SAVE_WEIGHTS, check, not_taken)
 
+    @on_lane_owner
     async def LoadWeights(self, request, context):
         def check(run: RunInfo) -> int:
             path = parse_path(request.path)

@@ -22,6 +22,7 @@ class StoredTarget(NamedTuple):
 @database_errors
 class InflightStore:
     sessions = None  # sessionmaker, set by Store
+    fence_runs = None  # set by Store (request_log.no_fence, or a replica's check)
 
     def add_inflight_checkpoint(self, run_id: str, name: str, path: str, size_bytes: int,
                                 user_metadata: dict[str, str] | None = None) -> m.Checkpoint:
@@ -30,6 +31,7 @@ class InflightStore:
         of a run number their versions one after the other. A resent save (its answer was lost) gets
         the row it wrote then, with the same version, and moves nothing."""
         with self.sessions.begin() as db:
+            self.fence_runs(db, {run_id})
             run = db.get(m.TrainingRun, run_id, with_for_update=True)
             if run is None:
                 raise NotFound(f"training run {run_id!r} not found")

@@ -264,3 +264,17 @@ class LaneLease(Base):
     token: Mapped[int] = mapped_column(BigInteger)                    # strictly increasing per lane, never reused
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     renewed_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class SchedulerReplica(Base):
+    """A scheduler replica process incarnation (issue 32; migration 0016; scheduler/cluster/directory.py):
+    where other replicas reach it to forward a lane's verbs, and when it was last heard by the
+    database's clock. ``stopped``: it shut down cleanly (its leases released)."""
+
+    __tablename__ = "scheduler_replicas"
+
+    owner: Mapped[str] = mapped_column(String(256), primary_key=True)   # as lane_leases.owner
+    address: Mapped[str] = mapped_column(String(256))                   # host:port of its Temper service
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    seen_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    stopped: Mapped[bool] = mapped_column(Boolean, default=False, server_default=sa_false())

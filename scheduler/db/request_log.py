@@ -81,10 +81,19 @@ class LoggedRequest(NamedTuple):
     payload: bytes | None
 
 
+def no_fence(db, run_ids) -> None:
+    """One scheduler owns every lane: nothing to check."""
+
+
 @database_errors
 class RequestLogStore:
     sessions = None  # sessionmaker, set by Store
     engine = None
+
+    # Called first in every transaction that writes a lane's rows, with the runs written (Store sets
+    # it: no_fence for one scheduler). Replicas (scheduler/cluster/) set a check that raises LeaseLost,
+    # rolling the transaction back, unless this replica still holds each run's lane.
+    fence_runs = None
 
     def get_request(self, run_id: str, seq_id: int) -> m.RequestRecord | None:
         with self.sessions() as db:
@@ -101,6 +110,7 @@ class RequestLogStore:
         (added) or AlreadyExists (its (run, seq) has a row); a duplicate sends the others one by one."""
         try:
             with self.engine.begin() as conn:
+                self.fence_runs(conn, {r.run_id for r in rows})
                 self._insert_requests(conn, rows)
             return [None] * len(rows)
         except IntegrityError:
@@ -114,6 +124,7 @@ class RequestLogStore:
         row sends the marks on in their own transaction, and the rows as add_requests does."""
         try:
             with self.engine.begin() as conn:
+                self.fence_runs(conn, {r.run_id for r in rows} | {run_id for run_id, _ in running})
                 if running:  # these rows are in no cycle's finish_requests (they have not run yet): no lock-order change
                     self._mark_running(conn, running)
                 if rows:
@@ -142,6 +153,7 @@ class RequestLogStore:
         """Its client gave up on (run, seq): a "skipped" row where it has none (with ``queued_too``, also
         in place of a row left "queued", which never left the scheduler). Returns the row's status now."""
         with self.engine.begin() as conn:
+            self.fence_runs(conn, {run_id})
             found = conn.execute(_STATUS, {"b_run": run_id, "b_seq": seq_id}).scalar()
             if found is None:
                 self._insert_requests(conn, [NewRequest(run_id, seq_id, "skipped", "", "skipped", 0, ABANDONED)])
@@ -159,8 +171,10 @@ class RequestLogStore:
     def mark_running(self, keys: Iterable[tuple[str, int]]) -> None:
         """(run, seq) requests are about to go to a trainer. After a crash, "running" means the
         outcome is unknown; "queued" means it never left the scheduler."""
+        keys = list(keys)
         with self.engine.begin() as conn:
-            self._mark_running(conn, list(keys))
+            self.fence_runs(conn, {run_id for run_id, _ in keys})
+            self._mark_running(conn, keys)
 
     @staticmethod
     def _mark_running(conn, keys: list[tuple[str, int]]) -> None:
@@ -182,7 +196,9 @@ class RequestLogStore:
         only with them, so a resent call that finds its outcomes recorded counts nothing twice.
         ``metrics``: the requests' rows of run_metrics (db/records.py), written with their outcomes; a
         run's last_request_at becomes the arrival of its newest request recorded now."""
+        outcomes = list(outcomes)
         with self.engine.begin() as conn:
+            self.fence_runs(conn, {o[0] for o in outcomes} | set(next_seq) | {run_id for run_id, _ in running})
             self._finish_requests(conn, outcomes, trained_tokens, steps, next_seq, result_window, metrics)
             if running:
                 self._mark_running(conn, list(running))
@@ -229,6 +245,7 @@ class RequestLogStore:
         """The run's latest snapshot is now ``key``, holding seqs <= ``seq`` applied: payloads up to it
         are cleared. Returns the snapshot it replaces (its files are the caller's to delete), if any."""
         with self.engine.begin() as conn:
+            self.fence_runs(conn, {run_id})
             found = conn.execute(_LOCK_SNAPSHOT, {"b_run": run_id}).first()
             if found is None:
                 raise NotFound(f"training run {run_id!r} not found")
@@ -240,11 +257,13 @@ class RequestLogStore:
     def set_restoring(self, run_id: str, restoring: bool) -> None:
         """Mark the run's adapter as being rebuilt (True) or rebuilt (False): models.TrainingRun.restoring."""
         with self.engine.begin() as conn:
+            self.fence_runs(conn, {run_id})
             conn.execute(_SET_RESTORING, {"b_run": run_id, "b_restoring": restoring})
 
     def move_run(self, run_id: str, trainer: str) -> None:
         """The run's adapter now lives on ``trainer`` (restored there after its trainer died)."""
         with self.sessions.begin() as db:
+            self.fence_runs(db, {run_id})  # its old lane's owner moves it
             db.execute(update(m.TrainingRun).where(m.TrainingRun.id == run_id).values(trainer=trainer))
 
 

@@ -22,7 +22,7 @@ from temper.scheduler.db.access import ReadAccess
 from temper.scheduler.db.audit import Actor, AuditStore, record
 from temper.scheduler.db.outage import database_errors, now
 from temper.scheduler.db.records import RecordsStore
-from temper.scheduler.db.request_log import RequestLogStore
+from temper.scheduler.db.request_log import RequestLogStore, no_fence
 from temper.scheduler.db.catalog import CatalogStore
 from temper.scheduler.db.images import ImageStore
 from temper.scheduler.db.inflight import InflightStore
@@ -86,6 +86,7 @@ class Store(TenancyStore, RequestLogStore, CatalogStore, AuditStore, RecordsStor
         self.engine = make_engine(url)
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
         self.read_access = ReadAccess(now)
+        self.fence_runs = no_fence  # replicas: scheduler/cluster/ownership.py
 
     # ---- tenants and sessions -----------------------------------------------------------------
 
@@ -206,10 +207,13 @@ class Store(TenancyStore, RequestLogStore, CatalogStore, AuditStore, RecordsStor
                 m.Checkpoint.training_run_id == run_id, m.Checkpoint.kind == kind, m.Checkpoint.name == name)) is not None
 
     def add_checkpoint(self, run_id: str, kind: str, name: str, path: str, size_bytes: int, ephemeral: bool = False,
-                       ttl_seconds: int = 0, user_metadata: dict[str, str] | None = None) -> m.Checkpoint:
+                       ttl_seconds: int = 0, user_metadata: dict[str, str] | None = None, lane_write: bool = False) -> m.Checkpoint:
+        """``lane_write``: a save of the run's lane (fenced: replicas), not an import's or a copy's row."""
         expires_at = _now() + timedelta(seconds=ttl_seconds) if ttl_seconds > 0 else None
         try:
             with self.sessions.begin() as db:
+                if lane_write:
+                    self.fence_runs(db, {run_id})
                 row = m.Checkpoint(training_run_id=run_id, kind=kind, name=name, path=path, size_bytes=size_bytes,
                                    ephemeral=ephemeral, expires_at=expires_at, user_metadata=dict(user_metadata or {}))
                 db.add(row)
@@ -221,7 +225,7 @@ class Store(TenancyStore, RequestLogStore, CatalogStore, AuditStore, RecordsStor
                               ttl_seconds: int = 0, user_metadata: dict[str, str] | None = None) -> m.Checkpoint:
         """add_checkpoint, or the row an earlier attempt of the same save wrote (its answer was lost)."""
         try:
-            return self.add_checkpoint(run_id, kind, name, path, size_bytes, ephemeral, ttl_seconds, user_metadata)
+            return self.add_checkpoint(run_id, kind, name, path, size_bytes, ephemeral, ttl_seconds, user_metadata, lane_write=True)
         except AlreadyExists:
             return self.get_checkpoint(path)
 

@@ -136,6 +136,15 @@ class TenancyStore:
                              .join(m.Tenant, m.Tenant.id == m.Session.tenant_id)
                              .where(m.Tenant.name == tenant, m.Session.closed_at.is_(None))) or 0
 
+    def open_runs_per_trainer(self) -> dict[str, int]:
+        """Training runs whose session is open, per trainer address: what placement balances when
+        several scheduler replicas place runs (each knows only the runs it has seen)."""
+        with self.sessions() as db:
+            rows = db.execute(select(m.TrainingRun.trainer, func.count(m.TrainingRun.id))
+                              .join(m.Session, m.Session.id == m.TrainingRun.session_id)
+                              .where(m.Session.closed_at.is_(None)).group_by(m.TrainingRun.trainer)).all()
+        return {trainer: count for trainer, count in rows if trainer}
+
     def storage_bytes(self, tenant: str) -> int:
         """What max_storage_bytes bounds: the tenant's checkpoints and its uploaded images (db/images.py)."""
         checkpoints = (select(func.coalesce(func.sum(m.Checkpoint.size_bytes), 0)).select_from(m.Checkpoint)

@@ -21,7 +21,8 @@ import time
 from collections import OrderedDict, defaultdict
 from typing import Awaitable, Callable
 
-from temper.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted, TemperError, Unavailable
+from temper.common.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, LeaseLost, ResourceExhausted, TemperError,
+                                  Unavailable)
 from temper.common.strings import check_request_strings
 from temper.scheduler import metrics
 from temper.scheduler.db.request_log import NewRequest
@@ -122,7 +123,7 @@ class Admission:
                 await check_async(run)                     # effects (e.g. its checkpoint row) must not refuse it now
             if not recorded:
                 await self.writer.add(NewRequest(run_id, seq_id, kind.value, sha, "queued", tokens, None, payload))
-        except Unavailable as exc:
+        except (Unavailable, LeaseLost) as exc:  # not written: nothing claimed or spent, the client resends
             self._forget(queue, work, exc)
             metrics.ADMISSIONS.labels(kind.value, "UNAVAILABLE").inc()
             raise

@@ -55,8 +55,8 @@ class GroupCommit(Generic[Item]):
                 self.groups += 1
                 try:
                     outcomes = await asyncio.to_thread(self.write_group, [item for item, _ in group])
-                except TemperError as exc:  # Unavailable: the group was not written (or not known to be)
-                    outcomes = [type(exc)(exc.message) for _ in group]
+                except TemperError as exc:  # Unavailable, LeaseLost: the group was not written (or not known to be)
+                    outcomes = [_each(exc) for _ in group]
                 except Exception as exc:  # noqa: BLE001 - a bug: every caller of the group hears it
                     outcomes = [exc] * len(group)
                 for (_, future), outcome in zip(group, outcomes):
@@ -120,3 +120,12 @@ class FinishWriter(GroupCommit[Finish]):
         f = merged(items) if len(items) > 1 else items[0]
         self.store.finish_requests(f.outcomes, f.tokens, f.steps, f.next_seq, self.result_window, f.metrics, f.running)
         return [None] * len(items)
+
+
+def _each(exc: TemperError) -> TemperError:
+    """A copy of ``exc`` per caller (each raises its own); one whose class takes more than a message
+    (LeaseLost) is shared."""
+    try:
+        return type(exc)(exc.message)
+    except TypeError:
+        return exc

@@ -2,9 +2,10 @@
 to the samplers.
 
 Postgres holds the target (``training_runs.inflight_version`` / ``inflight_path``, written with the
-save's checkpoint row: db/inflight.py). Only this scheduler writes it, so the copy here is exact once
-this process has saved or read it; a run it has not seen since it started is read from the database
-on first use. The target never goes backwards here either: ``advance`` keeps the newer of two.
+save's checkpoint row: db/inflight.py). One scheduler is the only writer, so the copy here is exact
+once this process has saved or read it; a run it has not seen since it started is read from the
+database on first use. With replicas the owner of the run's lane saves, so the others read the target
+again when theirs is older than ``reread_after``. The target never goes backwards here either: ``advance`` keeps the newer of two.
 
 After an in-flight save is answered, ``spread`` pushes the new version, in the background, to every
 sampler of the model that holds an earlier version of the run (or the one a request for it would go
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -43,8 +45,12 @@ class Target:
 
 
 class InflightTargets:
-    def __init__(self, store):
+    def __init__(self, store, reread_after: float | None = None):
+        """``reread_after``: seconds after which a held target is read from the database again (replicas:
+        the run's saves go through the replica that owns its lane, not necessarily this one); None: never."""
         self.store = store
+        self.reread_after = reread_after
+        self._read_at: dict[str, float] = {}
         self._targets: dict[str, Target] = {}
         # run -> checkpoint key -> version, for the versions this process saved or read: which samplers hold an older one
         self._versions: dict[str, dict[str, int]] = defaultdict(dict)
@@ -62,10 +68,13 @@ class InflightTargets:
     async def current(self, run_id: str) -> Target | None:
         """The run's target; None before its first in-flight save."""
         held = self._targets.get(run_id)
-        if held is not None:
+        if held is not None and (self.reread_after is None or time.monotonic() - self._read_at.get(run_id, 0.0) < self.reread_after):
             return held
         stored = await asyncio.to_thread(self.store.inflight_target, run_id)
-        return self.advance(Target(run_id, stored.version, stored.path)) if stored.version > 0 else None
+        self._read_at[run_id] = time.monotonic()
+        if stored.version <= 0:
+            return held
+        return self.advance(Target(run_id, stored.version, stored.path))
 
     def known(self, run_id: str) -> Target | None:
         return self._targets.get(run_id)

@@ -21,6 +21,7 @@ import logging
 from typing import Protocol
 
 from temper.common.errors import TemperError, Unavailable
+from temper.scheduler.cluster.ownership import LaneOwner
 from temper.scheduler.planning.admission import Admission
 from temper.scheduler.planning.policy import CyclePlan, FairShare, plan_cycle
 from temper.scheduler.planning.recovery import Recovery
@@ -38,6 +39,7 @@ class LaneHost(Protocol):
     settings: SchedulerSettings
     recovery: Recovery
     in_flight: dict[str, TrainerHandle]
+    ownership: LaneOwner
 
     async def run_cycle(self, trainer: TrainerHandle, plan: CyclePlan) -> None: ...
     def trainer_of_run(self, run_id: str) -> TrainerHandle | None: ...
@@ -65,6 +67,7 @@ class Lane:
         """Admission's ready work (oldest head first) of the runs placed on this lane's trainer; another
         lane's runs are passed over before their queues are looked at."""
         refused: dict[str, TemperError] = {}
+        held = self.loop.ownership.holds(self.trainer.address)  # replicas: another may own this lane now
 
         def placed_here(run_id: str) -> bool:
             try:
@@ -77,6 +80,9 @@ class Lane:
         for run_id, works in self.loop.admission.ready(placed_here).items():
             if run_id in refused:
                 self._turn_away(works, refused[run_id])
+            elif not held:
+                self._turn_away(works, Unavailable(f"this scheduler replica does not hold the lane of trainer "
+                                                   f"{self.trainer.address} now"))
             # a run moved here while its work is still on its old trainer waits for that work's outcome
             elif self.loop.in_flight.get(run_id, self.trainer) is self.trainer:
                 mine[run_id] = works
@@ -84,6 +90,6 @@ class Lane:
 
     def _turn_away(self, works: list[Work], exc: TemperError) -> None:
         """Work no lane can run: answered UNAVAILABLE now (nothing ran; the client resends it)."""
-        log.warning("run %s has no trainer here: %s; answered UNAVAILABLE", works[0].run_id, exc.message)
+        log.warning("run %s: %s; answered UNAVAILABLE", works[0].run_id, exc.message)
         self.loop.admission.take(works)
         self.loop.admission.release(works, Unavailable(f"{exc.message}; nothing was applied: resend it"))

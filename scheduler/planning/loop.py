@@ -25,6 +25,7 @@ from temper.common.cycles import ITEMS_PER_RUN_PER_CYCLE
 from temper.common.errors import Abandoned, AlreadyExists, FailedPrecondition, NotFound, TemperError, Unavailable
 from temper.common.retry import retry
 from temper.scheduler import metrics
+from temper.scheduler.cluster.ownership import LaneOwner, SoleOwner
 from temper.scheduler.planning.admission import Admission
 from temper.scheduler.workers.backends import Backends, TrainerHandle
 from temper.scheduler.planning.checkpoint_removal import remove_checkpoint
@@ -60,6 +61,7 @@ class SchedulerLoop:
         # run id -> the trainer its planned work is on now: a run moved meanwhile (fail-over) waits for that
         # work's outcome (answered, or held) before its new trainer's lane plans more of it (lanes.py)
         self.in_flight: dict[str, TrainerHandle] = {}
+        self.ownership: LaneOwner = SoleOwner()  # replicas: cluster.ownership.LaneOwnership (set by the app)
 
     async def run_forever(self) -> None:
         """The lanes, one per trainer, concurrently. One that dies takes the others with it and this

@@ -236,6 +236,13 @@ class Recovery:
             self._mark(run_id, f"trainer {trainer.address} restarted (a new incarnation registered)")
         return runs
 
+    def forget(self, run_id: str) -> None:
+        """Drop what this process knew of the run's recovery (its lane changed hands: handover.py)."""
+        for table in (self.pending, self.broken, self.restores, self.steps_since, self.snapshot_at, self.finished_seq):
+            table.pop(run_id, None)
+        self._checked.discard(run_id)
+        self.due.discard(run_id)
+
     # ---- restoring one run -------------------------------------------------------------------------
 
     def _interrupted(self, run_id: str) -> bool:

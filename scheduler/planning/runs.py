@@ -131,5 +131,10 @@ class RunRegistry:
     def known(self, run_id: str) -> RunInfo | None:
         return self._runs.get(run_id)
 
+    def forget(self, run_id: str) -> None:
+        """Drop what this process knew of the run: its next use loads it from the database again (its
+        lane changed hands between scheduler replicas: planning/handover.py)."""
+        self._runs.pop(run_id, None)
+
     def tenant_by_run(self) -> dict[str, str]:
         return {run_id: info.tenant for run_id, info in self._runs.items()}

@@ -270,14 +270,15 @@ class Backends(SamplerRouting, ModelPresence):
         self.down.discard(address)
         metrics.TRAINERS_DOWN.set(len(self.down))
 
-    def place(self, base_model: str, among: list[TrainerHandle] | None = None) -> TrainerHandle:
+    def place(self, base_model: str, among: list[TrainerHandle] | None = None, counts: dict[str, int] | None = None) -> TrainerHandle:
         """The trainer a new (or moved) run of ``base_model`` goes to: of ``among`` (default: the
-        model's trainers not marked down, else all of them), the one holding the fewest runs."""
+        model's trainers not marked down, else all of them), the one holding the fewest runs (by
+        ``counts``, runs per trainer address, when given: replicas count them in the database)."""
         candidates = among or [t for t in self._trainers_of(base_model) if t.address not in self.down] or self._trainers_of(base_model)
         held = {t.address: 0 for t in candidates}
-        for address in self.placements.values():
+        for address, count in (counts.items() if counts is not None else ((a, 1) for a in self.placements.values())):
             if address in held:
-                held[address] += 1
+                held[address] += count
         return next(t for t in self.trainers if t.address == min(held, key=lambda a: (held[a], a)))
 
     def moved_off(self, run_id: str, trainer: TrainerHandle) -> bool:

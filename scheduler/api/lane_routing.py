@@ -1,0 +1,53 @@
+"""Verbs of a run's lane go to the replica that owns the lane (issue 32; docs/replicas.md).
+
+``@on_lane_owner`` wraps the verbs whose answer depends on the lane's state in memory: the
+sequenced ones (forward_backward, forward, optim_step, save_weights, load_weights), AbandonSeq, and
+GetInfo (its next seq is the lane's queue's). With one scheduler (SoleOwner) it only calls the verb.
+With replicas the run is looked up first (another tenant's run answers NOT_FOUND here, before any
+hop); its lane held here: the verb runs here; held by another live replica: forwarded there;
+held by nobody right now: UNAVAILABLE, and the client resends. Sampling needs no order and is
+served by whichever replica gets it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from temper.common.errors import Unavailable
+from temper.scheduler.cluster.forwarding import forwarded_from, not_forwarded_twice
+from temper.scheduler.tenancy.auth import caller
+
+
+def on_lane_owner(method):
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        if not self.ownership.replicated:
+            return await method(self, request, context)
+        await self.backends.wait_ready()
+        run = await self.runs.get(request.training_run_id, caller())
+        lane = self.backends.trainer_for(run.base_model, run.run_id).address
+        address = await self.ownership.route(lane)
+        if address is None:
+            return await method(self, request, context)
+        sender = forwarded_from(context)
+        if sender is not None:
+            self._forget_route(run.run_id)
+            raise not_forwarded_twice(lane, sender)
+        try:
+            return await self.forwarder.forward(address, method.__name__, request, context)
+        except Unavailable:
+            self._forget_route(run.run_id)  # its placement or owner may have changed: read again next time
+            raise
+
+    return wrapper
+
+
+class LaneRouting:
+    """The servicer's part: who decides (``ownership``) and who carries (``forwarder``)."""
+    ownership = None
+    forwarder = None
+
+    def _forget_route(self, run_id: str) -> None:
+        if self.runs.known(run_id) is not None and not self.ownership.holds(self.backends.placements.get(run_id, "")):
+            self.runs.forget(run_id)
+            self.backends.placements.pop(run_id, None)
