@@ -68,8 +68,9 @@ class RegistrationSettings(BaseModel):
     """How a trainer or sampler announces itself to the scheduler's registry (common/registration.py)."""
 
     register_with: str = Field(
-        "", description="host:port of the scheduler's registry (its registry_bind); empty: do not register (the "
-                        "scheduler then needs this worker in its static trainer_addresses / sampler_addresses).")
+        "", description="host:port of the scheduler's registry (its registry_bind), or several comma-separated: one per "
+                        "scheduler replica, each registered with and sent heartbeats on its own; empty: do not register "
+                        "(the scheduler then needs this worker in its static trainer_addresses / sampler_addresses).")
     advertise_address: str = Field(
         "", description="host:port the scheduler dials to reach this worker; empty: bind's host (this machine's host "
                         "name when bind is a wildcard such as 0.0.0.0) and the port actually bound.")
