@@ -3,7 +3,9 @@ holds in memory: the worker handles and their registrations (membership), the ru
 restore (recovery), each trainer's answered cycles, admission's queues, the tenants' fair-share
 weights, and the ring of recent failures and recoveries (workers/events.py). It changes nothing; the
 one question it asks is each trainer's memory in use now (GetModelInfo, MEMORY_ASK_SECONDS at most,
-all at once; a trainer that does not answer shows 0).
+all at once; a trainer that does not answer shows 0). A replica (docs/replicas.md) also reads every
+replica and lane lease from the database, fresh rather than its ownership loop's last view, so the
+operator sees who holds each lane now.
 """
 
 from __future__ import annotations
@@ -12,8 +14,11 @@ import asyncio
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from datetime import datetime, timezone
+from typing import Any, Iterable
 
+from temper.scheduler.cluster.directory import ClusterView, LaneHolder, ReplicaDirectory
+from temper.scheduler.cluster.ownership import LaneOwner, SoleOwner
 from temper.scheduler.tenancy.auth import require_admin
 from temper.scheduler.workers import events
 from temper.v1 import service_pb2
@@ -30,9 +35,11 @@ class ClusterSources:
 
 
 class ClusterStatusVerbs:
-    """Mixed into TemperServicer (store, backends, admission come from it; ``cluster`` from app.py)."""
+    """Mixed into TemperServicer (store, backends, admission and ownership come from it; ``cluster``
+    from app.py)."""
 
     cluster: ClusterSources = ClusterSources()
+    ownership: LaneOwner = SoleOwner()  # the servicer's own (LaneOwnership on a replica)
 
     async def GetClusterStatus(self, request, context):
         require_admin("GetClusterStatus")
@@ -43,6 +50,15 @@ class ClusterStatusVerbs:
         for event in events.EVENTS.newest_first():
             status.events.add(at_unix_ms=int(event.at * 1000), kind=event.kind, what=event.what, worker=event.worker,
                               training_run_id=event.run_id)
+        ownership = self.ownership
+        if ownership.replicated:  # one scheduler: replicated stays false, every lane in ``lanes`` is its own
+            # live by the ownership loop's own window (live_for, where LaneOwnership has one; its view used 2 ttl)
+            live_for = getattr(ownership, "live_for", 2 * ownership.ttl)
+            view = await asyncio.to_thread(ReplicaDirectory(self.store.sessions).view, live_for)
+            replicas, free = replica_statuses(view, ownership.owner, (t.address for t in self.backends.trainers))
+            status.replicated = True
+            status.replicas.extend(replicas)
+            status.free_lanes.extend(free)
         return status
 
     async def _memory_used(self) -> dict[str, int]:
@@ -97,3 +113,28 @@ class ClusterStatusVerbs:
                                         share=weights.get(tenant, 1.0) / busy if tenant in queued else 0.0,
                                         train_tokens_last_minute=float(trained.used(tenant)))
                 for tenant in sorted(set(weights) | set(queued))]
+
+
+def replica_statuses(view: ClusterView, answering: str, known_lanes: Iterable[str]
+                     ) -> tuple[list[service_pb2.ReplicaStatus], list[service_pb2.ReplicaLane]]:
+    """Each replica with the lanes whose lease names it, and the lanes no listed replica's lease names
+    (released, their owner forgotten, or, among ``known_lanes``, never leased): every lane once."""
+    replicas = {r.owner: service_pb2.ReplicaStatus(
+        owner=r.owner, address=r.address, live=r.live, seconds_since_heard=r.silent_for,
+        started_at_unix_ms=_unix_ms(r.started_at), answering=r.owner == answering) for r in view.replicas}
+    free = []
+    for holder in view.lanes:
+        target = replicas[holder.owner].lanes if holder.owner in replicas else free
+        target.append(_lane(holder))
+    leased = {holder.lane for holder in view.lanes}
+    free.extend(service_pb2.ReplicaLane(trainer_address=lane) for lane in sorted(set(known_lanes) - leased))
+    return list(replicas.values()), free
+
+
+def _lane(holder: LaneHolder) -> service_pb2.ReplicaLane:
+    return service_pb2.ReplicaLane(trainer_address=holder.lane, token=holder.token, live=holder.live,
+                                   lease_age_seconds=holder.age, seconds_left=holder.left_for)
+
+
+def _unix_ms(at: datetime) -> int:
+    return int((at if at.tzinfo else at.replace(tzinfo=timezone.utc)).timestamp() * 1000)

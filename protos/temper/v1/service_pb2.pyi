@@ -775,15 +775,53 @@ class ClusterEvent(_message.Message):
     def __init__(self, at_unix_ms: _Optional[int] = ..., kind: _Optional[str] = ..., what: _Optional[str] = ..., worker: _Optional[str] = ..., training_run_id: _Optional[str] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("at_unix_ms", "workers", "lanes", "fair_share", "events")
+    __slots__ = ("at_unix_ms", "workers", "lanes", "fair_share", "events", "replicated", "replicas", "free_lanes")
     AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     LANES_FIELD_NUMBER: _ClassVar[int]
     FAIR_SHARE_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    REPLICATED_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    FREE_LANES_FIELD_NUMBER: _ClassVar[int]
     at_unix_ms: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     lanes: _containers.RepeatedCompositeFieldContainer[LaneStatus]
     fair_share: _containers.RepeatedCompositeFieldContainer[TenantShare]
     events: _containers.RepeatedCompositeFieldContainer[ClusterEvent]
-    def __init__(self, at_unix_ms: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., lanes: _Optional[_Iterable[_Union[LaneStatus, _Mapping]]] = ..., fair_share: _Optional[_Iterable[_Union[TenantShare, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[ClusterEvent, _Mapping]]] = ...) -> None: ...
+    replicated: bool
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
+    free_lanes: _containers.RepeatedCompositeFieldContainer[ReplicaLane]
+    def __init__(self, at_unix_ms: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., lanes: _Optional[_Iterable[_Union[LaneStatus, _Mapping]]] = ..., fair_share: _Optional[_Iterable[_Union[TenantShare, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[ClusterEvent, _Mapping]]] = ..., replicated: _Optional[bool] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., free_lanes: _Optional[_Iterable[_Union[ReplicaLane, _Mapping]]] = ...) -> None: ...
+
+class ReplicaStatus(_message.Message):
+    __slots__ = ("owner", "address", "live", "seconds_since_heard", "started_at_unix_ms", "answering", "lanes")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_HEARD_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    ANSWERING_FIELD_NUMBER: _ClassVar[int]
+    LANES_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    address: str
+    live: bool
+    seconds_since_heard: float
+    started_at_unix_ms: int
+    answering: bool
+    lanes: _containers.RepeatedCompositeFieldContainer[ReplicaLane]
+    def __init__(self, owner: _Optional[str] = ..., address: _Optional[str] = ..., live: _Optional[bool] = ..., seconds_since_heard: _Optional[float] = ..., started_at_unix_ms: _Optional[int] = ..., answering: _Optional[bool] = ..., lanes: _Optional[_Iterable[_Union[ReplicaLane, _Mapping]]] = ...) -> None: ...
+
+class ReplicaLane(_message.Message):
+    __slots__ = ("trainer_address", "token", "live", "lease_age_seconds", "seconds_left")
+    TRAINER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_LEFT_FIELD_NUMBER: _ClassVar[int]
+    trainer_address: str
+    token: int
+    live: bool
+    lease_age_seconds: float
+    seconds_left: float
+    def __init__(self, trainer_address: _Optional[str] = ..., token: _Optional[int] = ..., live: _Optional[bool] = ..., lease_age_seconds: _Optional[float] = ..., seconds_left: _Optional[float] = ...) -> None: ...

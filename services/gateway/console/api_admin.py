@@ -1,6 +1,7 @@
 """The console's key, audit and operator routes: who the caller is (tenant, key prefix, admin), the
 tenant's own API keys (create, revoke), its audit log (every tenant's for an admin key) and, for
-admin keys only, the cluster's status (PERMISSION_DENIED -> 403 for a tenant key)."""
+admin keys only, the cluster's status: workers, lanes, the scheduler replicas and their lane leases
+(PERMISSION_DENIED -> 403 for a tenant key)."""
 
 from __future__ import annotations
 
