@@ -10,13 +10,14 @@ Used by temper.client and the gateway's upstream, so both read an address the sa
 Several addresses get the round_robin load-balancing policy: calls spread over the replicas and a dead
 one's subchannel is skipped. gRPC's default (pick_first) would send everything to one replica. A call
 that was in flight on a replica that died still fails UNAVAILABLE: the callers' own retry resends it.
+Every channel pings while a call waits (CLIENT_KEEPALIVE), so one waiting on a frozen replica fails too.
 """
 
 from __future__ import annotations
 
 import ipaddress
 
-from temper.common.server_options import CHANNEL_OPTIONS
+from temper.common.server_options import CHANNEL_OPTIONS, CLIENT_KEEPALIVE
 
 ROUND_ROBIN = ("grpc.lb_policy_name", "round_robin")
 # Schemes whose targets may name several addresses; anything else with a scheme is one address.
@@ -31,16 +32,16 @@ def channel_target(address: str) -> tuple[str, list[tuple[str, object]]]:
         raise ValueError("scheduler address is empty: give host:port, host1:port1,host2:port2 or dns:///name:port")
     if text.startswith(MULTI_SCHEMES):
         _check_scheme_target(text)
-        return text, [*CHANNEL_OPTIONS, ROUND_ROBIN]
+        return text, [*CHANNEL_OPTIONS, *CLIENT_KEEPALIVE, ROUND_ROBIN]
     if "," not in text:
-        return text, list(CHANNEL_OPTIONS)
+        return text, [*CHANNEL_OPTIONS, *CLIENT_KEEPALIVE]
     entries = [_entry(part.strip(), text) for part in text.split(",")]
     families = {family for family, _ in entries}
     if len(families) > 1:
         raise ValueError(f"scheduler address {text!r} mixes IPv4 and IPv6 entries; gRPC takes one family per list "
                          f"(or use dns:///name:port)")
     family = families.pop()
-    return f"{family}:" + ",".join(hostport for _, hostport in entries), [*CHANNEL_OPTIONS, ROUND_ROBIN]
+    return f"{family}:" + ",".join(hostport for _, hostport in entries), [*CHANNEL_OPTIONS, *CLIENT_KEEPALIVE, ROUND_ROBIN]
 
 
 def _entry(part: str, whole: str) -> tuple[str, str]:

@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from temper.common.errors import Authenticator, ErrorInterceptor
 from temper.common.metrics import count_rpc_error
-from temper.common.server_options import CHANNEL_OPTIONS
+from temper.common.server_options import CHANNEL_OPTIONS, SERVER_KEEPALIVE
 
 
 
@@ -30,7 +30,7 @@ def build_server(
     awaited before every call (health and reflection included: it decides which methods are open).
     With ``credentials`` (``common.tls.server_credentials``) the port serves TLS only.
     """
-    server = grpc.aio.server(interceptors=[ErrorInterceptor(authenticate, count_rpc_error)], options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(interceptors=[ErrorInterceptor(authenticate, count_rpc_error)], options=[*CHANNEL_OPTIONS, *SERVER_KEEPALIVE])
     names = []
     for add_fn, servicer, name in registrations:
         add_fn(servicer, server)

@@ -7,6 +7,8 @@ from prometheus_client.core import GaugeMetricFamily, REGISTRY
 
 ADMISSIONS = Counter("temper_scheduler_admissions_total", "Sequenced requests by kind and admission outcome "
                      "(admitted, or the gRPC status of the rejection).", ["kind", "outcome"])
+FORWARDED = Counter("temper_scheduler_forwarded_total", "Lane verbs forwarded to the scheduler replica that owns the "
+                    "run's lane (cluster/forwarding.py), by method and gRPC code of the owner's answer.", ["method", "code"])
 CYCLES = Counter("temper_scheduler_cycles_total", "Trainer cycles run.", ["outcome"])
 CYCLE_SECONDS = Histogram("temper_scheduler_cycle_seconds", "Wall time of one cycle (passes, steps and barriers).",
                           buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))

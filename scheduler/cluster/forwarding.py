@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import grpc
 
-from temper.common.errors import Unavailable
+from temper.common.errors import TemperError, Unavailable
+from temper.common.server_options import CHANNEL_OPTIONS
+from temper.scheduler import metrics
 from temper.scheduler.workers.downstream import downstream
 from temper.v1 import service_pb2_grpc
 
 FORWARDED_FROM = "temper-forwarded-from"
 # metadata a hop must not copy: gRPC's own (pseudo-headers, grpc-*) and the transport's
 _NOT_COPIED = ("grpc-", ":", "user-agent", "content-type", "te", "host")
+FORWARD_KEEPALIVE = [("grpc.keepalive_time_ms", 2000), ("grpc.keepalive_timeout_ms", 2000),
+                     ("grpc.http2.max_pings_without_data", 0)]
 
 
 class Forwarder:
@@ -31,8 +35,9 @@ class Forwarder:
     def _stub(self, address: str) -> service_pb2_grpc.TemperStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", -1),
-                                                                  ("grpc.max_send_message_length", -1)])
+            # a frozen owner (SIGSTOP) answers no ping: the forwarded call fails UNAVAILABLE within a few
+            # seconds and the client resends it, by then to the lane's next owner
+            channel = grpc.aio.insecure_channel(address, options=[*CHANNEL_OPTIONS, *FORWARD_KEEPALIVE])
             self._channels.append(channel)
             stub = self._stubs[address] = service_pb2_grpc.TemperStub(channel)
         return stub
@@ -44,8 +49,15 @@ class Forwarder:
         metadata.append((FORWARDED_FROM, self.owner))
         remaining = context.time_remaining()
         self.forwarded += 1
-        async with downstream(f"scheduler replica {address} (owner of the run's lane)"):
-            return await getattr(self._stub(address), method)(request, metadata=metadata, timeout=remaining)
+        code = "OK"
+        try:
+            async with downstream(f"scheduler replica {address} (owner of the run's lane)"):
+                return await getattr(self._stub(address), method)(request, metadata=metadata, timeout=remaining)
+        except TemperError as exc:
+            code = exc.code.name
+            raise
+        finally:
+            metrics.FORWARDED.labels(method, code).inc()
 
     async def close(self) -> None:
         for channel in self._channels:

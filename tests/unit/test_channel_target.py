@@ -8,7 +8,7 @@ import pytest
 
 from temper.client.runtime import Runtime, resolve_target
 from temper.common.channel_target import ROUND_ROBIN, channel_target
-from temper.common.server_options import CHANNEL_OPTIONS
+from temper.common.server_options import CHANNEL_OPTIONS, CLIENT_KEEPALIVE
 from temper.services.gateway.upstream import Scheduler
 
 
@@ -16,14 +16,14 @@ def test_one_address_is_passed_on_unchanged_with_todays_options():
     for address in ("127.0.0.1:50051", "scheduler:50051", "localhost:1", "unix:/tmp/s.sock", "[::1]:5000"):
         target, options = channel_target(address)
         assert target == address
-        assert options == list(CHANNEL_OPTIONS)
+        assert options == [*CHANNEL_OPTIONS, *CLIENT_KEEPALIVE]  # pings while a call waits: a frozen server fails it
         assert ROUND_ROBIN not in options
-    assert channel_target("  127.0.0.1:1 ") == ("127.0.0.1:1", list(CHANNEL_OPTIONS))
+    assert channel_target("  127.0.0.1:1 ") == ("127.0.0.1:1", [*CHANNEL_OPTIONS, *CLIENT_KEEPALIVE])
 
 
 def test_a_list_becomes_an_ipv4_or_ipv6_target_with_round_robin():
     assert channel_target("127.0.0.1:5001,127.0.0.2:5002") == (
-        "ipv4:127.0.0.1:5001,127.0.0.2:5002", [*CHANNEL_OPTIONS, ("grpc.lb_policy_name", "round_robin")])
+        "ipv4:127.0.0.1:5001,127.0.0.2:5002", [*CHANNEL_OPTIONS, *CLIENT_KEEPALIVE, ("grpc.lb_policy_name", "round_robin")])
     assert channel_target(" 10.0.0.1:1 , 10.0.0.2:2 ")[0] == "ipv4:10.0.0.1:1,10.0.0.2:2"
     target, options = channel_target("[::1]:5001,[0:0::1]:5002")
     assert target == "ipv6:[::1]:5001,[::1]:5002"
@@ -35,7 +35,7 @@ def test_dns_and_explicit_multi_address_targets_get_round_robin():
                     "ipv4:127.0.0.1:1,127.0.0.1:2", "ipv6:[::1]:1"):
         target, options = channel_target(address)
         assert target == address
-        assert options == [*CHANNEL_OPTIONS, ROUND_ROBIN]
+        assert options == [*CHANNEL_OPTIONS, *CLIENT_KEEPALIVE, ROUND_ROBIN]
 
 
 @pytest.mark.parametrize("address, message", [
