@@ -1,9 +1,9 @@
 """Run Temper on Ray: `python -m temper.deploy` (settings from TEMPER_RAY_*; see deploy/settings.py).
 
-Starts the trainers and samplers as Ray actors and the scheduler beside them, prints
-"TEMPER_READY ray port=<scheduler port> address=<host:port> trainers=<...> samplers=<...>", then
-stays in the foreground: Ray restarts dead actors, this process restarts a scheduler that exits and
-every rank of a trainer group one rank of which stopped. Ctrl-C or SIGTERM stops all of it (and a
+Starts the trainers and samplers as Ray actors and the scheduler (or TEMPER_RAY_SCHEDULER_REPLICAS
+replicas) beside them, prints "TEMPER_READY ray port=<first scheduler's port> address=<host:port[,...]>
+trainers=<...> samplers=<...>", then stays in the foreground: Ray restarts dead actors, this process
+restarts a scheduler that exits and every rank of a trainer group one rank of which stopped. Ctrl-C or SIGTERM stops all of it (and a
 local Ray cluster it started).
 
 The base model's layout (ranks per trainer group, devices per rank, the sampler's tp/dp sizes) comes
@@ -26,14 +26,11 @@ CHECK_SECONDS = 2.0
 
 
 def supervise(deployment: RayDeployment, stop: threading.Event | None = None, every: float = CHECK_SECONDS) -> None:
-    """Until ``stop`` is set (default: forever): start the scheduler again (same port, database,
-    workers) when it exits, and a trainer group again, all its ranks, when one of them stopped."""
+    """Until ``stop`` is set (default: forever): start a scheduler (each replica) again (same ports,
+    database, workers) when it exits, and a trainer group again, all its ranks, when one of them stopped."""
     stop = stop or threading.Event()
     while not stop.wait(every):
-        process = deployment.scheduler.service("scheduler").process
-        if process.poll() is not None:
-            log.warning("the scheduler exited with %s; starting it again", process.returncode)
-            deployment.scheduler.restart_scheduler(crash=True, timeout=deployment.settings.ready_timeout_seconds)
+        deployment.scheduler.restart_exited(deployment.settings.ready_timeout_seconds)
         deployment.restart_dead_groups()
 
 

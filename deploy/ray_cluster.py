@@ -4,7 +4,9 @@ Ray places each worker actor on a node with the CPUs and GPUs it asks for and re
 process dies. The scheduler is not an actor: clients need it at one stable address, it keeps no
 state of its own (the database does), and it already has a restart story — it exits when its loop
 dies and a supervisor starts it again on the same port — so it runs as a child of the deploying
-command (temper/localstack.py's process handling, on a fixed port), next to the database.
+command (temper/localstack.py's process handling, on a fixed port), next to the database. With
+scheduler_replicas N > 1 there are N of them on one PostgreSQL database (deploy/schedulers.py): each
+on its own ports, the workers register with every one, clients get every address.
 
 Membership, two ways (RaySettings.membership):
 - registry: the scheduler starts first with a registry port; each actor registers there (address,
@@ -31,8 +33,8 @@ from dataclasses import dataclass, field
 
 from temper.common.host_allocator import TUNED_MALLOC_ENV
 from temper.deploy.actors import WorkerActor, free_address
+from temper.deploy.schedulers import SchedulerProcess, check_replicas
 from temper.deploy.settings import RaySettings
-from temper.localstack import LocalStack, Service
 from temper.services.models.catalogue import Catalogue, ModelLayout, check_divides
 
 log = logging.getLogger("temper.deploy")
@@ -86,13 +88,6 @@ def check_layout(catalogue: Catalogue, base_model: str, load_config=None) -> Mod
     return layout
 
 
-class SchedulerProcess(LocalStack):
-    """The scheduler alone, as LocalStack starts and restarts it (same port, same environment)."""
-
-    def start_scheduler(self, env: dict[str, str], timeout: float) -> Service:
-        return self._wait_ready(self._launch("scheduler", env), timeout)
-
-
 @dataclass
 class Worker:
     role: str
@@ -107,45 +102,42 @@ class Worker:
 class RayDeployment:
     def __init__(self, settings: RaySettings, catalogue: Catalogue | None = None):
         """``catalogue``: the model layouts (default: TEMPER_MODEL_CATALOGUE)."""
+        check_replicas(settings.scheduler_replicas, settings.resolved_database_url())
         self.settings = settings
         self.catalogue = catalogue if catalogue is not None else Catalogue.from_env()
         self.layout = self.catalogue.layout(self.base_model)
         self.token = settings.internal_token.get_secret_value() if settings.internal_token else secrets.token_urlsafe(32)
         self.workers: list[Worker] = []
         self.scheduler: SchedulerProcess | None = None
-        self.address: str | None = None  # the scheduler's public host:port, once started
-        self.registry = ""                # the scheduler's registry the workers register with ("": static membership)
+        self.address: str | None = None  # the schedulers' public host:port, comma-separated, once started
+        self.registry = ""                # the schedulers' registries the workers register with ("": static membership)
         self._ray = None
 
     # ---- start and stop ---------------------------------------------------------------------
 
     def start(self) -> str:
-        """Connect to (or start) Ray, start the workers and the scheduler; returns the scheduler's address."""
+        """Connect to (or start) Ray, start the workers and the schedulers; returns the schedulers' addresses
+        (one, or each replica's, comma-separated: what clients and the gateway dial)."""
         s = self.settings
         self.layout = check_layout(self.catalogue, self.base_model)  # before Ray: a layout that does not fit is refused at once
         try:
             ray = self._connect()
-            data_dir = s.data_dir.resolve()
+            node_ip = ray.util.get_node_ip_address()
             env = {"TEMPER_SCHEDULER_DATABASE_URL": s.resolved_database_url(), "TEMPER_SCHEDULER_INTERNAL_TOKEN": self.token}
-            extra = {"TEMPER_SCHEDULER_BIND": s.scheduler_bind}
-            if os.environ.get("TEMPER_SCHEDULER_METRICS_BIND"):  # LocalStack would put its own free port there
-                extra["TEMPER_SCHEDULER_METRICS_BIND"] = os.environ["TEMPER_SCHEDULER_METRICS_BIND"]
-            self.scheduler = SchedulerProcess(s.base_model, data_dir, database_url=s.resolved_database_url(), extra_env=extra,
+            self.scheduler = SchedulerProcess(s.base_model, s.data_dir.resolve(), database_url=s.resolved_database_url(),
                                               num_trainers=0, num_samplers=0)
-            if self.membership == "registry":
-                registry = f"{s.registry_host or ray.util.get_node_ip_address()}:{s.registry_port}"
-                service = self.scheduler.start_scheduler({**env, "TEMPER_SCHEDULER_REGISTRY_BIND": registry}, s.ready_timeout_seconds)
-                self._start_workers(registry)
+            if self.membership == "registry":  # the schedulers first: the workers register with every one
+                self.scheduler.start_replicas(s, env, node_ip, registry=True)
+                self._start_workers(",".join(self.scheduler.registries()))
             else:
                 self._start_workers("")
-                service = self.scheduler.start_scheduler({
+                self.scheduler.start_replicas(s, {
                     **env, "TEMPER_SCHEDULER_TRAINER_ADDRESSES": ",".join(w.address for w in self.of("trainer")),
-                    "TEMPER_SCHEDULER_SAMPLER_ADDRESSES": ",".join(w.address for w in self.of("sampler"))}, s.ready_timeout_seconds)
+                    "TEMPER_SCHEDULER_SAMPLER_ADDRESSES": ",".join(w.address for w in self.of("sampler"))}, node_ip, registry=False)
         except BaseException:
             self.stop()
             raise
-        host = s.scheduler_bind.rsplit(":", 1)[0]
-        self.address = f"{'127.0.0.1' if host in ('', '0.0.0.0', '[::]') else host}:{service.port}"
+        self.address = ",".join(self.scheduler.addresses())
         return self.address
 
     def stop(self) -> None:

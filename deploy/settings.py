@@ -41,8 +41,13 @@ class RaySettings(BaseSettings):
                             "its new incarnation); static: the scheduler gets the actors' addresses as fixed lists; "
                             "auto: registry when this version of Temper has one.")
     registry_host: str = Field("", description="Host the scheduler's registry binds and workers dial; empty: this node's Ray IP.")
-    registry_port: int = Field(50052, ge=0, description="Port of the scheduler's registry.")
-    scheduler_bind: str = Field("127.0.0.1:50051", description="host:port of the scheduler's public API (what clients dial).")
+    registry_port: int = Field(50052, ge=0, description="Port of the scheduler's registry (0: a free one; replica i: port + 100 * i).")
+    scheduler_bind: str = Field(
+        "127.0.0.1:50051", description="host:port of the scheduler's public API (what clients dial); replica i binds port + 100 * i.")
+    scheduler_replicas: int = Field(
+        1, ge=1, description="Scheduler processes; > 1: replicas on one PostgreSQL database (TEMPER_SCHEDULER_REPLICAS, "
+                             "docs/replicas.md), replica i on the ports of scheduler_bind, registry_port and a fixed "
+                             "TEMPER_SCHEDULER_METRICS_BIND plus 100 * i; clients get every address, comma-separated.")
     database_url: str = Field("", description="The scheduler's database; empty: SQLite under data_dir. Postgres in production.")
     data_dir: Path = Field(
         Path("data/ray"), description="Trainer checkpoints (shared by all trainers: on a multi-node cluster, a shared "
