@@ -37,6 +37,8 @@ SERVICE_SETTINGS = {"scheduler": SchedulerSettings, "trainer": TrainerSettings, 
                     "gateway": GatewaySettings}
 INTERNAL_TOKEN_SERVICES = ("scheduler", "trainer", "sampler")  # the gateway is a client of the public API: no token
 PUBLISHED = {"scheduler", "gateway"}  # the public entry points; everything else is reached through them
+REPLICAS = ("scheduler", "scheduler-2")  # scheduler replicas on the one Postgres (docs/replicas.md)
+ALIAS = "schedulers"  # their shared name on the public network (the gateway's dns: target)
 # Read outside the settings classes: services/models/prepare.py (the shared model cache) and
 # migrations/env.py (the migrate service's database URL).
 MIGRATIONS_ENV = (REPO / "migrations" / "env.py").read_text()
@@ -68,7 +70,7 @@ def settings_for(service_name: str, var: str):
 
 
 def test_expected_services():
-    assert {"postgres", "migrate", "scheduler", "trainer", "sampler", "gateway"} <= SERVICES.keys()
+    assert {"postgres", "migrate", *REPLICAS, "trainer", "sampler", "gateway"} <= SERVICES.keys()
 
 
 def test_python_modules_exist():
@@ -139,8 +141,8 @@ def test_scheduler_wiring():
     assert "TEMPER_SCHEDULER_TRAINER_ADDRESSES" not in env and "TEMPER_SCHEDULER_SAMPLER_ADDRESSES" not in env
     registry_port = port_of(setting("scheduler", "registry_bind"))
     assert registry_port in {str(p) for p in SERVICES["scheduler"]["expose"]} and registry_port not in published_ports("scheduler")
-    for worker in ("trainer", "sampler"):
-        assert setting(worker, "register_with") == f"scheduler:{registry_port}"
+    for worker in ("trainer", "sampler"):  # with every replica's registry
+        assert setting(worker, "register_with") == ",".join(f"{name}:{registry_port}" for name in REPLICAS)
         assert "container_name" not in SERVICES[worker] and not SERVICES[worker].get("ports"), f"{worker} must scale"
     assert setting("scheduler", "auto_migrate").lower() == "false", "the migrate service owns migrations in compose"
     migrate_env = environment_of(SERVICES["migrate"])
@@ -288,16 +290,43 @@ def test_workers_sit_on_the_internal_network_only():
     assert {str(p["target"]) for p in scheduler["ports"]} >= {port_of(setting("scheduler", "bind"))}
 
 
-def test_gateway_reaches_the_scheduler_on_the_public_network():
-    assert port_of(setting("gateway", "scheduler_address")) == port_of(setting("scheduler", "bind"))
-    assert setting("gateway", "scheduler_address").rsplit(":", 1)[0] == "scheduler"
+def test_two_scheduler_replicas_share_the_database_and_advertise_their_own_names():
+    """docs/replicas.md: the same settings but each replica's advertised address (its compose host name
+    and bound port: where the other forwards its lanes' verbs) and its published host ports."""
+    envs = {name: environment_of(SERVICES[name]) for name in REPLICAS}
+    for name, env in envs.items():
+        assert env["TEMPER_SCHEDULER_REPLICAS"] == "true", name
+        assert env["TEMPER_SCHEDULER_ADVERTISE_ADDRESS"] == f"{name}:{port_of(env['TEMPER_SCHEDULER_BIND'])}"
+        assert env["TEMPER_SCHEDULER_DATABASE_URL"].startswith("postgresql"), "replicas need PostgreSQL"
+        assert SERVICES[name]["command"] == SERVICES["scheduler"]["command"]
+        assert SERVICES[name]["healthcheck"] == SERVICES["scheduler"]["healthcheck"]
+        SchedulerSettings(**{k[len("TEMPER_SCHEDULER_"):].lower(): v for k, v in env.items()})  # each parses
+    unshared = {"TEMPER_SCHEDULER_ADVERTISE_ADDRESS"}
+    assert len({tuple(sorted((k, v) for k, v in env.items() if k not in unshared)) for env in envs.values()}) == 1
+    host_ports = [str(p).rsplit(":", 1)[0] for name in REPLICAS for p in SERVICES[name]["ports"]]
+    assert len(host_ports) == len(set(host_ports)), f"each replica publishes its own host ports: {host_ports}"
+
+
+def test_gateway_reaches_both_replicas_on_the_public_network():
+    from temper.common.channel_target import ROUND_ROBIN, channel_target
+
+    address = setting("gateway", "scheduler_address")
+    assert port_of(address) == port_of(setting("scheduler", "bind"))
+    target, options = channel_target(address)  # accepted as the gateway will read it, spread over every address
+    assert target == f"dns:///{ALIAS}:{port_of(address)}" and ROUND_ROBIN in options
     proc = _compose_config("--format", "json", token="compose-test-token")
     assert proc.returncode == 0, proc.stderr
     resolved = json.loads(proc.stdout)
     internal = {name for name, net in resolved["networks"].items() if net.get("internal")}
-    gateway, scheduler = resolved["services"]["gateway"], resolved["services"]["scheduler"]
+    gateway = resolved["services"]["gateway"]
     assert not set(gateway["networks"]) & internal, "the gateway needs no way to the workers"
-    assert set(gateway["networks"]) & set(scheduler["networks"])
+    for name in REPLICAS:  # the name resolves to each replica on the gateway's network, and on no other
+        networks = resolved["services"][name]["networks"]
+        assert set(gateway["networks"]) & set(networks) and set(networks) & internal  # reached by gateway and workers
+        shared = [net for net in gateway["networks"] if net in networks]
+        assert all(ALIAS in (networks[net] or {}).get("aliases", []) for net in shared), (name, networks)
+        assert all(ALIAS not in ((networks[net] or {}).get("aliases") or []) for net in networks if net in internal)
+    assert set(SERVICES["gateway"]["depends_on"]) >= set(REPLICAS)
     # its healthcheck probes the route the SDK probes, on the port it binds
     probe = " ".join(str(part) for part in gateway["healthcheck"]["test"])
     assert f"127.0.0.1:{port_of(setting('gateway', 'bind'))}/api/v1/healthz" in probe
