@@ -89,6 +89,12 @@ class LaneOwnership:
         self.serving = False
         self.rounds = 0
 
+    @property
+    def live_for(self) -> float:
+        """How recently a replica must have been heard to count as live (in the fair share, and as the
+        console should show it)."""
+        return self.ttl
+
     # ---- what lanes and verbs ask --------------------------------------------------------------
 
     def holds(self, lane: str) -> bool:
@@ -113,6 +119,8 @@ class LaneOwnership:
     def _holder_address(self, lane: str) -> str | None:
         holder = self.view.holder(lane)
         if holder is None or holder.owner == self.owner:  # ours by the view but not held: being released or lost
+            return None
+        if holder.left_for <= self.clock() - self._viewed:  # run out since the view was read (its owner may be dead)
             return None
         return self.view.address_of(holder.owner)
 
@@ -163,9 +171,10 @@ class LaneOwnership:
 
     async def _renew(self) -> None:
         for lane, lease in list(self.leases.items()):
+            started = self.clock()  # the database extends the lease from a moment after this, never before
             try:
                 self.leases[lane] = await asyncio.to_thread(self.keeper.renew, lease)
-                self._renewed[lane] = self.clock()
+                self._renewed[lane] = started
             except LeaseLost:
                 self.leases.pop(lane, None)
                 log.critical("replica %s lost the lease of lane %s (token %d): another replica holds it", self.owner, lane,
@@ -173,7 +182,10 @@ class LaneOwnership:
                 raise
 
     async def _read_view(self) -> None:
-        self.view = await asyncio.to_thread(self.directory.view, 2 * self.ttl)
+        # Live: heard within one ttl (live_for). A replica announces just before it renews, so one silent that
+        # long has let its leases run out too: it no longer counts in the fair share, and the others
+        # take all of its lanes as soon as its leases expire (with 2 ttl they took only their share).
+        self.view = await asyncio.to_thread(self.directory.view, self.live_for)
         self._viewed = self.clock()
 
     async def _take(self, lane: str) -> None:
