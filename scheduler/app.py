@@ -98,6 +98,7 @@ class SchedulerApp:
         self.ownership = LaneOwnership(LeaseKeeper(self.store.sessions), ReplicaDirectory(self.store.sessions), owner, address,
                                        self.settings.lease_seconds, handover)
         self.store.fence_runs = self.ownership.fence_runs
+        self.backends.lane_token_of = self.ownership.token_for  # trainer calls carry it (common/lane_fence.py)
         self.loop.ownership = self.servicer.ownership = self.ownership
         self.servicer.forwarder = Forwarder(owner)
         self.runs.inflight.reread_after = self.settings.lease_seconds / 6

@@ -53,6 +53,7 @@ class LaneOwner(Protocol):
     replicated: bool
 
     def holds(self, lane: str) -> bool: ...
+    def token_for(self, lane: str) -> int | None: ...
     async def route(self, lane: str) -> str | None: ...
     async def run_forever(self) -> None: ...
     async def stop(self) -> None: ...
@@ -66,6 +67,9 @@ class SoleOwner:
         return True
 
     async def route(self, lane: str) -> str | None:
+        return None
+
+    def token_for(self, lane: str) -> int | None:
         return None
 
     async def run_forever(self) -> None:
@@ -84,6 +88,7 @@ class LaneOwnership:
         self.owner, self.address, self.ttl = owner, address, ttl
         self.leases: dict[str, Lease] = {}
         self._renewed: dict[str, float] = {}    # lane -> clock() when its lease was last taken or renewed
+        self._lost: dict[str, int] = {}         # lane -> the token of a lease lost to another replica
         self.view = ClusterView([], [])
         self._viewed = -math.inf
         self.serving = False
@@ -123,6 +128,13 @@ class LaneOwnership:
         if holder.left_for <= self.clock() - self._viewed:  # run out since the view was read (its owner may be dead)
             return None
         return self.view.address_of(holder.owner)
+
+    def token_for(self, lane: str) -> int | None:
+        """The fencing token this replica's calls to the lane's trainer carry (common/lane_fence.py): its
+        lease's; a lost lease's, so that the trainer refuses what is still in flight; None for a lane
+        it never held or gave up cleanly (not the owner: a new run's creation there is not fenced)."""
+        lease = self.leases.get(lane)
+        return lease.token if lease is not None else self._lost.get(lane)
 
     def fence_runs(self, db, run_ids: Iterable[str]) -> None:
         """The store's check, first in a lane write's transaction (a worker thread): LeaseLost unless
@@ -177,6 +189,7 @@ class LaneOwnership:
                 self._renewed[lane] = started
             except LeaseLost:
                 self.leases.pop(lane, None)
+                self._lost[lane] = lease.token
                 log.critical("replica %s lost the lease of lane %s (token %d): another replica holds it", self.owner, lane,
                              lease.token)
                 raise

@@ -11,6 +11,7 @@ still unanswered here is answered UNAVAILABLE, and the client's resend reaches t
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Callable, Protocol
 
@@ -35,6 +36,7 @@ class LaneHandover:
     def __init__(self, loop: HandoverHost, on_health: Callable[[bool], None] = lambda serving: None):
         self.loop = loop
         self.on_health = on_health
+        self._claims: set[asyncio.Task] = set()  # held: an unreferenced task may be collected mid-way
 
     def lanes(self) -> list[str]:
         return [t.address for t in self.loop.backends.trainers]
@@ -53,6 +55,11 @@ class LaneHandover:
     def gained(self, lane: str) -> None:
         self._forget(lane, "taken")
         self.loop.admission.wake.set()
+        trainer = self.loop.backends.trainer_at(lane)
+        if trainer is not None:  # the trainer learns the new token now: a former owner's calls are refused there
+            task = asyncio.get_running_loop().create_task(trainer.claim(), name=f"claim {lane}")
+            self._claims.add(task)
+            task.add_done_callback(self._claims.discard)
 
     def releasing(self, lane: str) -> None:
         self._forget(lane, "given up")

@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import zlib
+from typing import Callable
 from dataclasses import dataclass, field
 
 import grpc
 
 from temper.common.errors import TemperError, Unavailable
 from temper.common.internal_auth import resolve_token, with_token
+from temper.common.lane_fence import lane_token_metadata
 from temper.common.server_options import CHANNEL_OPTIONS
 from temper.common.tls import channel_credentials
 from temper.common.uploads import file_chunks
@@ -36,6 +38,8 @@ class TrainerHandle:
     info: trainer_pb2.ModelInfo
     settings: SchedulerSettings
     calls: Calls = field(init=False, repr=False, compare=False)  # waiting now: given up by abandon()
+    # the fencing token this replica sends as the lane's owner (common/lane_fence.py); None: not fenced
+    lane_token: Callable[[], int | None] = field(default=lambda: None, repr=False, compare=False)
     cycles: CycleRate = field(init=False, repr=False, compare=False)  # answered cycles (GetClusterStatus)
 
     def __post_init__(self):
@@ -49,7 +53,8 @@ class TrainerHandle:
 
     async def run_cycle(self, request: trainer_pb2.CycleRequest) -> trainer_pb2.CycleResponse:
         async with downstream(f"trainer {self.address}"):
-            response = await self.calls.run(self.stub.RunCycle(request, timeout=self.settings.cycle_timeout_seconds))
+            response = await self.calls.run(self.stub.RunCycle(request, timeout=self.settings.cycle_timeout_seconds,
+                                                               metadata=lane_token_metadata(self.lane_token())))
         self.cycles.ran()
         return response
 
@@ -62,6 +67,16 @@ class TrainerHandle:
             return True
         except TemperError:
             return False
+
+    async def claim(self) -> None:
+        """Tell the trainer this replica's fencing token now (it has just taken the lane): from here a
+        former owner's calls are refused there. Best effort: the next call carries the token anyway."""
+        try:
+            async with downstream(f"trainer {self.address}"):
+                await self.stub.GetModelInfo(trainer_pb2.GetModelInfoRequest(), timeout=self.settings.trainer_call_timeout_seconds,
+                                             metadata=lane_token_metadata(self.lane_token()))
+        except TemperError as exc:
+            log.warning("could not claim trainer %s for this replica's lane: %s", self.address, exc.message)
 
     async def memory_used(self, timeout: float = 1.0) -> int:
         """The device memory in use there now (GetModelInfo's device_memory_used_bytes); 0 if it does
@@ -76,7 +91,8 @@ class TrainerHandle:
     async def call(self, method: str, request):
         """A unary trainer call other than RunCycle (CreateAdapter, SaveAdapter, LoadAdapter, ...)."""
         async with downstream(f"trainer {self.address}"):
-            return await self.calls.run(getattr(self.stub, method)(request, timeout=self.settings.trainer_call_timeout_seconds))
+            return await self.calls.run(getattr(self.stub, method)(request, timeout=self.settings.trainer_call_timeout_seconds,
+                                                                   metadata=lane_token_metadata(self.lane_token())))
 
     async def delete_checkpoint(self, key: str) -> int:
         """Remove a checkpoint's files; the bytes freed (0 if there were none: deleting twice is fine)."""
@@ -121,6 +137,8 @@ class Backends(SamplerRouting, ModelPresence):
     def __init__(self, settings: SchedulerSettings):
         self.settings = settings
         self.trainers: list[TrainerHandle] = []
+        # a trainer lane's fencing token for its calls (replicas: LaneOwnership.token_for); None: not fenced
+        self.lane_token_of: Callable[[str], int | None] = lambda address: None
         self._trainer_at: dict[str, TrainerHandle] = {}  # address -> the first trainer of self.trainers there
         self._indexed: tuple[int, int] = (0, -1)           # the list and length _trainer_at was built from
         self.samplers: list[SamplerHandle] = []
@@ -176,6 +194,7 @@ class Backends(SamplerRouting, ModelPresence):
 
     def add_trainer(self, handle: TrainerHandle) -> None:
         """A trainer joins for good (its handle is kept across its restarts: a lane is tied to it)."""
+        handle.lane_token = lambda: self.lane_token_of(handle.address)
         self.trainers.append(handle)
         metrics.WORKERS.labels("trainer").set(len(self.trainers))
         log.info("trainer %s serves %s", handle.address, handle.info.base_model)

@@ -20,6 +20,7 @@ async def serve(settings: TrainerSettings, authenticate: Authenticator | None) -
     # imported here, after the allocator re-exec: torch is a few seconds to import
     from temper.common.metrics import ready_line, serve_metrics
     from temper.common.registration import start_registration
+    from temper.common.lane_fence import LaneFence, fenced_authenticator
     from temper.common.server import build_server, mark_serving
     from temper.common.tls import settings_server_credentials
     from temper.services.models.loading import load_model
@@ -56,7 +57,8 @@ async def serve(settings: TrainerSettings, authenticate: Authenticator | None) -
         engine = TrainerEngine(loaded, settings)
     servicer = TrainerServicer(engine)
     registration = (trainer_pb2_grpc.add_TrainerServicer_to_server, servicer, service)
-    server, port, health = build_server([registration], settings.bind, authenticate, credentials)
+    # a scheduler replica that lost this trainer's lane is refused (common/lane_fence.py)
+    server, port, health = build_server([registration], settings.bind, fenced_authenticator(authenticate, LaneFence()), credentials)
     metrics_port = serve_metrics(settings.metrics_bind)
     await server.start()
     await mark_serving(health, [service])

@@ -157,3 +157,20 @@ def _trainer_of(url: str, run_id: str) -> str:
         trainer = conn.execute(text("SELECT trainer FROM training_runs WHERE id = :r"), {"r": run_id}).scalar_one()
     engine.dispose()
     return trainer
+
+
+def test_each_trainer_refuses_a_lane_token_older_than_its_owners(three):
+    """The owners claimed their trainers when they took the lanes (common/lane_fence.py): a call with an
+    older token — a former owner waking up — is refused before it runs; the owner's own token passes."""
+    from temper.common.auth import bearer_metadata
+    from temper.v1 import trainer_pb2, trainer_pb2_grpc
+
+    for lane, (_, token) in lane_holders(three.url).items():
+        with grpc.insecure_channel(lane) as channel:
+            stub = trainer_pb2_grpc.TrainerStub(channel)
+            auth = bearer_metadata(three.internal_token)
+            stub.GetModelInfo(trainer_pb2.GetModelInfoRequest(), metadata=[auth, ("temper-lane-token", str(token))])
+            with pytest.raises(grpc.RpcError) as stale:
+                stub.GetModelInfo(trainer_pb2.GetModelInfoRequest(), metadata=[auth, ("temper-lane-token", str(token - 1))])
+            assert stale.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "older" in stale.value.details()
