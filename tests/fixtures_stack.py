@@ -154,7 +154,10 @@ def request_rows(url, run_id):
     engine = create_engine(url)
     with engine.connect() as conn:
         rows = conn.execute(
-            text("select seq_id, kind, status from requests where training_run_id = :r order by seq_id"), {"r": run_id}
+            # a row still queued at or below its run's dispatched watermark is running (scheduler/db/request_log.py)
+            text("select seq_id, kind, case when r.status = 'queued' and r.seq_id <= t.dispatched_seq then 'running' "
+                 "else r.status end from requests r join training_runs t on t.id = r.training_run_id "
+                 "where r.training_run_id = :r order by seq_id"), {"r": run_id}
         ).all()
     engine.dispose()
     return [tuple(r) for r in rows]

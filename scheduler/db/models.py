@@ -104,6 +104,9 @@ class TrainingRun(Base):
     # A restore of its adapter is under way: set before the snapshot (or a fresh adapter) goes to the
     # trainer, cleared after the replay. Found set by a new scheduler process: restored again.
     restoring: Mapped[bool] = mapped_column(Boolean, default=False, server_default=sa_false())
+    # The highest seq of the run sent (or about to be sent) to its trainer: its requests still "queued"
+    # at or below it may have been applied and count as "running" (request_log.py; migration 0017).
+    dispatched_seq: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     # The run's in-flight target (docs/async_rl.md): its newest in-flight save's version (1, 2, ...; 0:
     # none yet) and checkpoint path. Advanced with that checkpoint's row, in one transaction, never back.
     inflight_version: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")

@@ -21,11 +21,13 @@ _LOCK_RUNS = "SELECT id FROM training_runs WHERE id = ANY(%s) ORDER BY id FOR NO
 _INSERT_REQUESTS = ("INSERT INTO requests (training_run_id, seq_id, kind, payload_sha256, status, error, num_tokens, "
                     "created_at, finished_at, payload) VALUES {values}")
 _REQUEST_ROW = "(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s::bytea)"
-_MARK_RUNNING = ("UPDATE requests AS r SET status = 'running' FROM (VALUES {values}) AS v(run, seq) "
-                 "WHERE r.training_run_id = v.run AND r.seq_id = v.seq")
+# The runs' dispatched watermarks (request_log.py: what "running" means); never moved down.
+_MARK_DISPATCHED = ("UPDATE training_runs AS t SET dispatched_seq = v.seq FROM (VALUES {values}) AS v(run, seq) "
+                    "WHERE t.id = v.run AND t.dispatched_seq < v.seq")
 _KEY_ROW = "(%s, %s::bigint)"
 # Only requests still queued or running are recorded, and the statement says which: a resent finish
-# (its first commit's fate unknown) records nothing twice.
+# (its first commit's fate unknown) records nothing twice. (Rows are no longer set "running": the
+# run's dispatched watermark says it. Rows an older scheduler left "running" are still open.)
 _FINISH_OPEN = ("UPDATE requests AS r SET status = v.status, error = v.error, result = v.result, finished_at = v.at "
                 "FROM (VALUES {values}) AS v(run, seq, status, error, result, at) "
                 "WHERE r.training_run_id = v.run AND r.seq_id = v.seq AND r.status IN ('queued', 'running') "
@@ -37,10 +39,12 @@ _CUT_RESULTS = ("UPDATE requests AS r SET result = NULL FROM (VALUES {values}) A
                 "WHERE t.id = v.run AND r.training_run_id = v.run AND r.seq_id >= t.next_seq_id - (v.next - v.cut) "
                 "AND r.seq_id < v.cut AND r.result IS NOT NULL")
 _CUT_ROW = "(%s, %s::bigint, %s::bigint)"
+# with the run's next cycle's watermark (0: none), in the same row update
 _COUNT_RUNS = ("UPDATE training_runs AS t SET next_seq_id = v.next, tokens_trained = t.tokens_trained + v.tokens, "
-               "steps = t.steps + v.steps, last_request_at = COALESCE(v.at, t.last_request_at) "
-               "FROM (VALUES {values}) AS v(run, next, tokens, steps, at) WHERE t.id = v.run")
-_COUNT_ROW = "(%s, %s::bigint, %s::bigint, %s::bigint, %s::timestamptz)"
+               "steps = t.steps + v.steps, last_request_at = COALESCE(v.at, t.last_request_at), "
+               "dispatched_seq = GREATEST(t.dispatched_seq, v.dispatched) "
+               "FROM (VALUES {values}) AS v(run, next, tokens, steps, at, dispatched) WHERE t.id = v.run")
+_COUNT_ROW = "(%s, %s::bigint, %s::bigint, %s::bigint, %s::timestamptz, %s::bigint)"
 METRIC_COLUMNS = ("training_run_id", "seq_id", "step", "kind", "status", "error", "loss", "num_tokens", "grad_norm",
                   "learning_rate", "metrics", "queued_seconds", "trainer_seconds", "cobatched_with", "trainer", "cycle",
                   "created_ms", "started_ms", "answered_ms")
@@ -74,9 +78,11 @@ def insert_requests(conn, rows: list, at: datetime) -> None:
             for r in rows])
 
 
-def mark_running(conn, keys: list[tuple[str, int]]) -> None:
-    if keys:
-        _many(conn, _MARK_RUNNING, _KEY_ROW, keys)
+def mark_dispatched(conn, upto: dict[str, int]) -> None:
+    """Each run's watermark up to ``upto[run]``, the runs' rows locked in order first."""
+    if upto:
+        lock_runs(conn, upto)
+        _many(conn, _MARK_DISPATCHED, _KEY_ROW, sorted(upto.items()))
 
 
 def finish_open(conn, outcomes: list, at: datetime) -> set[tuple[str, int]]:
@@ -98,4 +104,5 @@ def count_runs(conn, runs: list[dict]) -> None:
     if runs:
         _many(conn, _CUT_RESULTS, _CUT_ROW, [(r["b_run"], r["b_cut"], r["b_next"]) for r in runs])
         lock_runs(conn, [r["b_run"] for r in runs])
-        _many(conn, _COUNT_RUNS, _COUNT_ROW, [(r["b_run"], r["b_next"], r["b_tokens"], r["b_steps"], r["b_at"]) for r in runs])
+        _many(conn, _COUNT_RUNS, _COUNT_ROW, [(r["b_run"], r["b_next"], r["b_tokens"], r["b_steps"], r["b_at"], r.get("b_dispatched", 0))
+                                              for r in runs])

@@ -1,6 +1,14 @@
 """The durable request log: one ``requests`` row per sequenced request (admission writes it; the
-loop marks it running and records its outcome), and the adapter snapshots of trainer recovery
+loop records its outcome), and the adapter snapshots of trainer recovery
 (``scheduler/planning/recovery.py``).
+
+"Running" is a watermark, not a row write: before a cycle goes to a trainer its runs'
+``training_runs.dispatched_seq`` moves up to the cycle's highest seq (``mark_running``; one run row
+per cycle, usually in the previous cycle's finish). A row still "queued" at or below its run's
+watermark may have been applied, exactly as a "running" row: every read here reports it as
+"running" (``effective_status``), and only a "queued" row above it is one that never left the
+scheduler. A verb so writes two rows of its own, its request row's insert and its outcome (and its
+run_metrics row), and shares its run's row update with its cycle.
 
 A mixin of ``Store`` (same engine, one transaction per method). The hot path (rows admitted
 together, a cycle's outcomes) is SQLAlchemy Core on a connection, a few statements per
@@ -31,7 +39,9 @@ OPEN = ("queued", "running")
 # scheduler more CPU than executing them (benchmarks/README.md, scaleout). Values are bound per call.
 _KEY = tuple_(REQUESTS.c.training_run_id, REQUESTS.c.seq_id)
 _INSERT_REQUESTS = insert(REQUESTS)
-_MARK_RUNNING = update(REQUESTS).where(_KEY.in_(bindparam("b_keys", expanding=True))).values(status="running")
+# the watermark only moves up (a resent mark or finish, or an older cycle's, leaves it where it is)
+_MARK_DISPATCHED = update(RUNS).where(RUNS.c.id == bindparam("b_run"), RUNS.c.dispatched_seq < bindparam("b_seq")).values(
+    dispatched_seq=bindparam("b_seq"))
 _STILL_OPEN = select(REQUESTS.c.training_run_id, REQUESTS.c.seq_id).where(
     _KEY.in_(bindparam("b_keys", expanding=True)), REQUESTS.c.status.in_(OPEN))
 _FINISH = update(REQUESTS).where(  # no IN in executemany
@@ -43,7 +53,9 @@ _COUNT_RUN = update(RUNS).where(RUNS.c.id == bindparam("b_run")).values(
     next_seq_id=bindparam("b_next"), tokens_trained=RUNS.c.tokens_trained + bindparam("b_tokens"),
     steps=RUNS.c.steps + bindparam("b_steps"), last_request_at=func.coalesce(bindparam("b_at"), RUNS.c.last_request_at))
 _ONE = (REQUESTS.c.training_run_id == bindparam("b_run"), REQUESTS.c.seq_id == bindparam("b_seq"))
-_STATUS = select(REQUESTS.c.status).where(*_ONE).with_for_update()
+_STATUS = select(REQUESTS.c.status, RUNS.c.dispatched_seq).join(RUNS, RUNS.c.id == REQUESTS.c.training_run_id).where(
+    *_ONE).with_for_update(of=REQUESTS)
+_DISPATCHED = select(RUNS.c.dispatched_seq).where(RUNS.c.id == bindparam("b_run"))
 _SKIP_QUEUED = update(REQUESTS).where(*_ONE, REQUESTS.c.status == "queued").values(
     status="skipped", kind="skipped", payload_sha256="", payload=None, error=bindparam("b_error"), finished_at=bindparam("b_at"))
 _SKIPPED_FROM = select(REQUESTS.c.seq_id).where(REQUESTS.c.training_run_id == bindparam("b_run"),
@@ -81,6 +93,21 @@ class LoggedRequest(NamedTuple):
     payload: bytes | None
 
 
+def effective_status(status: str, seq_id: int, dispatched_seq: int) -> str:
+    """A request row's status as every reader must take it: "queued" at or below its run's dispatched
+    watermark is "running" (it may have reached the trainer)."""
+    return "running" if status == "queued" and seq_id <= (dispatched_seq or 0) else status
+
+
+def dispatched(keys) -> dict[str, int]:
+    """run -> the highest of its seqs in ``keys``: the watermark a mark of these requests sets."""
+    upto: dict[str, int] = {}
+    for run_id, seq_id in keys:
+        if seq_id > upto.get(run_id, 0):
+            upto[run_id] = seq_id
+    return upto
+
+
 def no_fence(db, run_ids) -> None:
     """One scheduler owns every lane: nothing to check."""
 
@@ -96,8 +123,16 @@ class RequestLogStore:
     fence_runs = None
 
     def get_request(self, run_id: str, seq_id: int) -> m.RequestRecord | None:
+        """The row (detached), its status as ``effective_status`` reads it."""
         with self.sessions() as db:
-            return db.scalar(select(m.RequestRecord).where(m.RequestRecord.training_run_id == run_id, m.RequestRecord.seq_id == seq_id))
+            found = db.execute(select(m.RequestRecord, RUNS.c.dispatched_seq).join(RUNS, RUNS.c.id == m.RequestRecord.training_run_id)
+                               .where(m.RequestRecord.training_run_id == run_id, m.RequestRecord.seq_id == seq_id)).first()
+            if found is None:
+                return None
+            record, upto = found
+            db.expunge(record)
+        record.status = effective_status(record.status, record.seq_id, upto)
+        return record
 
     def add_request(self, run_id: str, seq_id: int, kind: str, sha: str, status: str, tokens: int, error: str | None = None,
                     payload: bytes | None = None) -> None:
@@ -121,11 +156,13 @@ class RequestLogStore:
     def write_group(self, rows: list[NewRequest], running: list[tuple[str, int]]) -> list[AlreadyExists | None]:
         """``mark_running`` and ``add_requests`` in one transaction: the group commit of the request
         writer (``group_commit.py``: the lanes' marks join the rows admitted meanwhile). A duplicate
-        row sends the marks on in their own transaction, and the rows as add_requests does."""
+        row sends the marks on in their own transaction, and the rows as add_requests does. The marks
+        lock their runs' rows (in id order, as a finish does); the inserted rows' foreign keys only
+        take KEY SHARE on theirs, which a finish's run update does not wait for."""
         try:
             with self.engine.begin() as conn:
                 self.fence_runs(conn, {r.run_id for r in rows} | {run_id for run_id, _ in running})
-                if running:  # these rows are in no cycle's finish_requests (they have not run yet): no lock-order change
+                if running:  # run rows locked in id order, as finish_requests locks them: the two never deadlock
                     self._mark_running(conn, running)
                 if rows:
                     self._insert_requests(conn, rows)
@@ -154,10 +191,11 @@ class RequestLogStore:
         in place of a row left "queued", which never left the scheduler). Returns the row's status now."""
         with self.engine.begin() as conn:
             self.fence_runs(conn, {run_id})
-            found = conn.execute(_STATUS, {"b_run": run_id, "b_seq": seq_id}).scalar()
-            if found is None:
+            row = conn.execute(_STATUS, {"b_run": run_id, "b_seq": seq_id}).first()
+            if row is None:
                 self._insert_requests(conn, [NewRequest(run_id, seq_id, "skipped", "", "skipped", 0, ABANDONED)])
                 return "skipped"
+            found = effective_status(row[0], seq_id, row[1])  # queued under the watermark: may have been applied
             if found == "queued" and queued_too:
                 conn.execute(_SKIP_QUEUED, {"b_run": run_id, "b_seq": seq_id, "b_at": now(), "b_error": ABANDONED})
                 return "skipped"
@@ -169,8 +207,10 @@ class RequestLogStore:
             return tuple(conn.execute(_SKIPPED_FROM, {"b_run": run_id, "b_seq": from_seq}).scalars())
 
     def mark_running(self, keys: Iterable[tuple[str, int]]) -> None:
-        """(run, seq) requests are about to go to a trainer. After a crash, "running" means the
-        outcome is unknown; "queued" means it never left the scheduler."""
+        """(run, seq) requests are about to go to a trainer: their runs' watermarks move up to them.
+        After a crash, "running" (queued at or below the watermark) means the outcome is unknown;
+        "queued" above it means it never left the scheduler. ``keys`` of a run are the next of its
+        queue in seq order (loop.py), so the seqs under a watermark are all dispatched or answered."""
         keys = list(keys)
         with self.engine.begin() as conn:
             self.fence_runs(conn, {run_id for run_id, _ in keys})
@@ -178,10 +218,13 @@ class RequestLogStore:
 
     @staticmethod
     def _mark_running(conn, keys: list[tuple[str, int]]) -> None:
+        upto = dispatched(keys)
+        if not upto:
+            return
         if pg_batch.is_psycopg2(conn):
-            pg_batch.mark_running(conn, keys)
+            pg_batch.mark_dispatched(conn, upto)
         else:
-            conn.execute(_MARK_RUNNING, {"b_keys": keys})
+            conn.execute(_MARK_DISPATCHED, [dict(b_run=run_id, b_seq=seq) for run_id, seq in sorted(upto.items())])
 
     def finish_requests(self, outcomes: Iterable[tuple[str, int, str, str | None, bytes | None]], trained_tokens: dict[str, int],
                         steps: dict[str, int], next_seq: dict[str, int], result_window: int = 0,
@@ -189,7 +232,8 @@ class RequestLogStore:
         """Record (run, seq, status, error, serialized result) outcomes and the runs' counters in one
         transaction; results older than each run's last ``result_window`` seqs are cleared. ``running``:
         requests marked running in the same transaction (the lane's next cycle, ``mark_running``), so
-        that cycle needs no transaction of its own before it goes to the trainer.
+        that cycle needs no transaction of its own before it goes to the trainer; on PostgreSQL its
+        watermark moves in the same run row update as the counters.
 
         Safe to call again after an error whose commit may nevertheless have happened (the loop
         resends it): only requests still queued or running are recorded, and a run's counters move
@@ -199,13 +243,18 @@ class RequestLogStore:
         outcomes = list(outcomes)
         with self.engine.begin() as conn:
             self.fence_runs(conn, {o[0] for o in outcomes} | set(next_seq) | {run_id for run_id, _ in running})
-            self._finish_requests(conn, outcomes, trained_tokens, steps, next_seq, result_window, metrics)
-            if running:
-                self._mark_running(conn, list(running))
+            upto = dispatched(running)
+            if pg_batch.is_psycopg2(conn):  # a run of next_seq gets its watermark in its counters' update
+                self._finish_requests(conn, outcomes, trained_tokens, steps, next_seq, result_window, metrics, upto)
+                upto = {run_id: seq for run_id, seq in upto.items() if run_id not in next_seq}
+            else:
+                self._finish_requests(conn, outcomes, trained_tokens, steps, next_seq, result_window, metrics)
+            if upto:
+                self._mark_running(conn, list(upto.items()))
 
     @staticmethod
     def _finish_requests(conn, outcomes, trained_tokens: dict[str, int], steps: dict[str, int], next_seq: dict[str, int],
-                         result_window: int = 0, metrics: list[MetricRow] = ()) -> None:
+                         result_window: int = 0, metrics: list[MetricRow] = (), upto: dict[str, int] | None = None) -> None:
         outcomes, at = list(outcomes), now()
         if pg_batch.is_psycopg2(conn):
             still_open = pg_batch.finish_open(conn, outcomes, at)
@@ -222,7 +271,7 @@ class RequestLogStore:
         for r in metrics:
             if (r.run_id, r.seq_id) in still_open:
                 newest[r.run_id] = max(newest.get(r.run_id, 0), r.created_ms)
-        runs = [dict(b_run=run_id, b_cut=seq - result_window, b_next=seq,
+        runs = [dict(b_run=run_id, b_cut=seq - result_window, b_next=seq, b_dispatched=(upto or {}).get(run_id, 0),
                      b_tokens=trained_tokens.get(run_id, 0) if run_id in counted else 0,
                      b_steps=steps.get(run_id, 0) if run_id in counted else 0, b_at=_utc(newest[run_id]) if run_id in newest else None)
                 for run_id, seq in sorted(next_seq.items())]
@@ -239,7 +288,8 @@ class RequestLogStore:
                                      m.RequestRecord.num_tokens, m.RequestRecord.payload)
                               .where(m.RequestRecord.training_run_id == run_id, m.RequestRecord.seq_id > after_seq,
                                      m.RequestRecord.seq_id <= upto_seq).order_by(m.RequestRecord.seq_id)).all()
-        return [LoggedRequest(*row) for row in rows]
+            upto = db.execute(_DISPATCHED, {"b_run": run_id}).scalar() or 0
+        return [LoggedRequest(seq, kind, effective_status(status, seq, upto), tokens, payload) for seq, kind, status, tokens, payload in rows]
 
     def record_snapshot(self, run_id: str, key: str, seq: int) -> str | None:
         """The run's latest snapshot is now ``key``, holding seqs <= ``seq`` applied: payloads up to it

@@ -6,7 +6,7 @@ caller with its own Unavailable).
 
 Two writers on the hot path, each its own transactions:
 - ``RequestWriter``: admitted request rows, with the lanes' "running" marks (a cycle's work, before
-  it goes to its trainer).
+  it goes to its trainer: its runs' dispatched watermarks, one run row each, ``request_log.py``).
 - ``FinishWriter``: the cycles' outcomes, of every lane whose cycle ended meanwhile. Outcomes are
   not in the request writer's transactions: there they waited behind the admissions' commits and
   the scheduler sat idle (benchmarks/README.md, scaleout).
@@ -73,7 +73,8 @@ class GroupCommit(Generic[Item]):
 
 
 class Running(NamedTuple):
-    """A mark: these (run, seq) requests are about to go to a trainer (``Store.mark_running``)."""
+    """A mark: these (run, seq) requests are about to go to a trainer (``Store.mark_running``: each
+    run's dispatched watermark moves up to its highest seq here)."""
     keys: list[tuple[str, int]]
 
 

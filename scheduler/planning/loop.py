@@ -92,8 +92,8 @@ class SchedulerLoop:
         self.in_flight.update(dict.fromkeys(runs, trainer))
         try:
             if in_pass:
-                # Recorded before anything reaches a trainer: after a crash, "running" rows are the ones
-                # that may have been applied (see Store.recover_interrupted).
+                # Recorded before anything reaches a trainer: after a crash, "running" rows (queued at or
+                # below their run's dispatched watermark, request_log.py) are the ones that may have been applied.
                 await self._mark_running([w for w in in_pass if not w.marked])
                 stamp(in_pass, trainer.address, number)
                 outcome = await self._cycle_on(trainer, plan.passes, plan.optim_steps, plan)
@@ -314,7 +314,8 @@ class SchedulerLoop:
     def _next_passes(self, runs) -> list[Work]:
         """The queued work that most likely makes ``runs``' next cycle (per run, as policy.py takes it:
         passes up to a cycle's items, then one optim step; a barrier ends it): marked running with
-        this cycle's outcomes, so the next cycle goes to its trainer without a transaction of its own.
+        this cycle's outcomes (their runs' watermarks move in the same run row update as the counters),
+        so the next cycle goes to its trainer without a transaction of its own.
         Marked early, a request is "running" a little before it is sent: after a crash it is treated
         as maybe applied (its resend is answered from the trainer's memory or applied once), never
         the other way round."""

@@ -1,6 +1,7 @@
 """A cycle's outcomes on a real Postgres (request_log.finish_requests): its one-statement path records
 only the requests still open, moves counters only with them, clears results out of the window, and
-marks the next cycle's requests running in the same transaction; the portable path (SQLite) agrees."""
+marks the next cycle's requests running in the same transaction (their run's dispatched watermark);
+the portable path (SQLite) agrees."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from sqlalchemy import create_engine, text
 from temper.scheduler.db import models as m
 from temper.scheduler.db.records import MetricRow
 from temper.scheduler.db.store import Store, upgrade_schema
+
+# a row's status as the store reads it: queued at or below the run's dispatched watermark is running
+EFFECTIVE_STATUS = "case when r.status = 'queued' and r.seq_id <= t.dispatched_seq then 'running' else r.status end"
 
 
 def _store_and_run(url: str) -> tuple[Store, str]:
@@ -35,8 +39,9 @@ def _store_with_run(url: str) -> tuple[Store, str]:
 def _rows(url: str, run_id: str) -> dict[int, tuple]:
     engine = create_engine(url)
     with engine.connect() as conn:
-        rows = conn.execute(text("select seq_id, status, error, result, finished_at is not null from requests "
-                                 "where training_run_id = :r order by seq_id"), {"r": run_id}).all()
+        rows = conn.execute(text(f"select seq_id, {EFFECTIVE_STATUS}, error, result, finished_at is not null from requests r "
+                                 "join training_runs t on t.id = r.training_run_id where r.training_run_id = :r order by seq_id"),
+                            {"r": run_id}).all()
         counters = conn.execute(text("select tokens_trained, steps, next_seq_id from training_runs where id = :r"),
                                 {"r": run_id}).one()
     engine.dispose()
