@@ -7,6 +7,7 @@
     python -m temper.scheduler.admin set-quota --tenant alice --max-training-runs 4 --train-tokens-per-minute 200000
     python -m temper.scheduler.admin show-quota --tenant alice
     python -m temper.scheduler.admin audit-log [--tenant alice] [--since 2h | 2026-12-01T09:00] [--action A] [--limit 50]
+    python -m temper.scheduler.admin replicas        # scheduler replicas and their lanes' leases (PostgreSQL)
 
 The database is the scheduler's (TEMPER_SCHEDULER_DATABASE_URL, or --database-url). A running
 scheduler sees a revoked key within its key cache time and new limits within seconds. Every change
@@ -22,6 +23,7 @@ from datetime import datetime, timedelta, timezone
 
 from temper.common.errors import InvalidArgument
 from temper.common.strings import check_text, shown
+from temper.scheduler.cluster.directory import ReplicaDirectory
 from temper.scheduler.db.audit import AUDIT_ACTIONS, MAX_PAGE, Actor, AuditQuery
 from temper.scheduler.db.store import Store, upgrade_schema
 from temper.scheduler.db.tenancy import LIMIT_COLUMNS
@@ -68,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     audit.add_argument("--since", type=_since, help="entries at or after this: an ISO time (UTC unless it says) or an age: 30m, 2h, 7d")
     audit.add_argument("--action", choices=AUDIT_ACTIONS, help="only this action")
     audit.add_argument("--limit", type=_page, default=100, help=f"at most this many entries (1 to {MAX_PAGE}; default 100)")
+    commands.add_parser("replicas", help="scheduler replicas (live or silent, last heard) and every lane's lease "
+                                         "(holder, token, age, time left); docs/replicas.md")
     return parser
 
 
@@ -168,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             rows, more = store.audit_entries(AuditQuery(tenant=args.tenant, since=args.since, action=args.action or "",
                                                         limit=args.limit))
             _print_audit(rows, more)
+        elif args.command == "replicas":
+            _print_replicas(store)
     except Exception as exc:  # noqa: BLE001 - a command-line tool answers with a message and a status
         message = getattr(exc, "message", None) or str(exc)
         print(f"error: {message}", file=sys.stderr)
@@ -175,6 +181,21 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         store.engine.dispose()
     return 0
+
+
+def _print_replicas(store: Store) -> None:
+    if store.engine.dialect.name != "postgresql":
+        raise InvalidArgument("scheduler replicas need PostgreSQL; this database is one scheduler's")
+    view = ReplicaDirectory(store.sessions).view(SchedulerSettings().lease_seconds)
+    addresses = {r.owner: r.address for r in view.replicas}
+    print(f"{'replica':<28} {'address':<24} {'state':<7} {'heard':>9}  lanes")
+    for r in view.replicas:
+        lanes = sum(1 for h in view.lanes if h.owner == r.owner and h.live)
+        print(f"{r.owner:<28} {r.address:<24} {'live' if r.live else 'silent':<7} {r.silent_for:>8.1f}s  {lanes}")
+    print(f"\n{'lane (trainer)':<24} {'holder':<24} {'token':>6} {'age':>8} {'left':>8}")
+    for h in view.lanes:
+        holder = addresses.get(h.owner, h.owner) if h.owner and h.live else "-"
+        print(f"{h.lane:<24} {holder:<24} {h.token:>6} {h.age:>7.1f}s {h.left_for:>7.1f}s")
 
 
 def _print_limits(limits: dict[str, int | None]) -> None:

@@ -174,3 +174,15 @@ def test_each_trainer_refuses_a_lane_token_older_than_its_owners(three):
                 stub.GetModelInfo(trainer_pb2.GetModelInfoRequest(), metadata=[auth, ("temper-lane-token", str(token - 1))])
             assert stale.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert "older" in stale.value.details()
+
+
+def test_the_admin_command_lists_the_replicas_and_their_leases(three, capsys):
+    from temper.scheduler.admin import main
+
+    owners = wait_balanced(three, three.url)
+    assert main(["--database-url", three.url, "replicas"]) == 0
+    printed = capsys.readouterr().out
+    replicas, lanes = printed.split("\n\n")
+    assert sum(" live " in line for line in replicas.splitlines()[1:]) == 3
+    for lane, address in owners.items():  # each lane once, held by its owner's address
+        assert [line.split()[1] for line in lanes.splitlines()[1:] if line.startswith(lane)] == [address]
