@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 
-_LOCK_RUNS = "SELECT id FROM training_runs WHERE id = ANY(%s) ORDER BY id FOR NO KEY UPDATE"
+_LOCK_RUNS = "SELECT id, steps FROM training_runs WHERE id = ANY(%s) ORDER BY id FOR NO KEY UPDATE"
 _INSERT_REQUESTS = ("INSERT INTO requests (training_run_id, seq_id, kind, payload_sha256, status, error, num_tokens, "
                     "created_at, finished_at, payload) VALUES {values}")
 _REQUEST_ROW = "(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s::bytea)"
@@ -63,9 +63,10 @@ def _many(conn, sql: str, row: str, rows: list[tuple]):
     return conn.exec_driver_sql(sql.format(values=", ".join([row] * len(rows))), tuple(v for r in rows for v in r))
 
 
-def lock_runs(conn, run_ids) -> None:
-    """Lock the runs' rows in id order, as late in the transaction as their update: admissions touch them too."""
-    conn.exec_driver_sql(_LOCK_RUNS, (sorted(set(run_ids)),))
+def lock_runs(conn, run_ids) -> dict[str, int]:
+    """Lock the runs' rows in id order (every transaction that updates several runs' rows does so first:
+    none waits on another's runs crosswise); returns each run's counted optimizer steps as locked."""
+    return dict(conn.exec_driver_sql(_LOCK_RUNS, (sorted(set(run_ids)),)).all())
 
 
 def insert_requests(conn, rows: list, at: datetime) -> None:
@@ -100,9 +101,8 @@ def insert_metrics(conn, values: list[dict]) -> None:
 
 def count_runs(conn, runs: list[dict]) -> None:
     """Each run's results before its cut cleared and its counters moved (``request_log._finish_requests``'s
-    dicts), the runs' rows locked in order first."""
+    dicts); the caller has locked the runs' rows (``lock_runs``)."""
     if runs:
         _many(conn, _CUT_RESULTS, _CUT_ROW, [(r["b_run"], r["b_cut"], r["b_next"]) for r in runs])
-        lock_runs(conn, [r["b_run"] for r in runs])
         _many(conn, _COUNT_RUNS, _COUNT_ROW, [(r["b_run"], r["b_next"], r["b_tokens"], r["b_steps"], r["b_at"], r.get("b_dispatched", 0))
                                               for r in runs])
