@@ -32,9 +32,11 @@ database backends are recorded for every measurement, with the machine's busy fr
     python benchmarks/scaleout.py            # about 3.5 minutes on 2 CPU cores
     python benchmarks/scaleout.py --quick    # 1 and 2 trainers, 1 rep, short windows: about 30 seconds
     python benchmarks/scaleout.py --only ceiling   # (b) and (c) alone: about 1 minute
+    python benchmarks/scaleout.py --replicas 2     # 2 scheduler replicas against 1 (scaleout_replicas.py): ~2.5 minutes
+    python benchmarks/scaleout.py --replicas 2 --quick   # the same, 1 rep, short windows: under a minute
 
 The pieces: scaleout_procs.py (processes, databases, stacks, CPU use), scaleout_load.py (the clients, the load
-and what the answers say), grpc_floor.py (the bare gRPC server), durable_floor.py (it, writing each verb twice).
+and what the answers say), scaleout_replicas.py (--replicas: its stacks, failover and summary), grpc_floor.py (the bare gRPC server), durable_floor.py (it, writing each verb twice).
 
 The last stdout line is the result JSON; it is also written to benchmarks/results/scaleout.json, with
 a plot in benchmarks/results/scaleout.png.
@@ -294,6 +296,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sqlite", action="store_true", help="SQLite files in a temporary folder instead of PostgreSQL")
     parser.add_argument("--scheduler-env", action="append", default=[], metavar="NAME=VALUE",
                         help="extra environment for the schedulers (e.g. TEMPER_SCHEDULER_LOG_LEVEL=WARNING); repeatable")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="N > 1: N scheduler replicas on one database against one, side by side, then a replica's SIGKILL "
+                             "(scaleout_replicas.py; writes scaleout-replicas.json / .png; not with --only or --sqlite)")
+    parser.add_argument("--lease-seconds", type=float, default=2.0, help="--replicas: TEMPER_SCHEDULER_LEASE_SECONDS of every replica")
+    parser.add_argument("--failover-timeout", type=float, default=None,
+                        help="--replicas: seconds after the kill to wait for every run's next answer (default 10 x lease + 10)")
+    parser.add_argument("--failover-retry-delay", type=float, default=0.25,
+                        help="--replicas: the clients' resend backoff cap after the kill (the gap measured includes it)")
     parser.add_argument("--request-timeout", type=float, default=300.0, help="deadline of one verb")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep-logs", action="store_true", help="keep the processes' logs (their folder is printed)")
@@ -309,6 +319,17 @@ def main(argv: list[str] | None = None) -> int:
     args.duration = args.duration or (1.5 if args.quick else 6.0)
     args.latency_duration = args.latency_duration or (3.0 if args.quick else 12.0)
     scheduler_env = dict(item.split("=", 1) for item in args.scheduler_env)
+    if args.replicas > 1:
+        if args.only or args.sqlite:
+            parser.error("--replicas runs its own stacks on PostgreSQL: not with --only or --sqlite")
+        args.failover_timeout = args.failover_timeout or 10 * args.lease_seconds + 10
+        import scaleout_replicas
+
+        result = scaleout_replicas.run(args, scheduler_env, {
+            "scheduler_sources": source_digests(), "python": platform.python_version(), "grpc": grpc.__version__,
+            "cpu_count": os.cpu_count()})
+        print(json.dumps(result))
+        return 0
 
     from tqdm import tqdm
 
@@ -345,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         progress.close()
         for stack in stacks.values():
-            for proc in (stack.scheduler, stack.workers):
+            for proc in (*stack.schedulers, stack.workers):
                 if proc is not None:
                     proc.stop()
         databases.drop_all()

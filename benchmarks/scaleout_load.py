@@ -16,6 +16,7 @@ import numpy as np
 
 import fake_workers  # this script's folder is first on sys.path
 from temper.common.auth import bearer_metadata
+from temper.common.channel_target import channel_target
 from temper.common.codec import encode_array, encode_tokens
 from temper.common.errors import is_hard_limit
 from temper.common.server_options import CHANNEL_OPTIONS
@@ -52,6 +53,7 @@ class Run:
     tokens: int                # forward_backward tokens
     next_seq: int = 1
     trainers: set = field(default_factory=set)  # fake trainer indexes its answers came from
+    stub: service_pb2_grpc.TemperStub | None = None  # set: this run's calls go there, not the tenant's channel
 
     def take_seq(self) -> int:
         seq, self.next_seq = self.next_seq, self.next_seq + 1
@@ -69,6 +71,7 @@ class Done:
     cycle: int
     start: float | None        # the fake worker's cycle, CLOCK_MONOTONIC
     end: float | None
+    last_try: float = 0.0      # when the attempt that got the answer was sent (after resends: the last one)
 
 
 def make_data(datums: int, tokens: int, rng: np.random.Generator) -> list:
@@ -86,8 +89,9 @@ def make_data(datums: int, tokens: int, rng: np.random.Generator) -> list:
 class Clients:
     """Sends the verbs, resends backpressure, records each answer."""
 
-    def __init__(self, timeout: float):
+    def __init__(self, timeout: float, max_retry_delay: float = 1.0):
         self.timeout = timeout
+        self.max_retry_delay = max_retry_delay  # the resends' backoff cap
         self.retries: Counter = Counter()
         self.errors: list[str] = []
         self.error_count = 0
@@ -95,14 +99,16 @@ class Clients:
     async def send(self, run: Run, seq: int, sink: list[Done]) -> None:
         """Seq ids alternate forward_backward (odd) and optim_step (even)."""
         tenant = run.tenant
+        stub = run.stub or tenant.stub
         if seq % 2:
-            kind, method, tokens = FB, tenant.stub.ForwardBackward, run.tokens
+            kind, method, tokens = FB, stub.ForwardBackward, run.tokens
             request = service_pb2.ForwardBackwardRequest(training_run_id=run.id, seq_id=seq, data=run.data, loss_fn="cross_entropy")
         else:
-            kind, method, tokens = OPT, tenant.stub.OptimStep, 0
+            kind, method, tokens = OPT, stub.OptimStep, 0
             request = service_pb2.OptimStepRequest(training_run_id=run.id, seq_id=seq, adam_params=ADAM)
         sent, delay = time.monotonic(), 0.02
         while True:
+            last_try = time.monotonic()
             try:
                 answer = await method(request, metadata=tenant.metadata, timeout=self.timeout)
                 break
@@ -110,7 +116,7 @@ class Clients:
                 if err.code() in RETRY_CODES and not is_hard_limit(err.code(), err.details()):
                     self.retries[err.code().name] += 1  # backpressure: the same seq again, as the client library does
                     await asyncio.sleep(delay * (1 + random.random()))
-                    delay = min(delay * 2, 1.0)
+                    delay = min(delay * 2, self.max_retry_delay)
                     continue
                 self.error_count += 1
                 if len(self.errors) < 10:
@@ -121,12 +127,14 @@ class Clients:
         trainer = int(metrics.get(fake_workers.M_TRAINER, -1))
         run.trainers.add(trainer)
         sink.append(Done(kind, run, sent, answered, tokens, trainer, int(metrics.get(fake_workers.M_CYCLE, -1)),
-                         metrics.get(fake_workers.M_START), metrics.get(fake_workers.M_END)))
+                         metrics.get(fake_workers.M_START), metrics.get(fake_workers.M_END), last_try))
 
 
 async def connect(stack: Stack) -> None:
+    # several replicas: one comma-separated list with round_robin, as temper.client reads it
+    target, options = channel_target(stack.address) if "," in stack.address else (stack.address, CHANNEL_OPTIONS)
     for tenant in stack.tenants:
-        tenant.channel = grpc.aio.insecure_channel(stack.address, options=CHANNEL_OPTIONS)
+        tenant.channel = grpc.aio.insecure_channel(target, options=options)
         tenant.stub = service_pb2_grpc.TemperStub(tenant.channel)
         tenant.metadata = (bearer_metadata(tenant.key),)
         session = await tenant.stub.CreateSession(service_pb2.CreateSessionRequest(tags=["scaleout"]), metadata=tenant.metadata,

@@ -140,8 +140,8 @@ def machine_ticks() -> tuple[int, int]:
     return sum(values) - idle, sum(values)
 
 
-def scrape_cycles(metrics_port: int | None) -> float | None:
-    """The scheduler's temper_scheduler_cycles_total, all outcomes."""
+def scrape_counter(metrics_port: int | None, name: str) -> float | None:
+    """A counter of a scheduler's /metrics, summed over its labels (e.g. temper_scheduler_cycles_total)."""
     if not metrics_port:
         return None
     try:
@@ -149,7 +149,18 @@ def scrape_cycles(metrics_port: int | None) -> float | None:
             text = response.read().decode()
     except OSError:
         return None
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("temper_scheduler_cycles_total{"))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def scrape_cycles(metrics_port: int | None) -> float | None:
+    """The scheduler's temper_scheduler_cycles_total, all outcomes."""
+    return scrape_counter(metrics_port, "temper_scheduler_cycles_total")
+
+
+def scrape_sum(ports: list[int | None], name: str) -> float | None:
+    """A counter summed over several schedulers (replicas); None if one of them did not answer."""
+    values = [scrape_counter(port, name) for port in ports]
+    return None if not values or any(v is None for v in values) else sum(values)
 
 
 # ---- stacks ---------------------------------------------------------------------------------------
@@ -166,18 +177,34 @@ class Stack:
     scheduler: Proc | None = None
     tenants: list[Tenant] = field(default_factory=list)
     runs: dict[str, list[Run]] = field(default_factory=dict)  # workload name -> its runs
+    replica_count: int = 1     # scheduler processes on the stack's one database (--replicas)
+    env: dict[str, str] = field(default_factory=dict)  # this stack's schedulers' own environment
+    replicas: list[Proc] = field(default_factory=list)  # the schedulers after the first (replica_count > 1)
+
+    @property
+    def schedulers(self) -> list[Proc]:
+        return [self.scheduler, *self.replicas]
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.scheduler.ready['port']}"
+        """Every scheduler's address, comma-separated: with several, clients use round_robin over them."""
+        return ",".join(f"127.0.0.1:{proc.ready['port']}" for proc in self.schedulers)
 
     @property
     def metrics_port(self) -> int | None:
         port = self.scheduler.ready.get("metrics_port")
         return int(port) if port else None
 
-    def pids(self) -> dict[str, int]:
-        return {"scheduler": self.scheduler.process.pid, **({"workers": self.workers.process.pid} if self.workers else {})}
+    @property
+    def metrics_ports(self) -> list[int | None]:
+        return [int(p.ready["metrics_port"]) if p.ready.get("metrics_port") else None for p in self.schedulers]
+
+    def pids(self) -> dict[str, list[int]]:
+        """Process ids by role; "scheduler" is every replica (their CPU is summed), "scheduler-<i>" each one."""
+        out = {"scheduler": [p.process.pid for p in self.schedulers], **({"workers": [self.workers.process.pid]} if self.workers else {})}
+        if self.replicas:
+            out.update({f"scheduler-{i}": [p.process.pid] for i, p in enumerate(self.schedulers)})
+        return out
 
 
 def start_stacks(stacks: list[Stack], databases: Databases, log_dir: Path, token: str, scheduler_env: dict[str, str],
@@ -188,15 +215,24 @@ def start_stacks(stacks: list[Stack], databases: Databases, log_dir: Path, token
         stack.workers = launch(f"{stack.name}-workers", [
             sys.executable, str(HERE / "fake_workers.py"), "--trainers", str(stack.trainers), "--samplers", "1",
             "--seconds-per-1k-tokens", repr(stack.seconds_per_1k_tokens)], {fake_workers.TOKEN_ENV: token}, log_dir)
+    environments = {}
     for stack in stacks:
         ready = stack.workers.wait_ready(120)
-        stack.scheduler = launch(f"{stack.name}-scheduler", [sys.executable, "-m", "temper.scheduler"], {
+        environments[stack.name] = {
             "TEMPER_SCHEDULER_BIND": "127.0.0.1:0", "TEMPER_SCHEDULER_METRICS_BIND": "127.0.0.1:0",
             "TEMPER_SCHEDULER_DATABASE_URL": stack.database_url, "TEMPER_SCHEDULER_TRAINER_ADDRESSES": ready["trainers"],
             "TEMPER_SCHEDULER_SAMPLER_ADDRESSES": ready["samplers"], "TEMPER_SCHEDULER_INTERNAL_TOKEN": token,
-            **scheduler_env}, log_dir)
+            **scheduler_env, **stack.env}
+        stack.scheduler = launch(f"{stack.name}-scheduler", [sys.executable, "-m", "temper.scheduler"], environments[stack.name], log_dir)
     for stack in stacks:
         stack.scheduler.wait_ready(300)
+    # further replicas once the first has migrated the database: same workers, same database (as LocalStack)
+    for stack in stacks:
+        stack.replicas = [launch(f"{stack.name}-scheduler-{i}", [sys.executable, "-m", "temper.scheduler"], environments[stack.name],
+                                 log_dir) for i in range(1, stack.replica_count)]
+    for stack in stacks:
+        for proc in stack.replicas:
+            proc.wait_ready(300)
         progress.update()
 
 
@@ -229,10 +265,13 @@ class Usage:
 
     async def snapshot(self) -> dict:
         db_pids = await asyncio.to_thread(self.databases.backend_pids, self.stack.database_name) if self.stack.database_name else []
-        cycles = await asyncio.to_thread(scrape_cycles, self.stack.metrics_port)
-        pids = {**self.stack.pids(), "client": os.getpid()}
-        return {"t": time.monotonic(), "cpu": {k: cpu_seconds([p]) for k, p in pids.items()},
-                "db_pids": {p: cpu_seconds([p]) for p in db_pids}, "machine": machine_ticks(), "cycles": cycles}
+        ports = self.stack.metrics_ports if self.stack.scheduler.ready.get("metrics_port") else []
+        cycles = await asyncio.to_thread(scrape_sum, ports, "temper_scheduler_cycles_total")
+        forwarded = await asyncio.to_thread(scrape_sum, ports, "temper_scheduler_forwarded_total") if self.stack.replicas else None
+        pids = {**self.stack.pids(), "client": [os.getpid()]}
+        return {"t": time.monotonic(), "cpu": {k: cpu_seconds(p) for k, p in pids.items()},
+                "db_pids": {p: cpu_seconds([p]) for p in db_pids}, "machine": machine_ticks(), "cycles": cycles,
+                "forwarded": forwarded}
 
     @staticmethod
     def between(a: dict, b: dict) -> dict:
@@ -244,4 +283,5 @@ class Usage:
         busy = b["machine"][0] - a["machine"][0]
         total = b["machine"][1] - a["machine"][1]
         return {"cores": cores, "machine_busy_fraction": busy / total if total else None,
-                "scheduler_cycles": (b["cycles"] - a["cycles"]) if a["cycles"] is not None and b["cycles"] is not None else None}
+                "scheduler_cycles": (b["cycles"] - a["cycles"]) if a["cycles"] is not None and b["cycles"] is not None else None,
+                "forwarded": (b["forwarded"] - a["forwarded"]) if a["forwarded"] is not None and b["forwarded"] is not None else None}
