@@ -7,7 +7,10 @@ import asyncio
 import logging
 import os
 import secrets
+import signal
 import socket
+
+from sqlalchemy.orm import sessionmaker
 
 from temper.common.errors import Unavailable
 from temper.common.metrics import ready_line, serve_metrics
@@ -23,7 +26,7 @@ from temper.scheduler.tenancy.auth import LOCAL_TENANT, ApiKeyAuth
 from temper.scheduler.workers.backends import Backends
 from temper.scheduler.api.checkpoint_verbs import CheckpointCollector
 from temper.scheduler.db.named_models import named_base_models
-from temper.scheduler.db.store import Store, upgrade_schema
+from temper.scheduler.db.store import Store, make_engine, upgrade_schema
 from temper.scheduler.planning.loop import SchedulerLoop
 from temper.scheduler.workers.membership import Membership
 from temper.scheduler.planning.policy import FairShare
@@ -39,6 +42,7 @@ log = logging.getLogger("temper.scheduler")
 SERVICE = service_pb2.DESCRIPTOR.services_by_name["Temper"].full_name
 EXIT_LOOP_FAILED = 3
 EXIT_LEASE_LOST = 4
+STOP_GRACE_SECONDS = 2.0
 
 
 def advertised(bind: str, port: int) -> str:
@@ -95,7 +99,9 @@ class SchedulerApp:
         owner = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"  # one per process incarnation
         address = self.settings.advertise_address or advertised(self.settings.bind, self.port)
         handover = LaneHandover(self.loop, on_health=lambda serving: asyncio.ensure_future(self._set_health()))
-        self.ownership = LaneOwnership(LeaseKeeper(self.store.sessions), ReplicaDirectory(self.store.sessions), owner, address,
+        # their own connections: a renewal never waits for one of the store's (a busy pool let leases run out)
+        leases = sessionmaker(make_engine(self.settings.database_url, pool_size=2), expire_on_commit=False)
+        self.ownership = LaneOwnership(LeaseKeeper(leases), ReplicaDirectory(leases), owner, address,
                                        self.settings.lease_seconds, handover)
         self.store.fence_runs = self.ownership.fence_runs
         self.backends.lane_token_of = self.ownership.token_for  # trainer calls carry it (common/lane_fence.py)
@@ -145,6 +151,16 @@ class SchedulerApp:
                 await self.registry.stop(grace=None)
             await self.backends.close()
 
+    def stop_soon(self) -> None:
+        """SIGTERM (replicas): not serving, calls under way get a moment to end, then run() returns and
+        releases the leases."""
+        log.info("SIGTERM: stopping; the leases are released as the server stops")
+        self._stopping = asyncio.ensure_future(self._stop_gracefully())
+
+    async def _stop_gracefully(self) -> None:
+        await mark_serving(self.health, [SERVICE], serving=False)
+        await self.server.stop(grace=STOP_GRACE_SECONDS)
+
     async def fail_over(self) -> None:
         self.admission.fail_all(Unavailable("the scheduler is restarting; retry"))
         await mark_serving(self.health, [SERVICE], serving=False)
@@ -171,4 +187,6 @@ async def serve(settings: SchedulerSettings) -> int:
     # Listening (health NOT_SERVING until the workers answer; requests wait for them meanwhile).
     registry = f" registry_port={app.registry_port}" if app.registry_port is not None else ""
     print(ready_line("scheduler", app.port, app.metrics_port) + registry, flush=True)
+    if settings.replicas:  # a clean stop releases the leases: the other replicas take the lanes at once, not after the ttl
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, app.stop_soon)
     return await app.run()

@@ -27,6 +27,7 @@ import asyncio
 import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Protocol
 
 from temper.common.errors import LeaseLost, TemperError, Unavailable
@@ -37,6 +38,7 @@ from temper.scheduler.cluster.lease import Lease
 
 log = logging.getLogger(__name__)
 REFRESH_AT_MOST_EVERY = 0.1  # seconds between two reads of the view that a route miss asks for
+SURPLUS_ROUNDS = 3           # rounds in a row above the fair share before idle lanes are given up
 
 
 class OwnershipHooks(Protocol):
@@ -93,6 +95,10 @@ class LaneOwnership:
         self._viewed = -math.inf
         self.serving = False
         self.rounds = 0
+        self._above_fair = 0  # rounds in a row this replica held more than its fair share
+        # Lease calls never queue behind the store's work in asyncio's default executor: a renewal that
+        # waited there while the scheduler was busy let the lease run out (a replica lost its lanes under load).
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="leases")
 
     @property
     def live_for(self) -> float:
@@ -164,7 +170,7 @@ class LaneOwnership:
             await asyncio.sleep(max(0.0, self.ttl / 3 - (self.clock() - started)))
 
     async def round(self) -> None:
-        await asyncio.to_thread(self.directory.announce, self.owner, self.address)
+        await self._db(self.directory.announce, self.owner, self.address)
         await self._renew()
         await self._read_view()
         lanes = sorted(set(self.hooks.lanes()))
@@ -174,18 +180,24 @@ class LaneOwnership:
                 break
             if lane not in self.leases and self.view.holder(lane) is None:
                 await self._take(lane)
+        # Surplus lanes go only after SURPLUS_ROUNDS rounds above the fair share: a replica that was slow to
+        # announce once (a busy machine) must not make the others hand lanes back and forth.
+        self._above_fair = self._above_fair + 1 if len(self.leases) > fair else 0
         for lane in sorted(self.leases, reverse=True):
-            if len(self.leases) <= fair:
+            if len(self.leases) <= fair or self._above_fair < SURPLUS_ROUNDS:
                 break
             if self.hooks.idle(lane):
                 await self._release(lane)
         self.rounds += 1
 
+    async def _db(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+
     async def _renew(self) -> None:
         for lane, lease in list(self.leases.items()):
             started = self.clock()  # the database extends the lease from a moment after this, never before
             try:
-                self.leases[lane] = await asyncio.to_thread(self.keeper.renew, lease)
+                self.leases[lane] = await self._db(self.keeper.renew, lease)
                 self._renewed[lane] = started
             except LeaseLost:
                 self.leases.pop(lane, None)
@@ -198,12 +210,12 @@ class LaneOwnership:
         # Live: heard within one ttl (live_for). A replica announces just before it renews, so one silent that
         # long has let its leases run out too: it no longer counts in the fair share, and the others
         # take all of its lanes as soon as its leases expire (with 2 ttl they took only their share).
-        self.view = await asyncio.to_thread(self.directory.view, self.live_for)
+        self.view = await self._db(self.directory.view, self.live_for)
         self._viewed = self.clock()
 
     async def _take(self, lane: str) -> None:
         started = self.clock()
-        lease = await asyncio.to_thread(self.keeper.acquire, lane, self.owner, self.ttl)
+        lease = await self._db(self.keeper.acquire, lane, self.owner, self.ttl)
         if lease is None:
             return
         self.hooks.gained(lane)  # before the lease counts as held: no verb runs on stale state
@@ -213,7 +225,7 @@ class LaneOwnership:
     async def _release(self, lane: str) -> None:
         lease = self.leases.pop(lane)  # held no more from here: verbs of the lane are routed elsewhere
         self.hooks.releasing(lane)
-        await asyncio.to_thread(self.keeper.release, lease)
+        await self._db(self.keeper.release, lease)
         log.info("replica %s gave lane %s up (above its fair share)", self.owner, lane)
 
     async def stop(self) -> None:
@@ -222,11 +234,11 @@ class LaneOwnership:
         for lane in list(self.leases):
             lease = self.leases.pop(lane)
             try:
-                await asyncio.to_thread(self.keeper.release, lease)
+                await self._db(self.keeper.release, lease)
             except TemperError as exc:
                 log.warning("could not release lane %s: %s", lane, exc.message)
         try:
-            await asyncio.to_thread(self.directory.stopped, self.owner)
+            await self._db(self.directory.stopped, self.owner)
         except TemperError as exc:
             log.warning("could not mark replica %s stopped: %s", self.owner, exc.message)
 

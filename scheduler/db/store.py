@@ -33,13 +33,14 @@ def executor_threads() -> int:
     return min(32, (os.cpu_count() or 1) + 4)  # ThreadPoolExecutor's default max_workers
 
 
-def _pool() -> dict:
+def _pool(pool_size: int | None = None) -> dict:
     """A pooled connection for every executor thread: with SQLAlchemy's default of 5, each transaction
     beyond 5 at once opened a connection and closed it on return (a PostgreSQL backend each, under load)."""
-    return {"pool_size": executor_threads(), "max_overflow": 10}
+    return {"pool_size": pool_size or executor_threads(), "max_overflow": 10}
 
 
-def make_engine(url: str):
+def make_engine(url: str, pool_size: int | None = None):
+    """``pool_size``: default, one connection per executor thread (replicas' lease calls use a pool of their own)."""
     if url.startswith("sqlite"):
         in_memory = make_url(url).database in (None, "", ":memory:")  # one shared connection (SingletonThreadPool): not sized
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, **({} if in_memory else _pool()))
@@ -58,7 +59,7 @@ def make_engine(url: str):
     # connection the server dropped fails its statement as a disconnect, SQLAlchemy then discards the
     # whole pool, and the caller gets Unavailable and retries (outage.py), as for any outage.
     batch = {"executemany_mode": "values_plus_batch"} if make_url(url).get_driver_name() == "psycopg2" else {}
-    return create_engine(url, connect_args={"connect_timeout": 5}, **batch, **_pool())
+    return create_engine(url, connect_args={"connect_timeout": 5}, **batch, **_pool(pool_size))
 
 
 def upgrade_schema(url: str) -> None:

@@ -18,7 +18,7 @@ from sqlalchemy import func, select, text
 from temper.common.errors import LeaseLost, Unavailable
 from temper.scheduler.cluster.directory import ReplicaDirectory
 from temper.scheduler.cluster.keeper import LeaseKeeper
-from temper.scheduler.cluster.ownership import LaneOwnership
+from temper.scheduler.cluster.ownership import SURPLUS_ROUNDS, LaneOwnership
 from temper.scheduler.db import models as m
 from temper.scheduler.db.store import Store, upgrade_schema
 from test_faults import FlakyProxy, tcp_upstream
@@ -106,7 +106,7 @@ def in_loop(test):
     return run
 
 
-async def settle(*replicas: LaneOwnership, rounds: int = 3) -> None:
+async def settle(*replicas: LaneOwnership, rounds: int = SURPLUS_ROUNDS + 2) -> None:
     for _ in range(rounds):
         for replica in replicas:
             await replica.round()
@@ -157,7 +157,10 @@ async def test_a_replica_alone_takes_every_lane_and_gives_an_idle_one_to_a_joine
     b = cluster("b", LANES[:2])
     await b.round()  # its fair share is 1, but both lanes are held: it takes nothing yet
     assert held(b) == [] and held(a) == LANES[:2]
-    await a.round()  # now over its share by one: gives up an idle lane (the last one)
+    for _ in range(SURPLUS_ROUNDS - 1):  # over its share, not yet for SURPLUS_ROUNDS rounds in a row: keeps both
+        await a.round()
+        assert held(a) == LANES[:2]
+    await a.round()  # over its share by one for SURPLUS_ROUNDS rounds: gives up an idle lane (the last one)
     assert held(a) == [LANES[0]]
     # releasing() ran after the lane stopped counting as held, while the database still had the lease
     assert a.hooks.releasing_calls == [(LANES[1], False, ("a", True))]

@@ -35,14 +35,21 @@ class Load:
     for, through one client on every replica's address. Records what was acknowledged and when."""
 
     def __init__(self, stack, model: str):
-        self.client = stack.client("tina")
-        self.runs = [self.client.create_lora_training_client(model, seed=100 + i, rank=4, deterministic=True).result()
+        self.clients = [stack.client("tina"), stack.client("uma")]  # two tenants, interleaved on both lanes
+        self.runs = [self.client_of(i).create_lora_training_client(model, seed=100 + i, rank=4, deterministic=True).result()
                      for i in range(RUNS)]
         self.data = [data_for(200 + i) for i in range(RUNS)]
         self.acknowledged = [0] * RUNS
         self.answered_at: list[list[float]] = [[] for _ in range(RUNS)]
         self.errors: list[BaseException] = []
         self.threads = [threading.Thread(target=self._train, args=(i,), daemon=True) for i in range(RUNS)]
+
+    def client_of(self, i: int):
+        return self.clients[i % 2]
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
 
     def _train(self, i: int) -> None:
         try:
@@ -68,8 +75,9 @@ class Load:
             time.sleep(0.05)
 
     def join(self, url: str, timeout: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout
         for t in self.threads:
-            t.join(timeout)
+            t.join(max(0.0, deadline - time.monotonic()))
         assert not self.errors, self.errors
         assert self.acknowledged == [STEPS] * RUNS, runs_state(url, [tc.model_id for tc in self.runs])
 
@@ -99,10 +107,11 @@ def assert_twins(stack, load: Load, model: str, tmp_path) -> None:
     state = {r[0]: r for r in runs_state(stack.url, [tc.model_id for tc in load.runs]) if len(r) == 5}
     for i, tc in enumerate(load.runs):
         assert state[tc.model_id][2] == STEPS  # optim steps recorded once each
-        got = load_file(str(load.client.download_checkpoint(tc.save_weights_for_sampler("end").result().path, tmp_path / f"g{i}")
+        client = load.client_of(i)
+        got = load_file(str(client.download_checkpoint(tc.save_weights_for_sampler("end").result().path, tmp_path / f"g{i}")
                             / "adapter_model.safetensors"))
-        twin = train_alone(load.client, model, 100 + i, 4, STEPS, load.data[i])
-        want = load_file(str(load.client.download_checkpoint(twin, tmp_path / f"w{i}") / "adapter_model.safetensors"))
+        twin = train_alone(client, model, 100 + i, 4, STEPS, load.data[i])
+        want = load_file(str(client.download_checkpoint(twin, tmp_path / f"w{i}") / "adapter_model.safetensors"))
         assert_same_weights(got, want)
 
 
@@ -125,7 +134,7 @@ def test_a_replica_killed_under_load_loses_nothing_acknowledged(two, tiny_model_
         assert holders[victim_lane][1] == token_before + 1  # taken over with the next fencing token
         assert_twins(two, load, tiny_model_dir, tmp_path)
     finally:
-        load.client.close()
+        load.close()
 
 
 def test_a_frozen_replica_loses_its_lanes_and_writes_nothing_when_it_wakes(two, tiny_model_dir, tmp_path):
@@ -150,4 +159,4 @@ def test_a_frozen_replica_loses_its_lanes_and_writes_nothing_when_it_wakes(two, 
     try:
         assert_twins(two, load, tiny_model_dir, tmp_path)
     finally:
-        load.client.close()
+        load.close()

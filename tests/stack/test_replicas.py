@@ -186,3 +186,24 @@ def test_the_admin_command_lists_the_replicas_and_their_leases(three, capsys):
     assert sum(" live " in line for line in replicas.splitlines()[1:]) == 3
     for lane, address in owners.items():  # each lane once, held by its owner's address
         assert [line.split()[1] for line in lanes.splitlines()[1:] if line.startswith(lane)] == [address]
+
+
+def test_a_replica_stopped_cleanly_hands_its_lanes_over_at_once(three):
+    """SIGTERM: the replica releases its leases as it stops; the others take the lanes in their next
+    round, each with the next token (this test runs last: the stack keeps two replicas)."""
+    before = lane_holders(three.url)
+    leaving = three.services_of("scheduler")[-1]
+    leaving.process.terminate()
+    assert leaving.process.wait(timeout=30) == 0
+    engine = create_engine(three.url)
+    with engine.connect() as conn:
+        stopped = conn.execute(text("SELECT stopped FROM scheduler_replicas WHERE address = :a ORDER BY started_at DESC"),
+                               {"a": leaving.address}).scalars().first()
+    engine.dispose()
+    assert stopped  # marked stopped: the others count it out of the fair share at once
+    three.services.remove(leaving)
+    after = wait_balanced(three, three.url)
+    assert leaving.address not in after.values()
+    held = lane_holders(three.url)
+    for lane, (owner, token) in before.items():
+        assert held[lane][1] >= token
