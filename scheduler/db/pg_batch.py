@@ -52,6 +52,10 @@ METRIC_COLUMNS = ("training_run_id", "seq_id", "step", "kind", "status", "error"
 _INSERT_METRICS = (f"INSERT INTO run_metrics ({', '.join(METRIC_COLUMNS)}) VALUES {{values}} "
                    "ON CONFLICT (training_run_id, seq_id) DO NOTHING")
 _METRIC_ROW = "(" + ", ".join("%s::json" if c == "metrics" else "%s" for c in METRIC_COLUMNS) + ")"
+# The same rows as one JSON array parameter: the driver quotes one string instead of 19 parameters a
+# row (that quoting was the costliest part of a cycle's finish in the scheduler's CPU).
+_INSERT_METRICS_JSON = (f"INSERT INTO run_metrics ({', '.join(METRIC_COLUMNS)}) SELECT {', '.join(METRIC_COLUMNS)} "
+                        "FROM json_populate_recordset(NULL::run_metrics, %s) ON CONFLICT (training_run_id, seq_id) DO NOTHING")
 
 
 def is_psycopg2(conn) -> bool:
@@ -94,9 +98,16 @@ def finish_open(conn, outcomes: list, at: datetime) -> set[tuple[str, int]]:
 
 
 def insert_metrics(conn, values: list[dict]) -> None:
-    if values:
+    """run_metrics rows (``records.metric_values``' dicts, keyed by METRIC_COLUMNS)."""
+    if not values:
+        return
+    try:
+        rows = json.dumps(values, allow_nan=False)
+    except (ValueError, TypeError):  # a NaN or infinite loss (JSON has no such number): the typed VALUES list carries it
         _many(conn, _INSERT_METRICS, _METRIC_ROW, [
             tuple(json.dumps(v[c]) if c == "metrics" else v[c] for c in METRIC_COLUMNS) for v in values])
+        return
+    conn.exec_driver_sql(_INSERT_METRICS_JSON, (rows,))
 
 
 def count_runs(conn, runs: list[dict]) -> None:
