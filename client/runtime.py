@@ -14,6 +14,7 @@ import grpc
 from temper.client.errors import APIConnectionError, from_rpc_error
 from temper.common.channel_target import MULTI_SCHEMES, channel_target
 from temper.common.errors import is_hard_limit
+from temper.common.owner_hints import LANE_VERBS, OwnerRouting, hint_options
 from temper.common.seqs import settles
 from temper.common.tls import channel_credentials
 from temper.v1 import service_pb2, service_pb2_grpc
@@ -97,6 +98,7 @@ class Runtime:
         self.max_retries = max_retries
         self.timeout = timeout
         channel_target(target)  # a malformed address is a ValueError here, in the caller's thread
+        self.owners: OwnerRouting | None = None  # several replicas: each run's lane verbs go to its owner
         self.loop = asyncio.new_event_loop()
         self._background: set[asyncio.Task] = set()  # held here: the loop keeps only weak references
         self._thread = threading.Thread(target=self.loop.run_forever, name="temper-client", daemon=True)
@@ -115,6 +117,8 @@ class Runtime:
             self.channel = grpc.aio.insecure_channel(grpc_target, options=options)
         else:
             self.channel = grpc.aio.secure_channel(grpc_target, self.credentials, options=options)
+        if len(hint_options(options)) < len(options):  # round_robin: several replicas
+            self.owners = OwnerRouting(self._replica_channel(hint_options(options)), service_pb2_grpc.TemperStub)
         if connect_timeout > 0:
             # Calls wait for the channel (wait_for_ready: a restarting scheduler is waited for), so a
             # wrong or dead address would hang the first call forever: it is checked once, here.
@@ -128,6 +132,12 @@ class Runtime:
                     f"connect_timeout= or TEMPER_CONNECT_TIMEOUT") from None
         return service_pb2_grpc.TemperStub(self.channel)
 
+    def _replica_channel(self, options):
+        """Opens a channel to one replica (an owner hint's address), as the main channel is opened."""
+        if self.credentials is None:
+            return lambda address: grpc.aio.insecure_channel(address, options=options)
+        return lambda address: grpc.aio.secure_channel(address, self.credentials, options=options)
+
     def call_soon(self, coro: Awaitable[Any]):
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
@@ -138,9 +148,14 @@ class Runtime:
     async def _call(self, method: str, request: Any, forever: bool = False):
         """``forever``: UNAVAILABLE is resent until it passes (for calls nobody waits on)."""
         fn: Callable = getattr(self.stub, method)
+        # several replicas: a run's lane verbs go to the owner its last answer named (common/owner_hints.py)
+        owners = self.owners if method in LANE_VERBS else None
         delay, failures = 0.05, 0
         while True:
             try:
+                if owners is not None:
+                    return await owners.call(self.stub, method, request, metadata=self.metadata, timeout=self.timeout,
+                                             wait_for_ready=True)
                 return await fn(request, metadata=self.metadata, timeout=self.timeout, wait_for_ready=True)
             except grpc.aio.AioRpcError as err:
                 # A full queue is backpressure, not failure (as Tinker treats HTTP 429): wait and
@@ -196,6 +211,8 @@ class Runtime:
         if self.loop.is_closed():
             return
         self.call_soon(self.channel.close()).result(timeout=5)
+        if self.owners is not None:
+            self.call_soon(self.owners.close()).result(timeout=5)
         self._stop_loop()
 
     def _stop_loop(self) -> None:

@@ -1,7 +1,9 @@
 """The gateway's one channel to the scheduler's public API, and the calls it makes on a caller's behalf.
 
 Every call carries the caller's own API key as ``authorization: Bearer <key>``: the scheduler checks
-it and takes the tenant from it, so the gateway never decides who anyone is.
+it and takes the tenant from it, so the gateway never decides who anyone is. With several replicas,
+a run's lane verbs go to the replica its last answer named as the lane's owner (common/owner_hints.py),
+so they are not forwarded between replicas; a hint that fails is dropped and the call resent.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Any, AsyncIterator
 import grpc
 
 from temper.common.channel_target import channel_target
+from temper.common.owner_hints import LANE_VERBS, OwnerRouting, hint_options
 from temper.common.retry import retry
 from temper.common.tls import channel_credentials
 from temper.services.gateway.errors import GatewayError
@@ -30,6 +33,7 @@ class Scheduler:
         self._credentials = credentials
         self._channel: grpc.aio.Channel | None = None
         self._stub: service_pb2_grpc.TemperStub | None = None
+        self._owners: OwnerRouting | None = None  # several replicas: owner hints (made with the channel)
 
     @classmethod
     def from_settings(cls, settings) -> "Scheduler":
@@ -48,18 +52,37 @@ class Scheduler:
             else:
                 self._channel = grpc.aio.secure_channel(self._target, self._credentials, options=self._options)
             self._stub = service_pb2_grpc.TemperStub(self._channel)
+            options = hint_options(self._options)
+            if len(options) < len(self._options):  # round_robin: several replicas
+                self._owners = OwnerRouting(self._replica_channel(options), service_pb2_grpc.TemperStub)
         return self._stub
+
+    def _replica_channel(self, options):
+        """Opens a channel to one replica (an owner hint's address), as the main channel is opened."""
+        if self._credentials is None:
+            return lambda address: grpc.aio.insecure_channel(address, options=options)
+        return lambda address: grpc.aio.secure_channel(address, self._credentials, options=options)
+
+    def _send(self, method: str, request: Any, key: str | None, **kwargs):
+        """The call (an awaitable): a lane verb through its run's owner hint when there are replicas."""
+        stub = self.stub
+        if self._owners is not None and method in LANE_VERBS:
+            return self._owners.call(stub, method, request, metadata=_metadata(key), **kwargs)
+        return getattr(stub, method)(request, metadata=_metadata(key), **kwargs)
 
     async def close(self) -> None:
         if self._channel is not None:
             await self._channel.close()
             self._channel = self._stub = None
+        if self._owners is not None:
+            await self._owners.close()
+            self._owners = None
 
     async def call(self, method: str, request: Any, key: str | None) -> Any:
         """One call with the caller's key; a failed call raises GatewayError. Answers at once or fails
         (an unreachable scheduler is UNAVAILABLE now, which the SDK resends)."""
         try:
-            return await getattr(self.stub, method)(request, metadata=_metadata(key), timeout=self.timeout)
+            return await self._send(method, request, key, timeout=self.timeout)
         except grpc.aio.AioRpcError as err:
             raise GatewayError.of(err) from None
 
@@ -71,7 +94,7 @@ class Scheduler:
         async def once():
             try:
                 # not wait_for_ready: an unreachable scheduler must surface (and be bounded) here, not hang
-                return await getattr(self.stub, method)(request, metadata=_metadata(key))
+                return await self._send(method, request, key)
             except grpc.aio.AioRpcError as err:
                 raise GatewayError.of(err) from None
 
