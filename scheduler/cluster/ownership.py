@@ -9,8 +9,12 @@ lease) it, in order:
     renews each lease it holds (LeaseLost: another replica has the lane; the replica stops, on_lost)
     reads every replica and lease (the view that ``route`` answers from until the next round)
     takes free or expired lanes, up to its fair share: ceil(lanes / live replicas)
-    gives up lanes above its fair share that are idle (on_releasing first), so a replica that joins
-    later gets lanes too
+    gives up lanes above its fair share that are idle (releasing first), after SURPLUS_ROUNDS rounds
+    above it, so a replica that joins later gets lanes too and a slow announcement moves nothing
+
+The renewer thread (renewer.py) also announces and renews on the same beat, apart from the event
+loop, so a busy loop does not let the leases run out. Lease calls use their own thread and
+connections, never queued behind the store's.
 
 A round that cannot reach the database marks the replica unhealthy (Health NOT_SERVING) until one
 succeeds; its leases run out meanwhile unless the database comes back in time (an expired lease
@@ -26,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Protocol
@@ -35,6 +40,7 @@ from temper.scheduler.cluster.directory import ClusterView, ReplicaDirectory
 from temper.scheduler.cluster.fencing import fenced
 from temper.scheduler.cluster.keeper import LeaseKeeper
 from temper.scheduler.cluster.lease import Lease
+from temper.scheduler.cluster.renewer import Renewer
 
 log = logging.getLogger(__name__)
 REFRESH_AT_MOST_EVERY = 0.1  # seconds between two reads of the view that a route miss asks for
@@ -99,6 +105,9 @@ class LaneOwnership:
         # Lease calls never queue behind the store's work in asyncio's default executor: a renewal that
         # waited there while the scheduler was busy let the lease run out (a replica lost its lanes under load).
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="leases")
+        # the renewer thread (renewer.py) and the event loop both change the leases: one lock, no I/O under it
+        self._lock = threading.Lock()
+        self.lost_error: LeaseLost | None = None  # set once a lease was lost (from either side)
 
     @property
     def live_for(self) -> float:
@@ -154,20 +163,33 @@ class LaneOwnership:
     # ---- the rounds ----------------------------------------------------------------------------
 
     async def run_forever(self) -> None:
-        """A round every third of the ttl. Raises LeaseLost when a held lane was taken by another
-        replica: the caller stops this replica (its in-flight calls answered UNAVAILABLE)."""
-        while True:
-            started = self.clock()
-            try:
-                await self.round()
-                self._set_serving(True)
-            except LeaseLost:
+        """A round every third of the ttl, and a renewer thread (renewer.py) that renews the leases on
+        the same beat whatever the event loop is doing (a busy loop must not let them run out). Raises
+        LeaseLost when a held lane was taken by another replica: the caller stops this replica (its
+        in-flight calls answered UNAVAILABLE)."""
+        lost = asyncio.Event()
+        renewer = Renewer(self, self.ttl / 3, lambda: lost.set())
+        renewer.start()
+        try:
+            while True:
+                started = self.clock()
+                try:
+                    await self.round()
+                    self._set_serving(True)
+                except LeaseLost:
+                    self._set_serving(False)
+                    raise
+                except TemperError as exc:  # the database is unavailable: not serving until a round succeeds
+                    log.warning("replica %s: lease round failed: %s", self.owner, exc.message)
+                    self._set_serving(False)
+                try:
+                    await asyncio.wait_for(lost.wait(), max(0.0, self.ttl / 3 - (self.clock() - started)))
+                except asyncio.TimeoutError:
+                    continue
                 self._set_serving(False)
-                raise
-            except TemperError as exc:  # the database is unavailable: not serving until a round succeeds
-                log.warning("replica %s: lease round failed: %s", self.owner, exc.message)
-                self._set_serving(False)
-            await asyncio.sleep(max(0.0, self.ttl / 3 - (self.clock() - started)))
+                raise self.lost_error
+        finally:
+            renewer.stop()
 
     async def round(self) -> None:
         await self._db(self.directory.announce, self.owner, self.address)
@@ -194,17 +216,33 @@ class LaneOwnership:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
     async def _renew(self) -> None:
+        await self._db(self.renew_now)
+
+    def renew_now(self) -> None:
+        """Announce this replica and renew each lease it holds; any thread (the round's executor, or the
+        renewer). LeaseLost when another replica took a lane (the lane is then forgotten here); a lease
+        given up meanwhile is left alone."""
+        self.directory.announce(self.owner, self.address)
         for lane, lease in list(self.leases.items()):
             started = self.clock()  # the database extends the lease from a moment after this, never before
             try:
-                self.leases[lane] = await self._db(self.keeper.renew, lease)
-                self._renewed[lane] = started
-            except LeaseLost:
-                self.leases.pop(lane, None)
-                self._lost[lane] = lease.token
+                renewed = self.keeper.renew(lease)
+            except LeaseLost as exc:
+                with self._lock:
+                    held = self.leases.get(lane)
+                    if held is None or held.token != lease.token:
+                        continue  # released (or retaken) meanwhile: not a loss
+                    self.leases.pop(lane)
+                    self._lost[lane] = lease.token
+                    self.lost_error = self.lost_error or exc
                 log.critical("replica %s lost the lease of lane %s (token %d): another replica holds it", self.owner, lane,
                              lease.token)
                 raise
+            with self._lock:
+                held = self.leases.get(lane)
+                if held is not None and held.token == lease.token:
+                    self.leases[lane] = renewed
+                    self._renewed[lane] = max(self._renewed.get(lane, -math.inf), started)
 
     async def _read_view(self) -> None:
         # Live: heard within one ttl (live_for). A replica announces just before it renews, so one silent that
@@ -219,11 +257,13 @@ class LaneOwnership:
         if lease is None:
             return
         self.hooks.gained(lane)  # before the lease counts as held: no verb runs on stale state
-        self.leases[lane], self._renewed[lane] = lease, started
+        with self._lock:
+            self.leases[lane], self._renewed[lane] = lease, started
         log.info("replica %s took lane %s (token %d)", self.owner, lane, lease.token)
 
     async def _release(self, lane: str) -> None:
-        lease = self.leases.pop(lane)  # held no more from here: verbs of the lane are routed elsewhere
+        with self._lock:
+            lease = self.leases.pop(lane)  # held no more from here: verbs of the lane are routed elsewhere
         self.hooks.releasing(lane)
         await self._db(self.keeper.release, lease)
         log.info("replica %s gave lane %s up (above its fair share)", self.owner, lane)
@@ -232,7 +272,8 @@ class LaneOwnership:
         """A clean shutdown: every lease released and the replica marked stopped, so the others take
         its lanes at once instead of after the ttl."""
         for lane in list(self.leases):
-            lease = self.leases.pop(lane)
+            with self._lock:
+                lease = self.leases.pop(lane)
             try:
                 await self._db(self.keeper.release, lease)
             except TemperError as exc:
