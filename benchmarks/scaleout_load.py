@@ -19,6 +19,7 @@ from temper.common.auth import bearer_metadata
 from temper.common.channel_target import channel_target
 from temper.common.codec import encode_array, encode_tokens
 from temper.common.errors import is_hard_limit
+from temper.common.owner_hints import owner_in
 from temper.common.server_options import CHANNEL_OPTIONS
 from temper.v1 import service_pb2, service_pb2_grpc, types_pb2
 
@@ -54,6 +55,7 @@ class Run:
     next_seq: int = 1
     trainers: set = field(default_factory=set)  # fake trainer indexes its answers came from
     stub: service_pb2_grpc.TemperStub | None = None  # set: this run's calls go there, not the tenant's channel
+    owner_stub: service_pb2_grpc.TemperStub | None = None  # hinted mode: the replica its last answer named the owner
 
     def take_seq(self) -> int:
         seq, self.next_seq = self.next_seq, self.next_seq + 1
@@ -95,24 +97,51 @@ class Clients:
         self.retries: Counter = Counter()
         self.errors: list[str] = []
         self.error_count = 0
+        # hinted: each run's verbs go to the replica its last answer named in temper-lane-owner (as
+        # temper.client does with several replicas, common/owner_hints.py); UNAVAILABLE there drops it
+        self.hinted = False
+        self._owner_channels: dict[str, grpc.aio.Channel] = {}
+        self._owner_stubs: dict[str, service_pb2_grpc.TemperStub] = {}
+
+    def _owner_stub(self, address: str | None) -> service_pb2_grpc.TemperStub | None:
+        if address is None:
+            return None
+        stub = self._owner_stubs.get(address)
+        if stub is None:
+            channel = self._owner_channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            stub = self._owner_stubs[address] = service_pb2_grpc.TemperStub(channel)
+        return stub
+
+    async def close(self) -> None:
+        for channel in self._owner_channels.values():
+            await channel.close()
 
     async def send(self, run: Run, seq: int, sink: list[Done]) -> None:
         """Seq ids alternate forward_backward (odd) and optim_step (even)."""
         tenant = run.tenant
-        stub = run.stub or tenant.stub
         if seq % 2:
-            kind, method, tokens = FB, stub.ForwardBackward, run.tokens
+            kind, method, tokens = FB, "ForwardBackward", run.tokens
             request = service_pb2.ForwardBackwardRequest(training_run_id=run.id, seq_id=seq, data=run.data, loss_fn="cross_entropy")
         else:
-            kind, method, tokens = OPT, stub.OptimStep, 0
+            kind, method, tokens = OPT, "OptimStep", 0
             request = service_pb2.OptimStepRequest(training_run_id=run.id, seq_id=seq, adam_params=ADAM)
         sent, delay = time.monotonic(), 0.02
         while True:
             last_try = time.monotonic()
+            hinted = run.owner_stub if self.hinted and run.stub is None else None
             try:
-                answer = await method(request, metadata=tenant.metadata, timeout=self.timeout)
+                if self.hinted and run.stub is None:
+                    call = getattr(hinted or tenant.stub, method)(request, metadata=tenant.metadata, timeout=self.timeout)
+                    answer = await call
+                    run.owner_stub = self._owner_stub(owner_in(await call.trailing_metadata())) or run.owner_stub
+                else:
+                    answer = await getattr(run.stub or tenant.stub, method)(request, metadata=tenant.metadata, timeout=self.timeout)
                 break
             except grpc.aio.AioRpcError as err:
+                if hinted is not None and err.code() == grpc.StatusCode.UNAVAILABLE:
+                    run.owner_stub = None  # the hinted owner is gone: resent at once through round_robin
+                    self.retries["hint dropped"] += 1
+                    continue
                 if err.code() in RETRY_CODES and not is_hard_limit(err.code(), err.details()):
                     self.retries[err.code().name] += 1  # backpressure: the same seq again, as the client library does
                     await asyncio.sleep(delay * (1 + random.random()))

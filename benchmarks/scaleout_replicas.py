@@ -7,6 +7,8 @@ Stacks, all with instant fake trainers (sleep 0) and the (b) ceiling's small ver
                num_schedulers); every tenant's channel is the N addresses as one list with round_robin
   direct       the replicas stack again, each run's calls sent straight to the replica owning its lane
                (nothing forwarded): splits what N replicas cost into the split itself and the forwarding
+  hinted       the replicas stack again, round_robin channels, each run's calls sent where its last answer's
+               owner hint (temper-lane-owner, common/owner_hints.py) points, as temper.client does
   floor, durable_floor   the bare gRPC server and durable_floor.py, as in (b)
 
 Repetitions interleave the four (closed loop, --window in flight per run). Then the failover: under the
@@ -33,7 +35,7 @@ from scaleout_replicas_report import CPU_GOAL, FLOOR_GOAL, plot, report
 from temper.common.server_options import CHANNEL_OPTIONS
 from temper.v1 import service_pb2_grpc
 
-VARIANTS = ("ceiling", "replicas", "direct", "floor", "durable_floor")
+VARIANTS = ("ceiling", "replicas", "direct", "hinted", "floor", "durable_floor")
 FAILOVER_GOAL_LEASES = 2.0
 
 LEASES = ("SELECT l.lane, r.address FROM lane_leases l JOIN scheduler_replicas r ON r.owner = l.owner "
@@ -180,7 +182,7 @@ async def measure(args, stacks: dict, databases: Databases, progress, deliberate
     progress.set_postfix_str("lanes over the replicas")
     held = await wait_balanced(stacks["replicas"], args.ceiling_trainers)
     for name in VARIANTS:
-        if name != "direct":
+        if name not in ("direct", "hinted"):
             await create_runs(stacks[name], "small", args.ceiling_runs, small)
     placed = await asyncio.to_thread(run_lanes, stacks["replicas"])
     owners = await asyncio.to_thread(lane_owners, stacks["replicas"])
@@ -188,11 +190,12 @@ async def measure(args, stacks: dict, databases: Databases, progress, deliberate
     # "direct": the replicas stack's runs again, each through a channel to its lane's owner
     channels = {a: grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS) for a in held}
     direct_stubs = {r.id: service_pb2_grpc.TemperStub(channels[owners[placed[r.id]]]) for r in stacks["replicas"].runs["small"]}
-    stacks["direct"] = stacks["replicas"]
+    stacks["direct"] = stacks["hinted"] = stacks["replicas"]
     progress.update()
     samples: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     progress.set_postfix_str("warm-up")
     def route(v: str) -> None:
+        clients.hinted = v == "hinted"
         for run in stacks["replicas"].runs["small"]:
             run.stub = direct_stubs[run.id] if v == "direct" else None
 
@@ -219,8 +222,9 @@ async def measure(args, stacks: dict, databases: Databases, progress, deliberate
     progress.update()
     for channel in channels.values():
         await channel.close()
+    await clients.close()
     for name, stack in stacks.items():
-        for tenant in ([] if name == "direct" else stack.tenants):
+        for tenant in ([] if name in ("direct", "hinted") else stack.tenants):
             await tenant.channel.close()
     return {"samples": samples, "failover": killed, "clients": clients, "lanes": held, "runs_per_replica": runs_per_replica}
 
@@ -263,6 +267,9 @@ def summarize(args, measured: dict) -> dict:
     direct = _side(samples["direct"], groups + tuple(f"scheduler-{i}" for i in range(n)))
     direct["forwarded_fraction"] = median([s["usage"]["forwarded"] / s["answered"] for s in samples["direct"]
                                            if s["usage"]["forwarded"] is not None and s["answered"]])
+    hinted = _side(samples["hinted"], groups + tuple(f"scheduler-{i}" for i in range(n)))
+    hinted["forwarded_fraction"] = median([s["usage"]["forwarded"] / s["answered"] for s in samples["hinted"]
+                                           if s["usage"]["forwarded"] is not None and s["answered"]])
     ceiling = summarize_ceiling(args, samples)
     durable = samples["durable_floor"]
     durable_ms = median([_per_verb_ms(s, "scheduler") for s in durable])
@@ -278,6 +285,11 @@ def summarize(args, measured: dict) -> dict:
         # the split alone: N replicas, each verb sent to its lane's owner (nothing forwarded), over one
         "direct_scheduler_cpu_per_verb": _ratio(direct["scheduler_cpu_ms_per_verb"], one["scheduler_cpu_ms_per_verb"]),
         "direct_verbs_per_s": _ratio(direct["verbs_per_s"], one["verbs_per_s"]),
+        # round_robin clients that follow the owner hints (what temper.client and the gateway do)
+        "hinted_scheduler_cpu_per_verb": _ratio(hinted["scheduler_cpu_ms_per_verb"], one["scheduler_cpu_ms_per_verb"]),
+        "samples_hinted_scheduler_cpu_per_verb": [_ratio(_per_verb_ms(a, "scheduler"), _per_verb_ms(b, "scheduler"))
+                                                  for a, b in zip(samples["hinted"], samples["ceiling"])],
+        "hinted_verbs_per_s": _ratio(hinted["verbs_per_s"], one["verbs_per_s"]),
         "database_cpu_per_verb": _ratio(many["database_cpu_ms_per_verb"], one["database_cpu_ms_per_verb"]),
         "one_scheduler_cpu_per_verb_over_durable_floor": _ratio(one["scheduler_cpu_ms_per_verb"], durable_ms),
         # what round_robin's replicas spend above the direct ones, per verb they forwarded (a forwarded verb passes
@@ -291,6 +303,7 @@ def summarize(args, measured: dict) -> dict:
         "one": one,
         "many": many,
         "direct": direct,
+        "hinted": hinted,
         "ratios": ratios,
         "failover": f,
         "durable_floor_cpu_ms_per_verb": durable_ms,
@@ -298,6 +311,8 @@ def summarize(args, measured: dict) -> dict:
         "goals": {
             "scheduler_cpu_per_verb": {"goal": f"<= {CPU_GOAL}", "met": ratios["scheduler_cpu_per_verb"] is not None
                                        and ratios["scheduler_cpu_per_verb"] <= CPU_GOAL},
+            "hinted_scheduler_cpu_per_verb": {"goal": f"<= {CPU_GOAL}", "met": ratios["hinted_scheduler_cpu_per_verb"] is not None
+                                              and ratios["hinted_scheduler_cpu_per_verb"] <= CPU_GOAL},
             "failover_s": {"goal": f"<= {FAILOVER_GOAL_LEASES} x lease = {f['goal_s']:.1f} s", "met": f["goal_met"]},
             "one_over_durable_floor": {"goal": f"<= {FLOOR_GOAL}", "met": ratios["one_scheduler_cpu_per_verb_over_durable_floor"]
                                        is not None and ratios["one_scheduler_cpu_per_verb_over_durable_floor"] <= FLOOR_GOAL},
