@@ -42,7 +42,7 @@ def plot(result: dict, path: Path) -> None:
         ax.text(x, side["verbs_per_s"], f"{side['verbs_per_s']:.0f}", ha="center", va="bottom", fontsize=9, fontweight="bold")
     ax.set_xticks([0, 1, 2, 3], ["1 replica", f"{n}, round_robin\n(forwarded {many['forwarded_fraction'] or 0:.2f})",
                                  f"{n}, direct\n(forwarded {direct['forwarded_fraction'] or 0:.2f})",
-                                 f"{n}, hints\n(forwarded {hinted['forwarded_fraction'] or 0:.2f})"], fontsize=8)
+                                 f"{n}, hints\n(forwarded {hinted['forwarded_fraction'] or 0:.2f})"], fontsize=7)
     ax.set_ylabel("verbs/s answered")
     ax.set_title(f"verbs/s {n} / 1 = {result['ratios']['verbs_per_s'] or 0:.2f} (machine busy "
                  f"{one['machine_busy_fraction'] or 0:.2f} / {many['machine_busy_fraction'] or 0:.2f})", fontsize=9)
