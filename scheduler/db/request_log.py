@@ -7,8 +7,10 @@ loop records its outcome), and the adapter snapshots of trainer recovery
 per cycle, usually in the previous cycle's finish). A row still "queued" at or below its run's
 watermark may have been applied, exactly as a "running" row: every read here reports it as
 "running" (``effective_status``), and only a "queued" row above it is one that never left the
-scheduler. A verb so writes two rows of its own, its request row's insert and its outcome (and its
-run_metrics row), and shares its run's row update with its cycle.
+scheduler. Rows written per verb (one INSERT or UPDATE of one row each): its request row's insert and
+its outcome, its run_metrics row, and once its run is past ``durable_results_per_run`` one older row's
+result cut; per cycle, shared by its verbs, its runs' training_runs rows (counters and the next cycle's
+watermark in one update, or a second when the watermark moves in the request writer's transaction).
 
 A mixin of ``Store`` (same engine, one transaction per method). The hot path (rows admitted
 together, a cycle's outcomes) is SQLAlchemy Core on a connection, a few statements per
