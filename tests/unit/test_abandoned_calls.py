@@ -26,7 +26,7 @@ class FrozenStub:
         self.waiting = 0
 
     def __getattr__(self, method):
-        async def hang(request, timeout=None):
+        async def hang(request, timeout=None, metadata=None):
             self.waiting += 1
             await asyncio.Event().wait()
         return hang
