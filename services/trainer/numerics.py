@@ -54,7 +54,17 @@ class LossGroup:
 class ForwardBackwardResult:
     logprobs: list[np.ndarray]          # per datum, float32, shaped like its target_tokens
     elementwise_loss: list[np.ndarray]  # per datum, float32, same shape
-    metrics: dict[str, float]           # loss:sum, num_tokens:sum, <stat>:mean
+    metrics: dict[str, float]           # loss:sum, num_tokens:sum, weights:sum (when weighted), <stat>:mean
+
+
+def summed_metrics(group: LossGroup, loss_sum: float) -> dict[str, float]:
+    """A group's summed metrics. ``weights:sum`` (datums with a ``weights`` input, cross_entropy's) is
+    the denominator of the cookbook's train_mean_nll (loss:sum / weights:sum); the scheduler keeps it
+    with the request's other metrics, and the console's loss per weight divides by it."""
+    metrics = {"loss:sum": loss_sum, "num_tokens:sum": float(sum(len(d.tokens) for d in group.data))}
+    if group.data and all("weights" in d.inputs for d in group.data):
+        metrics["weights:sum"] = float(sum(np.sum(d.inputs["weights"], dtype=np.float64) for d in group.data))
+    return metrics
 
 
 @dataclass(frozen=True)
@@ -137,7 +147,7 @@ def forward_backward(lora: LoraModel, groups: list[LossGroup], options: PassOpti
         _passes(lora, groups, options, device, on_pass, adapter_rank, logprobs, losses, totals, stat_sums, features)
     results = []
     for i, g in enumerate(groups):
-        metrics = {"loss:sum": totals[i], "num_tokens:sum": float(sum(len(d.tokens) for d in g.data))}
+        metrics = summed_metrics(g, totals[i])
         metrics.update({f"{name}:mean": total / max(count, 1.0) for name, (total, count) in stat_sums[i].items()})
         results.append(ForwardBackwardResult(logprobs[i], losses[i], metrics))
     return results

@@ -271,7 +271,7 @@ def forward_backward(sharded: ShardedModel, groups: list[LossGroup], options: Pa
     results = []
     for i, g in enumerate(groups):
         total = sum(float(loss.sum(dtype=np.float64)) for loss in losses[i])
-        metrics = {"loss:sum": total, "num_tokens:sum": float(sum(len(d.tokens) for d in g.data))}
+        metrics = numerics.summed_metrics(g, total)
         metrics.update({f"{name}:mean": t / max(c, 1.0) for name, (t, c) in stat_sums[i].items()})
         results.append(ForwardBackwardResult(logprobs[i], losses[i], metrics))
     return results

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from temper.services.gateway import fields
 from temper.services.gateway.app import api_key
 from temper.services.gateway.console.api_tenant import MAX_PAGE, call, query_int
+from temper.services.gateway.console.loss import loss_per_weight
 from temper.services.gateway.console.ranges import max_rows, session_range
 from temper.services.gateway.console.records import PAGE, TooLarge, session_records
 from temper.services.gateway.console.series import MAX_BUCKETS, session_series
@@ -52,7 +53,8 @@ async def session_metrics(session_id: str, request: Request):
 
 @router.get("/runs/{run_id}/metrics")
 async def run_metrics(run_id: str, request: Request):
-    """Every kept row of the run with step in [from_step, to_step], in seq order, read page by page."""
+    """Every kept row of the run with step in [from_step, to_step], in seq order, read page by page;
+    each with ``loss_per_weight`` (loss.py: the cookbook's train_mean_nll of that request, or null)."""
     api_key(request)
     fields.text(run_id, "run id")
     from_step = query_int(request, "from_step", 0, 0, fields.INT64[1])
@@ -65,7 +67,7 @@ async def run_metrics(run_id: str, request: Request):
         if to_step not in (None, ""):
             message.to_step = query_int(request, "to_step", 0, 0, fields.INT64[1])
         page = await call(request, "ListRunMetrics", message)
-        rows.extend(view(m) for m in page.metrics)
+        rows.extend({**view(m), "loss_per_weight": loss_per_weight(m)} for m in page.metrics)
         if len(rows) > budget:
             raise TooLarge("rows", budget)
         token = page.next_page_token

@@ -19,12 +19,20 @@ def view(message: Message) -> dict[str, Any]:
             out[field.name] = {k: _scalar(entry, v) for k, v in value.items()}
         elif field.is_repeated:
             out[field.name] = [_scalar(field, v) for v in value]
-        elif field.has_presence and field.containing_oneof is None and field.type != FieldDescriptor.TYPE_MESSAGE \
-                and not message.HasField(field.name):
-            out[field.name] = None  # proto3 optional left unset
+        elif field.has_presence and _optional(field) and not message.HasField(field.name):
+            out[field.name] = None  # proto3 optional left unset (a row without a loss shows none, not 0)
         else:
             out[field.name] = _scalar(field, value)
     return out
+
+
+def _optional(field: FieldDescriptor) -> bool:
+    """A proto3 ``optional`` scalar: it sits alone in a synthetic oneof named after it (upb's
+    descriptors say no more), so ``containing_oneof`` is set for it too; real oneofs are left as they were."""
+    if field.type == FieldDescriptor.TYPE_MESSAGE:
+        return False
+    oneof = field.containing_oneof
+    return oneof is None or (oneof.name == f"_{field.name}" and len(oneof.fields) == 1)
 
 
 def _is_map(field: FieldDescriptor) -> bool:

@@ -10,10 +10,13 @@ function curves(rows, byTime) {
   const fb = rows.filter((r) => r.kind === "forward_backward" && r.status === "done" && r.loss !== null);
   const optim = rows.filter((r) => r.kind === "optim_step" && r.status === "done");
   const opts = { time: byTime, xLabel: byTime ? "time" : "step" };
-  const perToken = fb.map((r) => (r.num_tokens ? r.loss / r.num_tokens : null));
+  // loss:sum / weights:sum, computed by the gateway (console/loss.py): the cookbook's train_mean_nll.
+  // Null where the loss has no weights (RL losses); such rows leave the chart out.
+  const weighted = fb.filter((r) => r.loss_per_weight !== null && r.loss_per_weight !== undefined);
   const charts = [
     lineChart("loss (sum)", fb.map(x), [{ label: "loss:sum", values: fb.map((r) => r.loss) }], opts),
-    lineChart("loss per token", fb.map(x), [{ label: "loss / num_tokens", values: perToken }], opts),
+    ...(weighted.length ? [lineChart("loss per weight (train_mean_nll)", weighted.map(x),
+      [{ label: "loss:sum / weights:sum", values: weighted.map((r) => r.loss_per_weight) }], opts)] : []),
     lineChart("tokens per forward_backward", fb.map(x), [{ label: "num_tokens", values: fb.map((r) => r.num_tokens) }], opts),
   ];
   const gn = optim.filter((r) => r.grad_norm !== null);
@@ -61,6 +64,7 @@ export async function render(page, runId, ctx) {
       { label: "status", cell: (r) => (r.error ? `${r.status}: ${r.error}` : r.status) },
       { label: "step", num: true, cell: (r) => r.step },
       { label: "loss", num: true, cell: (r) => fmt.num(r.loss) },
+      { label: "loss / Σ weights", num: true, cell: (r) => fmt.num(r.loss_per_weight) },
       { label: "tokens", num: true, cell: (r) => fmt.num(r.num_tokens) },
       { label: "queued", num: true, cell: (r) => fmt.secs(r.queued_seconds) },
       { label: "trainer", num: true, cell: (r) => fmt.secs(r.trainer_seconds) },
