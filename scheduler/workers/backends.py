@@ -54,7 +54,7 @@ class TrainerHandle:
     async def run_cycle(self, request: trainer_pb2.CycleRequest) -> trainer_pb2.CycleResponse:
         async with downstream(f"trainer {self.address}"):
             response = await self.calls.run(self.stub.RunCycle(request, timeout=self.settings.cycle_timeout_seconds,
-                                                               metadata=lane_token_metadata(self.lane_token())))
+                                                               **self._fencing()))
         self.cycles.ran()
         return response
 
@@ -68,13 +68,18 @@ class TrainerHandle:
         except TemperError:
             return False
 
+    def _fencing(self) -> dict:
+        """The call's lane token (replicas: common/lane_fence.py); one scheduler sends nothing extra."""
+        token = self.lane_token()
+        return {} if token is None else {"metadata": lane_token_metadata(token)}
+
     async def claim(self) -> None:
         """Tell the trainer this replica's fencing token now (it has just taken the lane): from here a
         former owner's calls are refused there. Best effort: the next call carries the token anyway."""
         try:
             async with downstream(f"trainer {self.address}"):
                 await self.stub.GetModelInfo(trainer_pb2.GetModelInfoRequest(), timeout=self.settings.trainer_call_timeout_seconds,
-                                             metadata=lane_token_metadata(self.lane_token()))
+                                             **self._fencing())
         except TemperError as exc:
             log.warning("could not claim trainer %s for this replica's lane: %s", self.address, exc.message)
 
@@ -92,7 +97,7 @@ class TrainerHandle:
         """A unary trainer call other than RunCycle (CreateAdapter, SaveAdapter, LoadAdapter, ...)."""
         async with downstream(f"trainer {self.address}"):
             return await self.calls.run(getattr(self.stub, method)(request, timeout=self.settings.trainer_call_timeout_seconds,
-                                                                   metadata=lane_token_metadata(self.lane_token())))
+                                                                   **self._fencing()))
 
     async def delete_checkpoint(self, key: str) -> int:
         """Remove a checkpoint's files; the bytes freed (0 if there were none: deleting twice is fine)."""

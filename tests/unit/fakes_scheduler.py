@@ -404,9 +404,10 @@ class FakeBackends:
         return trainer
 
 
-    def place(self, base_model, among=None):
+    def place(self, base_model, among=None, counts=None):
         candidates = among or [t for t in self.trainers if t.address not in self.down]
-        held = {t.address: sum(1 for a in self.placements.values() if a == t.address) for t in candidates}
+        held = {t.address: (counts.get(t.address, 0) if counts is not None else
+                            sum(1 for a in self.placements.values() if a == t.address)) for t in candidates}
         return next(t for t in candidates if t.address == min(held, key=lambda a: (held[a], a)))
 
 
