@@ -30,7 +30,7 @@ from temper.services.gateway.errors import GatewayError
 
 URL_SECONDS = 3600.0  # how long a signed URL (and the export it names) lasts, as the SDK's docs say
 FIRST_WAIT_SECONDS = 2.0  # how long a poll waits for a build before answering pending
-MAX_EXPORTS = 32  # exports kept at once (each holds a whole trace in memory); the oldest go first
+MAX_EXPORTS = 16  # exports kept at once (each holds a whole trace, up to ~10 MB at console_max_rows); the oldest go first
 
 Build = Callable[[], Awaitable[bytes]]
 
