@@ -138,7 +138,10 @@ def test_scaleout_replicas_quick_reports_every_field(postgres_server_url, tmp_pa
     assert ratios["direct_scheduler_cpu_per_verb"] == pytest.approx(
         result["direct"]["scheduler_cpu_ms_per_verb"] / result["one"]["scheduler_cpu_ms_per_verb"])
     assert ratios["one_scheduler_cpu_per_verb_over_durable_floor"] > 0 and ratios["extra_scheduler_cpu_ms_per_forwarded_verb"] is not None
-    assert set(result["goals"]) == {"scheduler_cpu_per_verb", "failover_s", "one_over_durable_floor"}
+    assert set(result["goals"]) == {"scheduler_cpu_per_verb", "hinted_scheduler_cpu_per_verb", "failover_s", "one_over_durable_floor"}
+    assert result["hinted"]["forwarded_fraction"] < many["forwarded_fraction"]  # owner hints: runs' verbs go to their owner
+    assert ratios["hinted_scheduler_cpu_per_verb"] == pytest.approx(
+        result["hinted"]["scheduler_cpu_ms_per_verb"] / result["one"]["scheduler_cpu_ms_per_verb"])
     # the single replica's ceiling against the bare and the durable floor, side by side as before
     ceiling = result["ceiling"]
     assert ceiling["grpc_floor_verbs_per_s"] > 0 and ceiling["durable_floor_verbs_per_s"] > 0 and ceiling["verbs_per_s"] > 0
