@@ -25,6 +25,7 @@ from temper.services.lora.model import LoraModel
 from temper.services.trainer.deterministic_passes import deterministic_passes
 from temper.services.trainer.losses import LOSS_FNS, loss_positions
 from temper.services.trainer.memory import ActivationModel
+from temper.services.trainer.pass_metrics import summed_metrics
 from temper.services.trainer.target_logprobs import target_logprobs
 from temper.services.trainer.vision import ImageFeatures, PassImages, pass_images
 
@@ -55,16 +56,6 @@ class ForwardBackwardResult:
     logprobs: list[np.ndarray]          # per datum, float32, shaped like its target_tokens
     elementwise_loss: list[np.ndarray]  # per datum, float32, same shape
     metrics: dict[str, float]           # loss:sum, num_tokens:sum, weights:sum (when weighted), <stat>:mean
-
-
-def summed_metrics(group: LossGroup, loss_sum: float) -> dict[str, float]:
-    """A group's summed metrics. ``weights:sum`` (datums with a ``weights`` input, cross_entropy's) is
-    the denominator of the cookbook's train_mean_nll (loss:sum / weights:sum); the scheduler keeps it
-    with the request's other metrics, and the console's loss per weight divides by it."""
-    metrics = {"loss:sum": loss_sum, "num_tokens:sum": float(sum(len(d.tokens) for d in group.data))}
-    if group.data and all("weights" in d.inputs for d in group.data):
-        metrics["weights:sum"] = float(sum(np.sum(d.inputs["weights"], dtype=np.float64) for d in group.data))
-    return metrics
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import math
 
 from temper.v1 import records_pb2
 
-WEIGHTS_SUM = "weights:sum"  # the trainer's metric (services/trainer/numerics.py summed_metrics)
+WEIGHTS_SUM = "weights:sum"  # the trainer's metric (services/trainer/pass_metrics.py summed_metrics)
 
 
 def loss_per_weight(row: records_pb2.RunMetric) -> float | None:
