@@ -172,3 +172,18 @@ def assert_same_weights(a, b):
     assert a.keys() == b.keys()
     for key in a:
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def store_with_run(url: str):
+    """A migrated Store on ``url`` holding one session and one bare training run: (store, run id)."""
+    from temper.scheduler.db import models as m
+    from temper.scheduler.db.store import Store, upgrade_schema
+
+    upgrade_schema(url)
+    store = Store(url)
+    session = store.create_session("t", [], {})
+    run_id = store.next_run_id(session.id)
+    store.add_training_run(m.TrainingRun(id=run_id, session_id=session.id, base_model="tiny", lora_rank=4, lora_alpha=8.0,
+                                         lora_dropout=0.0, train_attn=True, train_mlp=True, train_unembed=True, user_metadata={},
+                                         next_seq_id=1))
+    return store, run_id

@@ -11,28 +11,16 @@ import numpy as np
 import pytest
 from sqlalchemy import create_engine, text
 
-from fixtures_stack import adapter_weights, raw_stub, request_rows, sft_datum
+from fixtures_stack import store_with_run, adapter_weights, raw_stub, request_rows, sft_datum
 from temper.client import AdamParams, convert
 from temper.localstack import LocalStack
-from temper.scheduler.db import models as m
 from temper.scheduler.db.request_log import NewRequest
-from temper.scheduler.db.store import Store, upgrade_schema
+from temper.scheduler.db.store import Store
 from temper.scheduler.planning.admission import _answer_from_record, stored_answer
 from temper.v1 import service_pb2
 
 ADAM = AdamParams(learning_rate=5e-3, eps=1e-8)
 TOKENS = [7, 19, 42, 101, 250, 33, 77, 5, 310, 64, 128, 12]
-
-
-def _store_and_run(url: str) -> tuple[Store, str]:
-    upgrade_schema(url)
-    store = Store(url)
-    session = store.create_session("t", [], {})
-    run_id = store.next_run_id(session.id)
-    store.add_training_run(m.TrainingRun(id=run_id, session_id=session.id, base_model="tiny", lora_rank=4, lora_alpha=8.0,
-                                         lora_dropout=0.0, train_attn=True, train_mlp=True, train_unembed=True, user_metadata={},
-                                         next_seq_id=1))
-    return store, run_id
 
 
 def _raw(url: str, sql: str, **params):
@@ -46,7 +34,7 @@ def _raw(url: str, sql: str, **params):
 @pytest.mark.parametrize("backend", ["postgresql", "sqlite"])
 def test_rows_under_the_watermark_read_as_running_after_a_crash(backend, new_postgres_database, tmp_path):
     url = new_postgres_database("temper_watermark") if backend == "postgresql" else f"sqlite:///{tmp_path / 'wm.db'}"
-    store, run_id = _store_and_run(url)
+    store, run_id = store_with_run(url)
     store.add_requests([NewRequest(run_id, 1, "forward_backward", "sha1", "queued", 6, payload=b"p1"),
                         NewRequest(run_id, 2, "optim_step", "sha2", "queued", 0, payload=b"p2")])
     # the lane's first cycle (seqs 1, 2) marked with the rows admitted meanwhile (3, 4): the request writer's group

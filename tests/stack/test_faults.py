@@ -264,17 +264,10 @@ def test_a_store_whose_connections_are_cut_answers_unavailable_and_reconnects(ne
 
 def test_finishing_requests_again_counts_nothing_twice(new_postgres_database):
     """What the loop does when a finish_requests call failed after its commit: it sends it again."""
-    from temper.scheduler.db import models as m
-    from temper.scheduler.db.store import Store, upgrade_schema
+    from fixtures_stack import store_with_run
 
     url = new_postgres_database("temper_faults")
-    upgrade_schema(url)
-    store = Store(url)
-    session = store.create_session("t", [], {})
-    run_id = store.next_run_id(session.id)
-    store.add_training_run(m.TrainingRun(id=run_id, session_id=session.id, base_model="tiny", lora_rank=4, lora_alpha=8.0,
-                                         lora_dropout=0.0, train_attn=True, train_mlp=True, train_unembed=True, user_metadata={},
-                                         next_seq_id=1))
+    store, run_id = store_with_run(url)
     store.add_request(run_id, 1, "forward_backward", "sha1", "queued", 6)
     store.add_request(run_id, 2, "optim_step", "sha2", "queued", 0)
     store.mark_running([(run_id, 1), (run_id, 2)])

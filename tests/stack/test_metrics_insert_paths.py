@@ -7,9 +7,8 @@ import math
 
 from sqlalchemy import text
 
-from temper.scheduler.db import models as m
+from fixtures_stack import store_with_run
 from temper.scheduler.db import pg_batch
-from temper.scheduler.db.store import Store, upgrade_schema
 
 
 def _row(run_id: str, seq: int, loss: float) -> dict:
@@ -21,13 +20,7 @@ def _row(run_id: str, seq: int, loss: float) -> dict:
 
 def test_json_and_values_paths_store_the_same_rows(new_postgres_database):
     url = new_postgres_database("temper_metrics_paths")
-    upgrade_schema(url)
-    store = Store(url)
-    session = store.create_session("t", [], {})
-    run_id = store.next_run_id(session.id)
-    store.add_training_run(m.TrainingRun(id=run_id, session_id=session.id, base_model="tiny", lora_rank=4, lora_alpha=8.0,
-                                         lora_dropout=0.0, train_attn=True, train_mlp=True, train_unembed=True, user_metadata={},
-                                         next_seq_id=1))
+    store, run_id = store_with_run(url)
     with store.engine.begin() as conn:
         pg_batch.insert_metrics(conn, [_row(run_id, 1, 1 / 3), _row(run_id, 2, 2.5)])             # JSON
         pg_batch.insert_metrics(conn, [_row(run_id, 3, 1 / 3), _row(run_id, 4, float("nan"))])    # VALUES (a NaN loss)

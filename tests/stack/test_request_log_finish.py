@@ -10,27 +10,16 @@ from datetime import datetime, timezone
 import pytest
 from sqlalchemy import create_engine, text
 
-from temper.scheduler.db import models as m
+from fixtures_stack import store_with_run
 from temper.scheduler.db.records import MetricRow
-from temper.scheduler.db.store import Store, upgrade_schema
+from temper.scheduler.db.store import Store
 
 # a row's status as the store reads it: queued at or below the run's dispatched watermark is running
 EFFECTIVE_STATUS = "case when r.status = 'queued' and r.seq_id <= t.dispatched_seq then 'running' else r.status end"
 
 
-def _store_and_run(url: str) -> tuple[Store, str]:
-    upgrade_schema(url)
-    store = Store(url)
-    session = store.create_session("t", [], {})
-    run_id = store.next_run_id(session.id)
-    store.add_training_run(m.TrainingRun(id=run_id, session_id=session.id, base_model="tiny", lora_rank=4, lora_alpha=8.0,
-                                         lora_dropout=0.0, train_attn=True, train_mlp=True, train_unembed=True, user_metadata={},
-                                         next_seq_id=1))
-    return store, run_id
-
-
-def _store_with_run(url: str) -> tuple[Store, str]:
-    store, run_id = _store_and_run(url)
+def _store_with_requests(url: str) -> tuple[Store, str]:
+    store, run_id = store_with_run(url)
     for seq, kind in enumerate(("forward_backward", "optim_step", "forward_backward", "optim_step", "forward_backward"), 1):
         store.add_request(run_id, seq, kind, f"sha{seq}", "queued", 6 if kind == "forward_backward" else 0)
     return store, run_id
@@ -61,7 +50,7 @@ def _finish_two_cycles(store: Store, run_id: str) -> None:
 @pytest.mark.parametrize("backend", ["postgresql", "sqlite"])
 def test_finish_records_open_requests_once_and_marks_the_next_cycle(backend, new_postgres_database, tmp_path):
     url = new_postgres_database("temper_finish") if backend == "postgresql" else f"sqlite:///{tmp_path / 'finish.db'}"
-    store, run_id = _store_with_run(url)
+    store, run_id = _store_with_requests(url)
     _finish_two_cycles(store, run_id)
     rows, counters = _rows(url, run_id)
     assert rows[1] == ("done", None, None, True)  # cleared: out of the 1-result window once seq 3 finished
@@ -76,7 +65,7 @@ def test_finish_records_open_requests_once_and_marks_the_next_cycle(backend, new
 
 def test_finish_with_nothing_open_counts_nothing(new_postgres_database):
     url = new_postgres_database("temper_finish")
-    store, run_id = _store_with_run(url)
+    store, run_id = _store_with_requests(url)
     store.finish_requests([(run_id, 1, "done", None, b"a")], {run_id: 6}, {run_id: 0}, {run_id: 2}, result_window=8)
     store.finish_requests([(run_id, 1, "done", None, b"b")], {run_id: 6}, {run_id: 0}, {run_id: 2}, result_window=8)
     rows, counters = _rows(url, run_id)
@@ -89,7 +78,7 @@ def test_results_are_cut_from_the_previous_cut_on(new_postgres_database):
     further back: a row below the previous cut is not looked at again (a long run's log is not
     scanned at every cycle). Seeded here with a result the previous cut would have cleared."""
     url = new_postgres_database("temper_finish_cut")
-    store, run_id = _store_with_run(url)
+    store, run_id = _store_with_requests(url)
     store.finish_requests([(run_id, s, "done", None, b"r%d" % s) for s in (1, 2, 3)], {run_id: 12}, {run_id: 1}, {run_id: 4},
                           result_window=2)
     rows, _ = _rows(url, run_id)
@@ -108,7 +97,7 @@ def test_results_are_cut_from_the_previous_cut_on(new_postgres_database):
 def test_a_snapshot_clears_payloads_from_the_previous_snapshot_on(new_postgres_database):
     """record_snapshot clears the logged payloads its snapshot covers, from the previous snapshot's seq on."""
     url = new_postgres_database("temper_snapshot_clear")
-    store, run_id = _store_and_run(url)
+    store, run_id = store_with_run(url)
     for seq in range(1, 7):
         store.add_request(run_id, seq, "forward_backward", f"sha{seq}", "queued", 6, payload=b"p%d" % seq)
     assert store.record_snapshot(run_id, "k2", 2) is None
@@ -128,7 +117,7 @@ def test_last_request_at_moves_with_the_requests_recorded(new_postgres_database)
     """A run's last_request_at becomes the arrival of its newest request recorded by the finish (its
     run_metrics row's created_ms); a resent finish that records nothing leaves it."""
     url = new_postgres_database("temper_finish_last")
-    store, run_id = _store_with_run(url)
+    store, run_id = _store_with_requests(url)
     created = [1_800_000_000_000 + 1000 * s for s in (1, 2)]
     rows = [MetricRow(run_id, s, "forward_backward", "done", None, 1.0, 6, None, None, {}, 0, "t:1", 1, ms, ms, ms + 5)
             for s, ms in zip((1, 2), created)]
