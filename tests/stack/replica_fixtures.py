@@ -7,6 +7,7 @@ import time
 import urllib.request
 
 import numpy as np
+import pytest
 from sqlalchemy import create_engine, text
 
 from fixtures_stack import sft_datum
@@ -22,6 +23,25 @@ def replicated_stack(model: str, folder, url: str, replicas: int, trainers: int,
                        extra_env={"TEMPER_SCHEDULER_LEASE_SECONDS": str(LEASE_SECONDS), **env})
     local.address = local.start()
     return local
+
+
+@pytest.fixture
+def two(tiny_model_dir, new_postgres_database, tmp_path):
+    """Two replicas and two trainers on a fresh database, the lanes settled one each (import it into the test module)."""
+    url = new_postgres_database()
+    with replicated_stack(tiny_model_dir, tmp_path / "two", url, replicas=2, trainers=2) as local:
+        local.url = url
+        wait_balanced(local, url)
+        yield local
+
+
+def run_lanes(url: str, run_ids: list[str]) -> dict[str, str]:
+    """Run id -> the trainer (lane) it is placed on."""
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT id, trainer FROM training_runs WHERE id = ANY(:ids)"), {"ids": run_ids}).all()
+    engine.dispose()
+    return dict(rows)
 
 
 def lane_holders(url: str) -> dict[str, tuple[str, int]]:

@@ -9,33 +9,14 @@ from __future__ import annotations
 import signal
 import threading
 
-import pytest
 from safetensors.numpy import load_file
-from sqlalchemy import create_engine, text
 
 from fixtures_stack import assert_same_weights
-from replica_fixtures import ADAM, counter, data_for, replicated_stack, wait_balanced
+from replica_fixtures import ADAM, counter, data_for, run_lanes, two, wait_balanced  # noqa: F401 - two: a fixture
 
 RUNS = 4  # two on each trainer's lane
 STEPS = 3
 FORWARDED = "temper_scheduler_forwarded_total"
-
-
-@pytest.fixture
-def two(tiny_model_dir, new_postgres_database, tmp_path):
-    url = new_postgres_database()
-    with replicated_stack(tiny_model_dir, tmp_path / "two", url, replicas=2, trainers=2) as local:
-        local.url = url
-        wait_balanced(local, url)
-        yield local
-
-
-def run_lanes(url: str, run_ids: list[str]) -> dict[str, str]:
-    engine = create_engine(url)
-    with engine.connect() as conn:
-        rows = conn.execute(text("SELECT id, trainer FROM training_runs WHERE id = ANY(:ids)"), {"ids": run_ids}).all()
-    engine.dispose()
-    return dict(rows)
 
 
 def forwarded(stack) -> float:

@@ -10,24 +10,15 @@ import signal
 import threading
 import time
 
-import pytest
 from safetensors.numpy import load_file
 from sqlalchemy import create_engine, text
 
 from fixtures_stack import assert_same_weights
-from replica_fixtures import ADAM, LEASE_SECONDS, data_for, lane_holders, replica_addresses, replicated_stack, train_alone, wait_balanced
+from replica_fixtures import (ADAM, LEASE_SECONDS, data_for, lane_holders, replica_addresses, run_lanes, train_alone,  # noqa: F401
+                              two, wait_balanced)  # two: a fixture
 
 STEPS = 6
 RUNS = 4  # two on each trainer's lane
-
-
-@pytest.fixture
-def two(tiny_model_dir, new_postgres_database, tmp_path):
-    url = new_postgres_database()
-    with replicated_stack(tiny_model_dir, tmp_path / "two", url, replicas=2, trainers=2) as local:
-        local.url = url
-        wait_balanced(local, url)
-        yield local
 
 
 class Load:
@@ -80,14 +71,6 @@ class Load:
             t.join(max(0.0, deadline - time.monotonic()))
         assert not self.errors, self.errors
         assert self.acknowledged == [STEPS] * RUNS, runs_state(url, [tc.model_id for tc in self.runs])
-
-
-def run_lanes(url: str, run_ids: list[str]) -> dict[str, str]:
-    engine = create_engine(url)
-    with engine.connect() as conn:
-        rows = conn.execute(text("SELECT id, trainer FROM training_runs WHERE id = ANY(:ids)"), {"ids": run_ids}).all()
-    engine.dispose()
-    return dict(rows)
 
 
 def runs_state(url: str, run_ids: list[str]) -> list[tuple]:
