@@ -61,10 +61,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from scaleout_load import (FB, OPT, Clients, Tenant, closed_loop, connect, create_runs, latency_summary, make_data, median,
+from scaleout_load import (FB, OPT, Clients, closed_loop, connect, create_runs, latency_summary, make_data, median,
                            open_loop, summarize_ceiling, tokens_per_second, verbs_per_second)
 from scaleout_args import parse as parse_args
-from scaleout_procs import DEFAULT_SERVER, HERE, REPO, Databases, Stack, Usage, make_tenants, start_floor, start_stacks
+from scaleout_procs import DEFAULT_SERVER, REPO, Databases, Stack, Usage, start_all
 
 SMALL = ("ceiling", "floor", "durable_floor")  # the variants driven with the small verbs
 GOAL_FRACTION = 0.9
@@ -299,18 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     token = secrets.token_urlsafe(32)
     failed, kept_logs = True, None
     try:
-        progress.set_postfix_str("starting schedulers and fake workers")
-        start_stacks(list(stacks.values()), databases, log_dir, token, scheduler_env, progress)
-        for floor in floors:
-            stacks[floor.name] = floor
-            start_floor(floor, log_dir, databases if floor.name == "durable_floor" else None)
-        progress.set_postfix_str("API keys")
-        for stack in stacks.values():
-            if stack in floors:
-                stack.tenants = [Tenant(f"tenant-{i:02d}", "none") for i in range(args.tenants)]
-                continue
-            make_tenants(stack, args.tenants)
-            progress.update()
+        start_all(stacks, floors, databases, log_dir, token, scheduler_env, args.tenants, progress)
         progress.set_postfix_str("sessions and runs")
         measured = asyncio.run(measure(args, stacks, databases, progress))
         failed = measured["clients"].error_count > 0  # the schedulers' logs say why: kept

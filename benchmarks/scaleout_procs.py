@@ -247,6 +247,24 @@ def start_floor(stack: Stack, log_dir: Path, databases: Databases | None = None)
     stack.scheduler.wait_ready(120)
 
 
+def start_all(stacks: dict, floors: list[Stack], databases: Databases, log_dir: Path, token: str, scheduler_env: dict[str, str],
+              tenants: int, progress) -> None:
+    """Start the schedulers and fake workers of ``stacks``, then the floors (added to ``stacks``), then
+    every stack's tenants (API keys; the floors' are placeholders: they check none)."""
+    progress.set_postfix_str("starting schedulers and fake workers")
+    start_stacks(list(stacks.values()), databases, log_dir, token, scheduler_env, progress)
+    for floor in floors:
+        stacks[floor.name] = floor
+        start_floor(floor, log_dir, databases if floor.name == "durable_floor" else None)
+    progress.set_postfix_str("API keys")
+    for stack in stacks.values():
+        if stack in floors:
+            stack.tenants = [Tenant(f"tenant-{i:02d}", "none") for i in range(tenants)]
+            continue
+        make_tenants(stack, tenants)
+        progress.update()
+
+
 def make_tenants(stack: Stack, count: int) -> None:
     """``count`` tenants with an API key each (``temper.scheduler.admin.create_key``: once the
     scheduler is up, the schema is there and each key is one insert)."""

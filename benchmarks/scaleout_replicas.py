@@ -270,8 +270,7 @@ def run(args, scheduler_env: dict[str, str], describe: dict) -> dict:
 
     from tqdm import tqdm
 
-    from scaleout_procs import DEFAULT_SERVER, make_tenants, start_floor, start_stacks
-    from scaleout_load import Tenant
+    from scaleout_procs import DEFAULT_SERVER, start_all
 
     started = time.perf_counter()
     load_at_start = os.getloadavg()
@@ -287,18 +286,7 @@ def run(args, scheduler_env: dict[str, str], describe: dict) -> dict:
     token = secrets.token_urlsafe(32)
     failed, kept_logs, measured = True, None, None
     try:
-        progress.set_postfix_str("starting schedulers and fake workers")
-        start_stacks(list(stacks.values()), databases, log_dir, token, scheduler_env, progress)
-        for floor in floors:
-            stacks[floor.name] = floor
-            start_floor(floor, log_dir, databases if floor.name == "durable_floor" else None)
-        progress.set_postfix_str("API keys")
-        for stack in stacks.values():
-            if stack in floors:
-                stack.tenants = [Tenant(f"tenant-{i:02d}", "none") for i in range(args.tenants)]
-                continue
-            make_tenants(stack, args.tenants)
-            progress.update()
+        start_all(stacks, floors, databases, log_dir, token, scheduler_env, args.tenants, progress)
         deliberate: set[int] = set()  # the pid the failover SIGKILLs
         measured = asyncio.run(guarded(measure(args, stacks, databases, progress, deliberate), stacks, deliberate))
         failed = measured["clients"].error_count > 0

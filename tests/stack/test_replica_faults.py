@@ -17,7 +17,7 @@ from fixtures_stack import assert_same_weights
 from replica_fixtures import (ADAM, LEASE_SECONDS, data_for, lane_holders, replica_addresses, run_lanes, train_alone,  # noqa: F401
                               two, wait_balanced)  # two: a fixture
 
-STEPS = 6
+STEPS = 4
 RUNS = 4  # two on each trainer's lane
 
 
