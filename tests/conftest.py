@@ -20,10 +20,3 @@ def pytest_collection_modifyitems(config, items):
         layer = Path(str(item.fspath)).parent.name
         if layer in LAYERS:
             item.add_marker(getattr(pytest.mark, layer))
-    # Longest first: `make test` hands whole files to two workers in collection order (--dist loadfile).
-    # A long file that starts last runs alone while the other worker idles, so the files marked slow
-    # go first, then the stack, the engine, and the unit tests (seconds each) fill the gaps at the end.
-    # The sort is stable: each file's own order is kept.
-    slow_files = {item.fspath for item in items if item.get_closest_marker("slow")}
-    order = {"stack": 1, "engine": 2, "unit": 3}
-    items.sort(key=lambda item: 0 if item.fspath in slow_files else order.get(Path(str(item.fspath)).parent.name, 4))

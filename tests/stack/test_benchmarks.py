@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # minutes in all: collected first (tests/conftest.py), so it never runs alone at the end
-
 REPO = Path(__file__).resolve().parents[2]
 
 

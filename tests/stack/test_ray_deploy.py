@@ -18,8 +18,6 @@ from fixtures_stack import sft_datum
 from test_faults import metric
 from test_trainer_loss import ADAM, DATA, assert_close_weights, train_alone
 
-pytestmark = pytest.mark.slow  # minutes in all: collected first (tests/conftest.py), so it never runs alone at the end
-
 
 def free_port() -> int:
     with socket.socket() as probe:
