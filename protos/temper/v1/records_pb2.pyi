@@ -76,15 +76,17 @@ class ListRunMetricsResponse(_message.Message):
     def __init__(self, metrics: _Optional[_Iterable[_Union[RunMetric, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class ListSessionsRequest(_message.Message):
-    __slots__ = ("limit", "offset")
+    __slots__ = ("limit", "offset", "project_id")
     LIMIT_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PROJECT_ID_FIELD_NUMBER: _ClassVar[int]
     limit: int
     offset: int
-    def __init__(self, limit: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+    project_id: str
+    def __init__(self, limit: _Optional[int] = ..., offset: _Optional[int] = ..., project_id: _Optional[str] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "tags", "user_metadata", "created_unix_ms", "last_heartbeat_unix_ms", "closed", "close_status", "closed_unix_ms", "training_run_ids", "sampler_ids", "sample_requests", "prompt_tokens", "tokens_sampled")
+    __slots__ = ("session_id", "tags", "user_metadata", "created_unix_ms", "last_heartbeat_unix_ms", "closed", "close_status", "closed_unix_ms", "training_run_ids", "sampler_ids", "sample_requests", "prompt_tokens", "tokens_sampled", "display_name", "project_id", "checkpoints_count", "checkpoint_bytes")
     class UserMetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +107,10 @@ class SessionInfo(_message.Message):
     SAMPLE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    DISPLAY_NAME_FIELD_NUMBER: _ClassVar[int]
+    PROJECT_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_BYTES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tags: _containers.RepeatedScalarFieldContainer[str]
     user_metadata: _containers.ScalarMap[str, str]
@@ -118,7 +124,11 @@ class SessionInfo(_message.Message):
     sample_requests: int
     prompt_tokens: int
     tokens_sampled: int
-    def __init__(self, session_id: _Optional[str] = ..., tags: _Optional[_Iterable[str]] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., created_unix_ms: _Optional[int] = ..., last_heartbeat_unix_ms: _Optional[int] = ..., closed: _Optional[bool] = ..., close_status: _Optional[str] = ..., closed_unix_ms: _Optional[int] = ..., training_run_ids: _Optional[_Iterable[str]] = ..., sampler_ids: _Optional[_Iterable[str]] = ..., sample_requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., tokens_sampled: _Optional[int] = ...) -> None: ...
+    display_name: str
+    project_id: str
+    checkpoints_count: int
+    checkpoint_bytes: int
+    def __init__(self, session_id: _Optional[str] = ..., tags: _Optional[_Iterable[str]] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., created_unix_ms: _Optional[int] = ..., last_heartbeat_unix_ms: _Optional[int] = ..., closed: _Optional[bool] = ..., close_status: _Optional[str] = ..., closed_unix_ms: _Optional[int] = ..., training_run_ids: _Optional[_Iterable[str]] = ..., sampler_ids: _Optional[_Iterable[str]] = ..., sample_requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., tokens_sampled: _Optional[int] = ..., display_name: _Optional[str] = ..., project_id: _Optional[str] = ..., checkpoints_count: _Optional[int] = ..., checkpoint_bytes: _Optional[int] = ...) -> None: ...
 
 class ListSessionsResponse(_message.Message):
     __slots__ = ("sessions", "total_count")
@@ -193,3 +203,72 @@ class GetSessionSamplingMetricsResponse(_message.Message):
     buckets: _containers.RepeatedCompositeFieldContainer[SamplingBucket]
     next_page_token: str
     def __init__(self, records: _Optional[_Iterable[_Union[SamplingRecord, _Mapping]]] = ..., buckets: _Optional[_Iterable[_Union[SamplingBucket, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class Project(_message.Message):
+    __slots__ = ("project_id", "name", "created_unix_ms")
+    PROJECT_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    project_id: str
+    name: str
+    created_unix_ms: int
+    def __init__(self, project_id: _Optional[str] = ..., name: _Optional[str] = ..., created_unix_ms: _Optional[int] = ...) -> None: ...
+
+class CreateProjectRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ListProjectsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListProjectsResponse(_message.Message):
+    __slots__ = ("projects",)
+    PROJECTS_FIELD_NUMBER: _ClassVar[int]
+    projects: _containers.RepeatedCompositeFieldContainer[Project]
+    def __init__(self, projects: _Optional[_Iterable[_Union[Project, _Mapping]]] = ...) -> None: ...
+
+class AssignSessionProjectRequest(_message.Message):
+    __slots__ = ("session_id", "project_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROJECT_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    project_id: str
+    def __init__(self, session_id: _Optional[str] = ..., project_id: _Optional[str] = ...) -> None: ...
+
+class SearchSessionsRequest(_message.Message):
+    __slots__ = ("session_id", "project_ids", "user_metadata", "display_name", "statuses", "limit", "after_created_unix_us", "after_session_id")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROJECT_IDS_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    DISPLAY_NAME_FIELD_NUMBER: _ClassVar[int]
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    AFTER_CREATED_UNIX_US_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    project_ids: _containers.RepeatedScalarFieldContainer[str]
+    user_metadata: _containers.ScalarMap[str, str]
+    display_name: str
+    statuses: _containers.RepeatedScalarFieldContainer[str]
+    limit: int
+    after_created_unix_us: int
+    after_session_id: str
+    def __init__(self, session_id: _Optional[str] = ..., project_ids: _Optional[_Iterable[str]] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., display_name: _Optional[str] = ..., statuses: _Optional[_Iterable[str]] = ..., limit: _Optional[int] = ..., after_created_unix_us: _Optional[int] = ..., after_session_id: _Optional[str] = ...) -> None: ...
+
+class SearchSessionsResponse(_message.Message):
+    __slots__ = ("sessions", "more")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
+    more: bool
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...

@@ -151,6 +151,16 @@ class TemperStub:
                 request_serializer=temper_dot_v1_dot_service__pb2.DownloadCheckpointRequest.SerializeToString,
                 response_deserializer=temper_dot_v1_dot_types__pb2.FileChunk.FromString,
                 _registered_method=True)
+        self.SignCheckpointDownload = channel.unary_unary(
+                '/temper.v1.Temper/SignCheckpointDownload',
+                request_serializer=temper_dot_v1_dot_service__pb2.SignCheckpointDownloadRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_service__pb2.SignCheckpointDownloadResponse.FromString,
+                _registered_method=True)
+        self.ReadSignedCheckpointFile = channel.unary_stream(
+                '/temper.v1.Temper/ReadSignedCheckpointFile',
+                request_serializer=temper_dot_v1_dot_service__pb2.ReadSignedCheckpointFileRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_types__pb2.FileChunk.FromString,
+                _registered_method=True)
         self.ImportCheckpoint = channel.stream_unary(
                 '/temper.v1.Temper/ImportCheckpoint',
                 request_serializer=temper_dot_v1_dot_service__pb2.ImportCheckpointChunk.SerializeToString,
@@ -225,6 +235,36 @@ class TemperStub:
                 '/temper.v1.Temper/GetClusterStatus',
                 request_serializer=temper_dot_v1_dot_service__pb2.GetClusterStatusRequest.SerializeToString,
                 response_deserializer=temper_dot_v1_dot_service__pb2.ClusterStatus.FromString,
+                _registered_method=True)
+        self.CreateProject = channel.unary_unary(
+                '/temper.v1.Temper/CreateProject',
+                request_serializer=temper_dot_v1_dot_records__pb2.CreateProjectRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_records__pb2.Project.FromString,
+                _registered_method=True)
+        self.ListProjects = channel.unary_unary(
+                '/temper.v1.Temper/ListProjects',
+                request_serializer=temper_dot_v1_dot_records__pb2.ListProjectsRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_records__pb2.ListProjectsResponse.FromString,
+                _registered_method=True)
+        self.AssignSessionProject = channel.unary_unary(
+                '/temper.v1.Temper/AssignSessionProject',
+                request_serializer=temper_dot_v1_dot_records__pb2.AssignSessionProjectRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_records__pb2.SessionInfo.FromString,
+                _registered_method=True)
+        self.SearchSessions = channel.unary_unary(
+                '/temper.v1.Temper/SearchSessions',
+                request_serializer=temper_dot_v1_dot_records__pb2.SearchSessionsRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_records__pb2.SearchSessionsResponse.FromString,
+                _registered_method=True)
+        self.GetBillingUsage = channel.unary_unary(
+                '/temper.v1.Temper/GetBillingUsage',
+                request_serializer=temper_dot_v1_dot_service__pb2.GetBillingUsageRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_service__pb2.GetBillingUsageResponse.FromString,
+                _registered_method=True)
+        self.CopyCheckpoint = channel.unary_unary(
+                '/temper.v1.Temper/CopyCheckpoint',
+                request_serializer=temper_dot_v1_dot_service__pb2.CopyCheckpointRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_types__pb2.Checkpoint.FromString,
                 _registered_method=True)
 
 
@@ -388,6 +428,24 @@ class TemperServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SignCheckpointDownload(self, request, context):
+        """---- signed downloads of external_weights checkpoints (issue 33; docs/checkpoints.md) ----
+        Per-file tokens for one external_weights checkpoint, yours or published to you (else NOT_FOUND),
+        signed with the shared "download" key, valid until expires_unix_ms.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadSignedCheckpointFile(self, request, context):
+        """One file of a checkpoint, authorized by its token alone (no API key): a token that does not
+        verify (tampered, another file, unknown key) or has expired is PERMISSION_DENIED; a checkpoint
+        deleted since it was signed is NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ImportCheckpoint(self, request_iterator, context):
         """Client stream: an ImportCheckpointHeader, then the files of a peft LoRA adapter trained elsewhere
         (adapter_config.json, adapter_model.safetensors; at most the scheduler's max_import_bytes). They
@@ -514,6 +572,53 @@ class TemperServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateProject(self, request, context):
+        """---- issue 33: projects and session search (records.proto) ----------------------------------
+        A new project of the calling tenant (a name unique within the tenant: ALREADY_EXISTS otherwise).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListProjects(self, request, context):
+        """The calling tenant's projects, oldest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AssignSessionProject(self, request, context):
+        """Move one of the caller's sessions into one of its projects (either another tenant's: NOT_FOUND).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SearchSessions(self, request, context):
+        """The calling tenant's sessions matching every filter, newest first, a page at a time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetBillingUsage(self, request, context):
+        """---- issue 33: billing usage and copying weights (the SDK's get_billing_usage, copy_weights) ----
+        The calling tenant's usage in [from, to), summed per UTC hour, base model, session and kind:
+        tokens trained (forward_backward), prefilled and sampled, checkpoints saved, storage in GB-hours.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CopyCheckpoint(self, request, context):
+        """Copies a checkpoint the caller can read (its own, or one published to it) to a new checkpoint of
+        the caller, in a new training run of a new closed session: the copy takes no training. Files are
+        hard-linked where the trainer's store allows, so deleting the source leaves the copy whole.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TemperServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -632,6 +737,16 @@ def add_TemperServicer_to_server(servicer, server):
                     request_deserializer=temper_dot_v1_dot_service__pb2.DownloadCheckpointRequest.FromString,
                     response_serializer=temper_dot_v1_dot_types__pb2.FileChunk.SerializeToString,
             ),
+            'SignCheckpointDownload': grpc.unary_unary_rpc_method_handler(
+                    servicer.SignCheckpointDownload,
+                    request_deserializer=temper_dot_v1_dot_service__pb2.SignCheckpointDownloadRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_service__pb2.SignCheckpointDownloadResponse.SerializeToString,
+            ),
+            'ReadSignedCheckpointFile': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadSignedCheckpointFile,
+                    request_deserializer=temper_dot_v1_dot_service__pb2.ReadSignedCheckpointFileRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_types__pb2.FileChunk.SerializeToString,
+            ),
             'ImportCheckpoint': grpc.stream_unary_rpc_method_handler(
                     servicer.ImportCheckpoint,
                     request_deserializer=temper_dot_v1_dot_service__pb2.ImportCheckpointChunk.FromString,
@@ -706,6 +821,36 @@ def add_TemperServicer_to_server(servicer, server):
                     servicer.GetClusterStatus,
                     request_deserializer=temper_dot_v1_dot_service__pb2.GetClusterStatusRequest.FromString,
                     response_serializer=temper_dot_v1_dot_service__pb2.ClusterStatus.SerializeToString,
+            ),
+            'CreateProject': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateProject,
+                    request_deserializer=temper_dot_v1_dot_records__pb2.CreateProjectRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_records__pb2.Project.SerializeToString,
+            ),
+            'ListProjects': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListProjects,
+                    request_deserializer=temper_dot_v1_dot_records__pb2.ListProjectsRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_records__pb2.ListProjectsResponse.SerializeToString,
+            ),
+            'AssignSessionProject': grpc.unary_unary_rpc_method_handler(
+                    servicer.AssignSessionProject,
+                    request_deserializer=temper_dot_v1_dot_records__pb2.AssignSessionProjectRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_records__pb2.SessionInfo.SerializeToString,
+            ),
+            'SearchSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.SearchSessions,
+                    request_deserializer=temper_dot_v1_dot_records__pb2.SearchSessionsRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_records__pb2.SearchSessionsResponse.SerializeToString,
+            ),
+            'GetBillingUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetBillingUsage,
+                    request_deserializer=temper_dot_v1_dot_service__pb2.GetBillingUsageRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_service__pb2.GetBillingUsageResponse.SerializeToString,
+            ),
+            'CopyCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.CopyCheckpoint,
+                    request_deserializer=temper_dot_v1_dot_service__pb2.CopyCheckpointRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_types__pb2.Checkpoint.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1340,6 +1485,60 @@ class Temper:
             _registered_method=True)
 
     @staticmethod
+    def SignCheckpointDownload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Temper/SignCheckpointDownload',
+            temper_dot_v1_dot_service__pb2.SignCheckpointDownloadRequest.SerializeToString,
+            temper_dot_v1_dot_service__pb2.SignCheckpointDownloadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadSignedCheckpointFile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/temper.v1.Temper/ReadSignedCheckpointFile',
+            temper_dot_v1_dot_service__pb2.ReadSignedCheckpointFileRequest.SerializeToString,
+            temper_dot_v1_dot_types__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def ImportCheckpoint(request_iterator,
             target,
             options=(),
@@ -1734,6 +1933,168 @@ class Temper:
             '/temper.v1.Temper/GetClusterStatus',
             temper_dot_v1_dot_service__pb2.GetClusterStatusRequest.SerializeToString,
             temper_dot_v1_dot_service__pb2.ClusterStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateProject(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Temper/CreateProject',
+            temper_dot_v1_dot_records__pb2.CreateProjectRequest.SerializeToString,
+            temper_dot_v1_dot_records__pb2.Project.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListProjects(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Temper/ListProjects',
+            temper_dot_v1_dot_records__pb2.ListProjectsRequest.SerializeToString,
+            temper_dot_v1_dot_records__pb2.ListProjectsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AssignSessionProject(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Temper/AssignSessionProject',
+            temper_dot_v1_dot_records__pb2.AssignSessionProjectRequest.SerializeToString,
+            temper_dot_v1_dot_records__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SearchSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Temper/SearchSessions',
+            temper_dot_v1_dot_records__pb2.SearchSessionsRequest.SerializeToString,
+            temper_dot_v1_dot_records__pb2.SearchSessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBillingUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Temper/GetBillingUsage',
+            temper_dot_v1_dot_service__pb2.GetBillingUsageRequest.SerializeToString,
+            temper_dot_v1_dot_service__pb2.GetBillingUsageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CopyCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Temper/CopyCheckpoint',
+            temper_dot_v1_dot_service__pb2.CopyCheckpointRequest.SerializeToString,
+            temper_dot_v1_dot_types__pb2.Checkpoint.FromString,
             options,
             channel_credentials,
             insecure,

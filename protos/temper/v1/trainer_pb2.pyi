@@ -180,12 +180,14 @@ class LoadAdapterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ReadCheckpointRequest(_message.Message):
-    __slots__ = ("checkpoint_key", "weights_only")
+    __slots__ = ("checkpoint_key", "weights_only", "relative_path")
     CHECKPOINT_KEY_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_ONLY_FIELD_NUMBER: _ClassVar[int]
+    RELATIVE_PATH_FIELD_NUMBER: _ClassVar[int]
     checkpoint_key: str
     weights_only: bool
-    def __init__(self, checkpoint_key: _Optional[str] = ..., weights_only: _Optional[bool] = ...) -> None: ...
+    relative_path: str
+    def __init__(self, checkpoint_key: _Optional[str] = ..., weights_only: _Optional[bool] = ..., relative_path: _Optional[str] = ...) -> None: ...
 
 class DeleteCheckpointFilesRequest(_message.Message):
     __slots__ = ("checkpoint_key",)
@@ -252,3 +254,17 @@ class ImportAdapterResponse(_message.Message):
     size_bytes: int
     lora_config: _types_pb2.LoraConfig
     def __init__(self, size_bytes: _Optional[int] = ..., lora_config: _Optional[_Union[_types_pb2.LoraConfig, _Mapping]] = ...) -> None: ...
+
+class CopyCheckpointFilesRequest(_message.Message):
+    __slots__ = ("source_key", "checkpoint_key")
+    SOURCE_KEY_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_KEY_FIELD_NUMBER: _ClassVar[int]
+    source_key: str
+    checkpoint_key: str
+    def __init__(self, source_key: _Optional[str] = ..., checkpoint_key: _Optional[str] = ...) -> None: ...
+
+class CopyCheckpointFilesResponse(_message.Message):
+    __slots__ = ("size_bytes",)
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    size_bytes: int
+    def __init__(self, size_bytes: _Optional[int] = ...) -> None: ...

@@ -95,6 +95,11 @@ class TrainerStub:
                 request_serializer=temper_dot_v1_dot_trainer__pb2.ImportAdapterChunk.SerializeToString,
                 response_deserializer=temper_dot_v1_dot_trainer__pb2.ImportAdapterResponse.FromString,
                 _registered_method=True)
+        self.CopyCheckpoint = channel.unary_unary(
+                '/temper.v1.Trainer/CopyCheckpoint',
+                request_serializer=temper_dot_v1_dot_trainer__pb2.CopyCheckpointFilesRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_trainer__pb2.CopyCheckpointFilesResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServicer:
@@ -192,6 +197,14 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CopyCheckpoint(self, request, context):
+        """issue 33 (copy_weights): a checkpoint's files under a new key, hard-linked where the store allows
+        (else copied), staged and renamed into place. NOT_FOUND: no source; ALREADY_EXISTS: the key is taken.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -254,6 +267,11 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.ImportAdapter,
                     request_deserializer=temper_dot_v1_dot_trainer__pb2.ImportAdapterChunk.FromString,
                     response_serializer=temper_dot_v1_dot_trainer__pb2.ImportAdapterResponse.SerializeToString,
+            ),
+            'CopyCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.CopyCheckpoint,
+                    request_deserializer=temper_dot_v1_dot_trainer__pb2.CopyCheckpointFilesRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_trainer__pb2.CopyCheckpointFilesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -580,6 +598,33 @@ class Trainer:
             '/temper.v1.Trainer/ImportAdapter',
             temper_dot_v1_dot_trainer__pb2.ImportAdapterChunk.SerializeToString,
             temper_dot_v1_dot_trainer__pb2.ImportAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CopyCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Trainer/CopyCheckpoint',
+            temper_dot_v1_dot_trainer__pb2.CopyCheckpointFilesRequest.SerializeToString,
+            temper_dot_v1_dot_trainer__pb2.CopyCheckpointFilesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -27,6 +27,7 @@ class CheckpointKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CHECKPOINT_KIND_UNSPECIFIED: _ClassVar[CheckpointKind]
     CHECKPOINT_KIND_SAMPLER: _ClassVar[CheckpointKind]
     CHECKPOINT_KIND_TRAINING: _ClassVar[CheckpointKind]
+    CHECKPOINT_KIND_EXTERNAL: _ClassVar[CheckpointKind]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_INT64: DType
@@ -39,6 +40,7 @@ STOP_REASON_LENGTH: StopReason
 CHECKPOINT_KIND_UNSPECIFIED: CheckpointKind
 CHECKPOINT_KIND_SAMPLER: CheckpointKind
 CHECKPOINT_KIND_TRAINING: CheckpointKind
+CHECKPOINT_KIND_EXTERNAL: CheckpointKind
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
