@@ -316,7 +316,7 @@ class VersionSpan(_message.Message):
     def __init__(self, weights: _Optional[_Union[WeightsVersion, _Mapping]] = ..., first_token: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
-    __slots__ = ("checkpoint_id", "kind", "path", "training_run_id", "size_bytes", "created_unix_ms", "published", "expires_unix_ms", "base_model", "lora_config", "user_metadata")
+    __slots__ = ("checkpoint_id", "kind", "path", "training_run_id", "size_bytes", "created_unix_ms", "published", "expires_unix_ms", "base_model", "lora_config", "user_metadata", "temporary")
     class UserMetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -335,6 +335,7 @@ class Checkpoint(_message.Message):
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_CONFIG_FIELD_NUMBER: _ClassVar[int]
     USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    TEMPORARY_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     kind: CheckpointKind
     path: str
@@ -346,7 +347,8 @@ class Checkpoint(_message.Message):
     base_model: str
     lora_config: LoraConfig
     user_metadata: _containers.ScalarMap[str, str]
-    def __init__(self, checkpoint_id: _Optional[str] = ..., kind: _Optional[_Union[CheckpointKind, str]] = ..., path: _Optional[str] = ..., training_run_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., published: _Optional[bool] = ..., expires_unix_ms: _Optional[int] = ..., base_model: _Optional[str] = ..., lora_config: _Optional[_Union[LoraConfig, _Mapping]] = ..., user_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    temporary: bool
+    def __init__(self, checkpoint_id: _Optional[str] = ..., kind: _Optional[_Union[CheckpointKind, str]] = ..., path: _Optional[str] = ..., training_run_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., published: _Optional[bool] = ..., expires_unix_ms: _Optional[int] = ..., base_model: _Optional[str] = ..., lora_config: _Optional[_Union[LoraConfig, _Mapping]] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., temporary: _Optional[bool] = ...) -> None: ...
 
 class FileChunk(_message.Message):
     __slots__ = ("relative_path", "offset", "data", "total_size")
