@@ -281,3 +281,19 @@ class SchedulerReplica(Base):
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     seen_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     stopped: Mapped[bool] = mapped_column(Boolean, default=False, server_default=sa_false())
+
+
+class SigningKey(Base):
+    """A secret that signs short-lived tokens (issue 33; migration 0018; scheduler/db/signing_keys.py),
+    shared by every scheduler replica. ``purpose`` keeps uses apart ("jwt", "download"); the newest
+    ``generation`` of a purpose is its current key, and (purpose, generation) is unique, so two
+    replicas that rotate at once agree on one new key instead of making two."""
+
+    __tablename__ = "signing_keys"
+    __table_args__ = (UniqueConstraint("purpose", "generation", name="uq_signing_keys_purpose_generation"),)
+
+    kid: Mapped[str] = mapped_column(String(64), primary_key=True)   # the "kid" a token's header names
+    purpose: Mapped[str] = mapped_column(String(32))
+    generation: Mapped[int] = mapped_column(BigInteger)               # 0, 1, 2, ... per purpose
+    secret: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
