@@ -100,6 +100,24 @@ class CheckpointStore:
         self._prune(final.parent)
         return freed
 
+    def copy(self, source_key: str, key: str) -> int:
+        """The source checkpoint's files under ``key`` (issue 33, copy_weights); the bytes of the copy.
+        Each file is hard-linked where the filesystem allows (checkpoint files are never written in
+        place: deleting the source unlinks only its names), else copied. Staged and renamed into place
+        as a save is: a failure leaves no folder under ``key``."""
+        source = self.existing(source_key)
+        staging = self.staging_dir(key)
+        try:
+            for file in sorted(p for p in source.iterdir() if p.is_file()):
+                try:
+                    os.link(file, staging / file.name)
+                except OSError:  # another filesystem, or links not supported
+                    shutil.copy2(file, staging / file.name)
+            return self.publish(staging, key)
+        except BaseException:
+            self.discard(staging)
+            raise
+
     def existing(self, key: str) -> Path:
         path = self.path(key)
         if not path.is_dir():

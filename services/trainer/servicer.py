@@ -120,6 +120,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         freed = await self._run("DeleteCheckpoint", self.engine.store.delete, request.checkpoint_key)
         return trainer_pb2.DeleteCheckpointFilesResponse(freed_bytes=freed)
 
+    async def CopyCheckpoint(self, request, context):
+        # on the compute thread, as DeleteCheckpoint: never while a save or delete of these folders is under way
+        size = await self._run("CopyCheckpoint", self.engine.store.copy, request.source_key, request.checkpoint_key)
+        return trainer_pb2.CopyCheckpointFilesResponse(size_bytes=size)
+
     async def ReadCheckpoint(self, request, context):
         key, names = convert.checkpoint_files(request)
         for chunk in convert.file_chunks_to_pb(self.engine.store.read_chunks(key, names)):
