@@ -917,3 +917,15 @@ class CopyCheckpointRequest(_message.Message):
     session_id: str
     project_id: str
     def __init__(self, source_path: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., session_id: _Optional[str] = ..., project_id: _Optional[str] = ...) -> None: ...
+
+class CreateAuthTokenRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AuthToken(_message.Message):
+    __slots__ = ("jwt", "expires_unix_ms")
+    JWT_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    jwt: str
+    expires_unix_ms: int
+    def __init__(self, jwt: _Optional[str] = ..., expires_unix_ms: _Optional[int] = ...) -> None: ...

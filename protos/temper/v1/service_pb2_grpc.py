@@ -266,6 +266,11 @@ class TemperStub:
                 request_serializer=temper_dot_v1_dot_service__pb2.CopyCheckpointRequest.SerializeToString,
                 response_deserializer=temper_dot_v1_dot_types__pb2.Checkpoint.FromString,
                 _registered_method=True)
+        self.CreateAuthToken = channel.unary_unary(
+                '/temper.v1.Temper/CreateAuthToken',
+                request_serializer=temper_dot_v1_dot_service__pb2.CreateAuthTokenRequest.SerializeToString,
+                response_deserializer=temper_dot_v1_dot_service__pb2.AuthToken.FromString,
+                _registered_method=True)
 
 
 class TemperServicer:
@@ -619,6 +624,16 @@ class TemperServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateAuthToken(self, request, context):
+        """---- issue 33: JWT auth (the Tinker SDK's default; scheduler/tenancy/jwt_tokens.py) ------------
+        A short-lived signed token for the calling API key, sent in its place (`authorization: Bearer
+        <jwt>`) until it expires; revoking the key ends it. Exchanging a token for another is refused
+        (PERMISSION_DENIED): only the key itself mints tokens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TemperServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -851,6 +866,11 @@ def add_TemperServicer_to_server(servicer, server):
                     servicer.CopyCheckpoint,
                     request_deserializer=temper_dot_v1_dot_service__pb2.CopyCheckpointRequest.FromString,
                     response_serializer=temper_dot_v1_dot_types__pb2.Checkpoint.SerializeToString,
+            ),
+            'CreateAuthToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateAuthToken,
+                    request_deserializer=temper_dot_v1_dot_service__pb2.CreateAuthTokenRequest.FromString,
+                    response_serializer=temper_dot_v1_dot_service__pb2.AuthToken.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -2095,6 +2115,33 @@ class Temper:
             '/temper.v1.Temper/CopyCheckpoint',
             temper_dot_v1_dot_service__pb2.CopyCheckpointRequest.SerializeToString,
             temper_dot_v1_dot_types__pb2.Checkpoint.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateAuthToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/temper.v1.Temper/CreateAuthToken',
+            temper_dot_v1_dot_service__pb2.CreateAuthTokenRequest.SerializeToString,
+            temper_dot_v1_dot_service__pb2.AuthToken.FromString,
             options,
             channel_credentials,
             insecure,
