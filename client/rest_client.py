@@ -134,7 +134,7 @@ class RestClient:
             if query.owner == "user":
                 runs = await self._call("ListTrainingRuns", service_pb2.ListTrainingRunsRequest(limit=1))
                 caller = checkpoint_search.owner_of(runs.training_runs)
-            listed = (await self._call("ListCheckpoints", service_pb2.ListCheckpointsRequest())).checkpoints
+            listed = (await self._call("ListCheckpoints", service_pb2.ListCheckpointsRequest(project_ids=query.project_ids))).checkpoints
             page, after = checkpoint_search.search(listed, query, caller)
             cursor = None if after is None else t.CheckpointSearchCursor(
                 datetime.fromisoformat(after["last_created_at"]), after["last_checkpoint_uuid"])

@@ -4,8 +4,9 @@ may list: the gateway's ``POST /api/v1/checkpoints/search`` and temper.client's 
 The request is the SDK's ``CheckpointSearchRequest`` as JSON: ``user_metadata`` (every pair must
 match the checkpoint's), ``checkpoint_type`` ("training" / "sampler"; "external" matches none here),
 ``base_models`` (any of them; an empty list matches none), ``owner`` ({"type": "own"} by default,
-"accessible", or "user" with ``owner_urns``: the tenant names), ``project_ids`` (Temper has no
-projects: naming one is an error, as naming a project the caller cannot list is in Tinker),
+"accessible", or "user" with ``owner_urns``: the tenant names), ``project_ids`` (any of these projects' checkpoints;
+the caller lists them with ``ListCheckpointsRequest.project_ids``, where a project not the caller's is
+NOT_FOUND, as naming a project the caller cannot list is an error in Tinker),
 ``limit`` (1 to 200, default 50) and ``cursor``. Results are newest first; the cursor is the last
 result's ``last_created_at`` and ``last_checkpoint_uuid`` (here its tinker path: pass it back unchanged).
 
@@ -38,6 +39,7 @@ class CheckpointQuery:
     owner_urns: tuple[str, ...] = ()
     limit: int = DEFAULT_LIMIT
     after: tuple[int, str] | None = None  # the cursor: (created_unix_ms, tinker path) of the last result
+    project_ids: tuple[str, ...] = ()  # the lister's filter (ListCheckpointsRequest.project_ids); empty: every project
 
 
 def _strings(value: Any, field: str) -> tuple[str, ...]:
@@ -64,10 +66,7 @@ def parse_query(body: Mapping[str, Any]) -> CheckpointQuery:
     if unknown:
         raise ValueError(f"unknown checkpoint search fields: {', '.join(unknown)}")
     projects = body.get("project_ids")
-    if projects is not None:
-        named = _strings(projects, "project_ids")
-        if named:
-            raise ValueError(f"Temper has no projects: project {named[0]!r} cannot be listed (leave project_ids unset)")
+    projects = () if projects is None else tuple(dict.fromkeys(_strings(projects, "project_ids")))
     metadata = body.get("user_metadata") or {}
     if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise ValueError("user_metadata must map strings to strings")
@@ -97,7 +96,7 @@ def parse_query(body: Mapping[str, Any]) -> CheckpointQuery:
             raise ValueError("cursor must be a previous response's next_cursor")
         after = (_cursor_ms(cursor.get("last_created_at")), cursor["last_checkpoint_uuid"])
     return CheckpointQuery(user_metadata=dict(metadata), checkpoint_type=kind, base_models=base_models,
-                           owner=owner_type, owner_urns=urns, limit=limit, after=after)
+                           owner=owner_type, owner_urns=urns, limit=limit, after=after, project_ids=projects)
 
 
 def _newest_first(c: types_pb2.Checkpoint) -> tuple[int, str]:

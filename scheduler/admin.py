@@ -8,6 +8,8 @@
     python -m temper.scheduler.admin show-quota --tenant alice
     python -m temper.scheduler.admin audit-log [--tenant alice] [--since 2h | 2026-12-01T09:00] [--action A] [--limit 50]
     python -m temper.scheduler.admin replicas        # scheduler replicas and their lanes' leases (PostgreSQL)
+    python -m temper.scheduler.admin create-project --tenant alice --name nightly   # prints the project's id
+    python -m temper.scheduler.admin list-projects --tenant alice
 
 The database is the scheduler's (TEMPER_SCHEDULER_DATABASE_URL, or --database-url). A running
 scheduler sees a revoked key within its key cache time and new limits within seconds. Every change
@@ -70,6 +72,10 @@ def _parser() -> argparse.ArgumentParser:
     audit.add_argument("--since", type=_since, help="entries at or after this: an ISO time (UTC unless it says) or an age: 30m, 2h, 7d")
     audit.add_argument("--action", choices=AUDIT_ACTIONS, help="only this action")
     audit.add_argument("--limit", type=_page, default=100, help=f"at most this many entries (1 to {MAX_PAGE}; default 100)")
+    project = commands.add_parser("create-project", help="create a project of a tenant (sessions join it by its id); prints the id")
+    project.add_argument("--tenant", required=True)
+    project.add_argument("--name", required=True, help="unique within the tenant; at most 256 characters")
+    commands.add_parser("list-projects", help="a tenant's projects: id, created, name").add_argument("--tenant", required=True)
     commands.add_parser("replicas", help="scheduler replicas (live or silent, last heard) and every lane's lease "
                                          "(holder, token, age, time left); docs/replicas.md")
     return parser
@@ -127,7 +133,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     """The checks the API makes on names, for operators too (InvalidArgument naming the option): a tenant
     name is 1 to 128 characters without control characters, a label at most 128 without them."""
     tenant = getattr(args, "tenant", None)
-    if tenant is not None or args.command in ("create-key", "set-quota", "show-quota"):
+    if tenant is not None or args.command in ("create-key", "set-quota", "show-quota", "create-project", "list-projects"):
         if not tenant or not tenant.strip():
             raise InvalidArgument("--tenant must not be empty")
         if len(tenant) > MAX_NAME_CHARS:
@@ -174,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
             _print_audit(rows, more)
         elif args.command == "replicas":
             _print_replicas(store)
+        elif args.command == "create-project":
+            print(store.create_project(args.tenant, args.name, operator).id)
+        elif args.command == "list-projects":
+            for row in store.tenant_projects(args.tenant):
+                print(f"{row.id:<22} {_when(row.created_at):<20} {row.name}")
     except Exception as exc:  # noqa: BLE001 - a command-line tool answers with a message and a status
         message = getattr(exc, "message", None) or str(exc)
         print(f"error: {message}", file=sys.stderr)

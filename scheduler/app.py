@@ -31,6 +31,7 @@ from temper.scheduler.planning.loop import SchedulerLoop
 from temper.scheduler.workers.membership import Membership
 from temper.scheduler.planning.policy import FairShare
 from temper.scheduler.planning.records import prune_forever
+from temper.scheduler.planning.session_expiry import SessionExpiry
 from temper.scheduler.workers.registry import start_registry
 from temper.scheduler.planning.runs import RunRegistry
 from temper.scheduler.api.servicer import TemperServicer
@@ -124,6 +125,9 @@ class SchedulerApp:
         stopped = asyncio.create_task(self.server.wait_for_termination(), name="scheduler-server")
         collecting = asyncio.create_task(self.collector.run_forever(), name="scheduler-checkpoint-collector")
         sweeping = asyncio.create_task(self.membership.run_forever(), name="scheduler-membership")
+        expiring = asyncio.create_task(SessionExpiry(self.store, self.servicer.release_session, self.settings.session_expire_seconds,
+                                                     self.settings.session_expire_interval_seconds).run_forever(),
+                                       name="scheduler-session-expiry")
         pruning = asyncio.create_task(prune_forever(self.store, self.settings.metrics_retention_seconds,
                                                     self.settings.metrics_max_rows_per_run,
                                                     self.settings.metrics_prune_interval_seconds), name="scheduler-records-prune")
@@ -142,7 +146,7 @@ class SchedulerApp:
                 return EXIT_LOOP_FAILED
             return 0
         finally:
-            for task in (connecting, loop_task, stopped, collecting, sweeping, pruning, leasing):
+            for task in (connecting, loop_task, stopped, collecting, sweeping, pruning, leasing, expiring):
                 task.cancel()
             await self.ownership.stop()  # the leases still held released: the others take those lanes at once
             if self.servicer.forwarder is not None:

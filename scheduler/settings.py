@@ -148,6 +148,13 @@ class SchedulerSettings(ProcessSettings, InternalTokenSettings):
     metrics_max_rows_per_run: int = Field(
         100_000, ge=0, description="A run's newest this many metric rows are kept; older ones are deleted; 0: no cap.")
     metrics_prune_interval_seconds: float = Field(300.0, gt=0, description="How often the records past their retention are deleted.")
+    # session expiry (issue 33: scheduler/planning/session_expiry.py)
+    session_expire_seconds: float = Field(
+        600.0, ge=0, description="A session without a heartbeat for this long is closed as \"expired\": its checkpoints stay, its "
+                                 "runs take no more work and its sampling clients answer as a closed session's do; 0: never. "
+                                 "The SDK sends a heartbeat every 10 s.")
+    session_expire_interval_seconds: float = Field(
+        0.0, ge=0, description="How often the expiry sweep runs; 0: a tenth of session_expire_seconds, between 1 and 30 s.")
 
     @field_validator("trainer_addresses", "sampler_addresses", mode="before")
     @classmethod

@@ -41,6 +41,9 @@ class CheckpointVerbs:
             rows = await asyncio.to_thread(self.store.list_checkpoints, request.training_run_id)
         else:
             rows = await asyncio.to_thread(self.store.tenant_checkpoints, tenant)
+        if request.project_ids:  # issue 33: NotFound for a project not the caller's
+            in_projects = await asyncio.to_thread(self.store.project_run_ids, list(request.project_ids), tenant)
+            rows = [r for r in rows if r.training_run_id in in_projects]
         runs = await asyncio.to_thread(self.store.run_rows, {r.training_run_id for r in rows})
         return service_pb2.ListCheckpointsResponse(checkpoints=[checkpoint_message(r, runs.get(r.training_run_id)) for r in rows])
 

@@ -103,7 +103,9 @@ class LookupVerbs:
             raise InvalidArgument(f"limit must be in [0, {MAX_RUNS_PAGE}] (0: {DEFAULT_RUNS_PAGE}) and offset >= 0")
         await self.backends.wait_ready()
         tenant = caller()
-        rows, total = await asyncio.to_thread(self.store.tenant_runs, tenant, limit, request.offset)
+        if request.project_id:  # issue 33: NotFound for a project not the caller's
+            await asyncio.to_thread(self.store.check_projects, [request.project_id], tenant)
+        rows, total = await asyncio.to_thread(self.store.tenant_runs, tenant, limit, request.offset, request.project_id)
         response = service_pb2.ListTrainingRunsResponse(total_count=total)
         for row in rows:
             known = self.runs.known(row.id)

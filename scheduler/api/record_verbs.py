@@ -13,6 +13,7 @@ import time
 
 from temper.common.errors import InvalidArgument, NotFound
 from temper.scheduler.db import models as m
+from temper.scheduler.db.session_search import unix_us
 from temper.scheduler.db.views import unix_ms
 from temper.scheduler.tenancy.auth import caller
 from temper.v1 import records_pb2
@@ -61,7 +62,8 @@ def session_message(row: m.Session) -> records_pb2.SessionInfo:
     return records_pb2.SessionInfo(
         session_id=row.id, tags=[str(t) for t in row.tags or []], user_metadata={str(k): str(v) for k, v in (row.user_metadata or {}).items()},
         created_unix_ms=unix_ms(row.created_at), last_heartbeat_unix_ms=unix_ms(row.last_heartbeat_at),
-        closed=row.closed_at is not None, close_status=row.close_status or "", closed_unix_ms=unix_ms(row.closed_at))
+        closed=row.closed_at is not None, close_status=row.close_status or "", closed_unix_ms=unix_ms(row.closed_at),
+        display_name=row.display_name or "", project_id=row.project_id or "", created_unix_us=unix_us(row.created_at))
 
 
 class RecordVerbs:
@@ -85,7 +87,9 @@ class RecordVerbs:
         limit = request.limit or DEFAULT_SESSIONS
         if not 0 < limit <= MAX_SESSIONS or request.offset < 0:
             raise InvalidArgument(f"limit must be in [0, {MAX_SESSIONS}] (0: {DEFAULT_SESSIONS}) and offset >= 0")
-        rows, total = await asyncio.to_thread(self.store.tenant_sessions, caller(), limit, request.offset)
+        if request.project_id:  # issue 33: NotFound for a project not the caller's
+            await asyncio.to_thread(self.store.check_projects, [request.project_id], caller())
+        rows, total = await asyncio.to_thread(self.store.tenant_sessions, caller(), limit, request.offset, request.project_id)
         return records_pb2.ListSessionsResponse(sessions=[session_message(r) for r in rows], total_count=total)
 
     async def GetSession(self, request, context):

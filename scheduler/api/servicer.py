@@ -28,6 +28,7 @@ from temper.scheduler.api.inflight_verbs import check_inflight_save
 from temper.scheduler.api.lane_routing import LaneRouting, on_lane_owner
 from temper.scheduler.api.import_verbs import ImportVerbs
 from temper.scheduler.api.record_verbs import RecordVerbs
+from temper.scheduler.api.project_verbs import ProjectVerbs
 from temper.scheduler.api.lookup_verbs import (CheckpointSource, LookupVerbs, check_deterministic, check_lora, check_lora_for_model,
                                                check_user_metadata)
 from temper.scheduler.cluster.ownership import SoleOwner
@@ -58,7 +59,8 @@ def needs_workers(method):
 
 
 class TemperServicer(LaneRouting, AuditVerbs, ClusterStatusVerbs, SamplingVerbs, CheckpointVerbs, ImportVerbs, ImageVerbs, LookupVerbs, TokenizerVerbs,
-                     RecordVerbs, service_pb2_grpc.TemperServicer):
+                     RecordVerbs, ProjectVerbs,
+                     service_pb2_grpc.TemperServicer):
     def __init__(self, store, backends: Backends, runs: RunRegistry, admission: Admission):
         self.store = store
         self.backends = backends
@@ -94,8 +96,10 @@ class TemperServicer(LaneRouting, AuditVerbs, ClusterStatusVerbs, SamplingVerbs,
 
     async def CreateSession(self, request, context):
         check_user_metadata(request.user_metadata)
+        if request.display_name and not request.display_name.strip():
+            raise InvalidArgument("display_name must not be only spaces (leave it unset for none)")
         row = await asyncio.to_thread(self.store.create_session, caller(), list(request.tags), dict(request.user_metadata),
-                                      caller_actor())
+                                      caller_actor(), request.display_name, request.project_id)
         return service_pb2.Session(session_id=row.id)
 
     async def Heartbeat(self, request, context):
@@ -107,9 +111,13 @@ class TemperServicer(LaneRouting, AuditVerbs, ClusterStatusVerbs, SamplingVerbs,
         if status not in ("success", "errored", "interrupted"):
             raise InvalidArgument(f"status must be success, errored or interrupted, got {status!r}")
         await asyncio.to_thread(self.store.close_session, request.session_id, status, caller(), caller_actor())
-        self.runs.close_session(request.session_id)
-        self._closed_sessions.add(request.session_id)
+        self.release_session(request.session_id)
         return service_pb2.CloseSessionResponse()
+
+    def release_session(self, session_id: str) -> None:
+        """A closed or expired session's runs take no more work; its sampling clients answer FAILED_PRECONDITION."""
+        self.runs.close_session(session_id)
+        self._closed_sessions.add(session_id)
 
     # ---- training runs ------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from temper.scheduler.db.outage import database_errors
 
 AUDIT_ACTIONS = ("api_key.create", "api_key.revoke", "quota.set", "checkpoint.publish", "checkpoint.unpublish",
                  "checkpoint.ttl", "checkpoint.delete", "checkpoint.import", "session.open", "session.close",
+                 "session.expire", "session.project", "project.create",
                  "image.upload", "image.delete")
 ACTORS = ("api", "admin-command", "scheduler")
 MAX_TARGET_CHARS = 512  # audit_log.target is String(512)

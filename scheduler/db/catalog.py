@@ -65,10 +65,13 @@ class CatalogStore:
                    size_bytes=sum(c.size_bytes or 0 for c in checkpoints))
             return checkpoints
 
-    def tenant_runs(self, tenant: str, limit: int, offset: int) -> tuple[list[m.TrainingRun], int]:
-        """A page of the tenant's training runs, newest first, and how many it has in all."""
+    def tenant_runs(self, tenant: str, limit: int, offset: int, project_id: str = "") -> tuple[list[m.TrainingRun], int]:
+        """A page of the tenant's training runs (with ``project_id``: of that project's sessions),
+        newest first, and how many it has in all."""
         owned = (select(m.TrainingRun).join(m.Session, m.Session.id == m.TrainingRun.session_id)
                  .join(m.Tenant, m.Tenant.id == m.Session.tenant_id).where(m.Tenant.name == tenant))
+        if project_id:
+            owned = owned.where(m.Session.project_id == project_id)
         with self.sessions() as db:
             total = db.scalar(select(func.count()).select_from(owned.subquery())) or 0
             page = db.scalars(owned.order_by(m.TrainingRun.created_at.desc(), m.TrainingRun.id.desc()).limit(limit).offset(offset))

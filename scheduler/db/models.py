@@ -68,6 +68,22 @@ class Session(Base):
     close_status: Mapped[str | None] = mapped_column(String(32), nullable=True)
     num_training_runs: Mapped[int] = mapped_column(Integer, default=0)
     num_samplers: Mapped[int] = mapped_column(Integer, default=0)
+    # issue 33: the SDK's ServiceClient(display_name=..., project_id=...) (migration 0019)
+    display_name: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    project_id: Mapped[str | None] = mapped_column(ForeignKey("projects.id"), nullable=True, index=True)
+
+    __table_args__ = (Index("ix_sessions_open_heartbeat", "closed_at", "last_heartbeat_at"),)
+
+
+class Project(Base):
+    """A tenant's named group of sessions (Tinker's projects); lists and searches filter by it."""
+
+    __tablename__ = "projects"
+    __table_args__ = (UniqueConstraint("tenant_id", "name", name="uq_projects_tenant_name"),)
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # "proj-<hex>"
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"))
+    name: Mapped[str] = mapped_column(String(256))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
 class TrainingRun(Base):

@@ -170,13 +170,15 @@ class RecordsStore:
         with self.sessions() as db:
             return list(db.scalars(query.order_by(m.RunMetric.seq_id).limit(limit)))
 
-    def tenant_sessions(self, tenant: str, limit: int, offset: int) -> tuple[list[m.Session], int]:
-        """The tenant's sessions, newest first, and how many it has."""
+    def tenant_sessions(self, tenant: str, limit: int, offset: int, project_id: str = "") -> tuple[list[m.Session], int]:
+        """The tenant's sessions (with ``project_id``: that project's), newest first, and how many."""
         with self.sessions() as db:
             tenant_id = db.scalar(select(m.Tenant.id).where(m.Tenant.name == tenant))
             if tenant_id is None:
                 return [], 0
             mine = m.Session.tenant_id == tenant_id
+            if project_id:
+                mine = mine & (m.Session.project_id == project_id)
             rows = db.scalars(select(m.Session).where(mine).order_by(m.Session.created_at.desc(), m.Session.id.desc())
                               .limit(limit).offset(offset)).all()
             return list(rows), db.scalar(select(func.count()).select_from(m.Session).where(mine))

@@ -26,6 +26,8 @@ from temper.scheduler.db.request_log import RequestLogStore, no_fence
 from temper.scheduler.db.catalog import CatalogStore
 from temper.scheduler.db.images import ImageStore
 from temper.scheduler.db.inflight import InflightStore
+from temper.scheduler.db.projects import EXPIRED, ProjectStore
+from temper.scheduler.db.session_search import SessionSearchStore
 from temper.scheduler.db.tenancy import TenancyStore
 
 def executor_threads() -> int:
@@ -80,7 +82,8 @@ def upgrade_schema(url: str) -> None:
 
 
 @database_errors
-class Store(TenancyStore, RequestLogStore, CatalogStore, AuditStore, RecordsStore, ImageStore, InflightStore):
+class Store(TenancyStore, RequestLogStore, CatalogStore, AuditStore, RecordsStore, ImageStore, InflightStore, ProjectStore,
+            SessionSearchStore):
     def __init__(self, url: str):
         if url.startswith("sqlite:///"):
             Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
@@ -124,12 +127,16 @@ class Store(TenancyStore, RequestLogStore, CatalogStore, AuditStore, RecordsStor
             raise NotFound(f"session {session_id!r} not found")
         return name
 
-    def create_session(self, tenant: str, tags: list[str], metadata: dict[str, str], actor: Actor | None = None) -> m.Session:
+    def create_session(self, tenant: str, tags: list[str], metadata: dict[str, str], actor: Actor | None = None,
+                       display_name: str = "", project_id: str = "") -> m.Session:
+        """``project_id``: one of the tenant's projects (NotFound otherwise, nothing created)."""
         tenant_id = self.ensure_tenant(tenant)
+        self.check_projects([project_id] if project_id else [], tenant)
         with self.sessions.begin() as db:
-            row = m.Session(id=str(uuid.uuid4()), tenant_id=tenant_id, tags=list(tags), user_metadata=dict(metadata))
+            row = m.Session(id=str(uuid.uuid4()), tenant_id=tenant_id, tags=list(tags), user_metadata=dict(metadata),
+                            display_name=display_name or None, project_id=project_id or None)
             db.add(row)
-            record(db, actor, "session.open", tenant, row.id)
+            record(db, actor, "session.open", tenant, row.id, **({"project_id": project_id} if project_id else {}))
             return row
 
     def open_session(self, session_id: str, tenant: str | None = None) -> m.Session:
@@ -141,7 +148,8 @@ class Store(TenancyStore, RequestLogStore, CatalogStore, AuditStore, RecordsStor
             raise NotFound(f"session {session_id!r} not found")
         row = found[0]
         if row.closed_at is not None:
-            raise FailedPrecondition(f"session {session_id} is closed")
+            why = "expired (no heartbeat within the scheduler's session_expire_seconds)" if row.close_status == EXPIRED else "closed"
+            raise FailedPrecondition(f"session {session_id} is {why}")
         return row
 
     def heartbeat(self, session_id: str, tenant: str | None = None) -> None:

@@ -200,6 +200,8 @@ def create_app(scheduler: Scheduler, long_poll_seconds: float = 25.0, future_kee
     app.include_router(routes_audit.router)
     from temper.services.gateway import routes_records  # sessions list/get, checkpoint storage usage, whoami
     app.include_router(routes_records.router)
+    from temper.services.gateway import routes_projects  # projects, assign_session_project, search_sessions (issue 33)
+    app.include_router(routes_projects.router)
     from temper.services.gateway import routes_images  # the caller's uploaded images (image_asset_pointer chunks)
     app.include_router(routes_images.router)
     console.install(app)  # the web console at /console (and /api/v1/sessions/{id}/trace)

@@ -6,8 +6,9 @@ Shapes are the SDK's: ``ListSessionsResponse {sessions: [id]}``, ``GetSessionRes
 {training_run_ids, sampler_ids, user_metadata, display_name}``,
 ``CurrentCheckpointStorageUsageResponse {effective_rate_usd_per_gigabyte_month, data: [item]}`` and
 ``WhoamiResponse {user_urn, org_urn, email}``. A tenant sees only its own (another tenant's session
-is 404, as a missing one). Temper has no projects: a ``project_id`` is refused (400). ``access_scope``
-``accessible`` answers as ``owned``: another tenant's sessions are never readable.
+is 404, as a missing one). ``project_id`` (list_sessions, storage usage) filters by one of the
+caller's projects (``routes_projects.py``); another tenant's project is 404, as a missing one.
+``access_scope`` ``accessible`` answers as ``owned``: another tenant's sessions are never readable.
 
 The SDK's own ``whoami()`` reads a JWT's claims client-side and never calls a server (it raises
 without JWT auth, which Temper's gateway keeps off); ``/api/v1/whoami`` answers the same shape for a
@@ -34,6 +35,11 @@ def _scope(request: Request) -> None:
         raise invalid(f"access_scope must be owned or accessible, got {scope[:40]!r}")
 
 
+def _project(request: Request) -> str:
+    """The ``project_id`` query parameter ("" when absent); the scheduler answers 404 for one not the caller's."""
+    return fields.text(request.query_params.get("project_id", ""), "project_id")
+
+
 def _int(request: Request, name: str, default: int, hi: int) -> int:
     raw = request.query_params.get(name, str(default))
     if not (raw.isascii() and raw.isdigit() and len(raw) <= 10 and int(raw) <= hi):
@@ -48,7 +54,9 @@ async def list_sessions(request: Request):
     limit, offset = _int(request, "limit", 20, MAX_SESSIONS), _int(request, "offset", 0, 2**31 - 1)
     if limit == 0:
         return {"sessions": []}
-    listed = await gateway(request).scheduler.call("ListSessions", records_pb2.ListSessionsRequest(limit=limit, offset=offset), key)
+    project_id = _project(request)
+    listed = await gateway(request).scheduler.call(
+        "ListSessions", records_pb2.ListSessionsRequest(limit=limit, offset=offset, project_id=project_id), key)
     return {"sessions": [s.session_id for s in listed.sessions]}
 
 
@@ -59,15 +67,21 @@ async def get_session(session_id: str, request: Request):
     fields.text(session_id, "session_id")
     info = await gateway(request).scheduler.call("GetSession", records_pb2.GetSessionRequest(session_id=session_id), key)
     return {"training_run_ids": list(info.training_run_ids), "sampler_ids": list(info.sampler_ids),
-            "user_metadata": dict(info.user_metadata) or None, "display_name": None}
+            "user_metadata": dict(info.user_metadata) or None, "display_name": info.display_name or None}
 
 
 @router.get("/billing/usage/checkpoints/current")
 async def checkpoint_storage_usage(request: Request):
     key = api_key(request)
-    if request.query_params.get("project_id"):
-        raise invalid("Temper has no projects: leave project_id unset (the tenant's whole storage is answered)")
     scheduler = gateway(request).scheduler
+    project_id = _project(request)
+    if project_id:  # the checkpoints of the project's sessions (images belong to no project)
+        listed = await scheduler.call("ListCheckpoints", service_pb2.ListCheckpointsRequest(project_ids=[project_id]), key)
+        size = sum(c.size_bytes for c in listed.checkpoints)
+        return {"effective_rate_usd_per_gigabyte_month": None, "data": [{
+            "project_id": project_id, "org_user_urn": None, "user_email": None, "user_name": None,
+            "checkpoint_count": len(listed.checkpoints), "size_bytes": size, "size_gigabytes": size / 1e9,
+            "estimated_monthly_cost_usd": None}]}
     usage = await scheduler.call("GetUsage", service_pb2.GetUsageRequest(), key)
     listed = await scheduler.call("ListCheckpoints", service_pb2.ListCheckpointsRequest(), key)
     return {"effective_rate_usd_per_gigabyte_month": None, "data": [{

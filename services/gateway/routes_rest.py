@@ -45,11 +45,13 @@ async def _info(request: Request, run_id: str):
 async def list_training_runs(request: Request):
     api_key(request)
     limit, offset = _page(request, 20)
+    project_id = fields.text(request.query_params.get("project_id", ""), "project_id")  # 404: not one of the caller's
     if limit == 0:
-        listed = await gateway(request).scheduler.call("ListTrainingRuns", service_pb2.ListTrainingRunsRequest(limit=1), api_key(request))
+        listed = await gateway(request).scheduler.call("ListTrainingRuns", service_pb2.ListTrainingRunsRequest(
+            limit=1, project_id=project_id), api_key(request))
         return {"training_runs": [], "cursor": {"offset": offset, "limit": 0, "total_count": listed.total_count}}
     listed = await gateway(request).scheduler.call("ListTrainingRuns", service_pb2.ListTrainingRunsRequest(
-        limit=min(limit, 1000), offset=offset), api_key(request))
+        limit=min(limit, 1000), offset=offset, project_id=project_id), api_key(request))
     checkpoints = await _checkpoints(request) if listed.training_runs else []
     runs = [convert.training_run_to_json(info, [c for c in checkpoints if c.training_run_id == info.training_run_id])
             for info in listed.training_runs]
@@ -90,7 +92,9 @@ async def search_checkpoints(request: Request):
     if query.owner == "user":
         runs = await gateway(request).scheduler.call("ListTrainingRuns", service_pb2.ListTrainingRunsRequest(limit=1), api_key(request))
         caller = checkpoint_search.owner_of(runs.training_runs)
-    page, next_cursor = checkpoint_search.search(await _checkpoints(request), query, caller)
+    listed = await gateway(request).scheduler.call(
+        "ListCheckpoints", service_pb2.ListCheckpointsRequest(project_ids=query.project_ids), api_key(request))
+    page, next_cursor = checkpoint_search.search(listed.checkpoints, query, caller)
     return {"checkpoints": [convert.checkpoint_to_json(c) for c in page], "next_cursor": next_cursor}
 
 

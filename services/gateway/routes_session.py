@@ -50,8 +50,12 @@ async def server_capabilities(request: Request):
 @router.post("/create_session")
 async def create_session(request: Request):
     key, body = api_key(request), await json_body(request)
+    # display_name, project_id: ServiceClient(display_name=..., project_id=...); the scheduler bounds the
+    # name (256 characters, no control characters) and answers 404 for a project not the caller's
     create = service_pb2.CreateSessionRequest(tags=fields.strings(body, "tags", default=[]),
-                                              user_metadata=convert.metadata_from_json(body))
+                                              user_metadata=convert.metadata_from_json(body),
+                                              display_name=fields.string(body, "display_name", default=""),
+                                              project_id=fields.string(body, "project_id", default=""))
     session = await gateway(request).scheduler.call("CreateSession", create, key)
     return {"type": "create_session", "session_id": session.session_id}
 

@@ -91,7 +91,7 @@ def test_exact_last_page_has_no_cursor():
 
 
 @pytest.mark.parametrize("body,message", [
-    ({"project_ids": ["p1"]}, "no projects"),
+    ({"project_ids": "p1"}, "project_ids must be a list of strings"),
     ({"limit": 0}, "limit"),
     ({"limit": 201}, "limit"),
     ({"limit": True}, "limit"),

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17temper/v1/records.proto\x12\ttemper.v1\"\xf3\x03\n\tRunMetric\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0e\n\x06status\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x11\n\x04loss\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\nnum_tokens\x18\x07 \x01(\x03\x12\x16\n\tgrad_norm\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12\x1a\n\rlearning_rate\x18\t \x01(\x01H\x02\x88\x01\x01\x12\x32\n\x07metrics\x18\n \x03(\x0b\x32!.temper.v1.RunMetric.MetricsEntry\x12\x16\n\x0equeued_seconds\x18\x0b \x01(\x01\x12\x17\n\x0ftrainer_seconds\x18\x0c \x01(\x01\x12\x16\n\x0e\x63obatched_with\x18\r \x01(\x05\x12\x0f\n\x07trainer\x18\x0e \x01(\t\x12\r\n\x05\x63ycle\x18\x0f \x01(\x03\x12\x17\n\x0f\x63reated_unix_ms\x18\x10 \x01(\x03\x12\x17\n\x0fstarted_unix_ms\x18\x11 \x01(\x03\x12\x18\n\x10\x61nswered_unix_ms\x18\x12 \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_lossB\x0c\n\n_grad_normB\x10\n\x0e_learning_rate\"\x8c\x01\n\x15ListRunMetricsRequest\x12\x17\n\x0ftraining_run_id\x18\x01 \x01(\t\x12\x11\n\tfrom_step\x18\x02 \x01(\x03\x12\x14\n\x07to_step\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x12\n\npage_token\x18\x05 \x01(\tB\n\n\x08_to_step\"X\n\x16ListRunMetricsResponse\x12%\n\x07metrics\x18\x01 \x03(\x0b\x32\x14.temper.v1.RunMetric\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"H\n\x13ListSessionsRequest\x12\r\n\x05limit\x18\x01 \x01(\x05\x12\x0e\n\x06offset\x18\x02 \x01(\x05\x12\x12\n\nproject_id\x18\x03 \x01(\t\"\xf2\x03\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04tags\x18\x02 \x03(\t\x12?\n\ruser_metadata\x18\x03 \x03(\x0b\x32(.temper.v1.SessionInfo.UserMetadataEntry\x12\x17\n\x0f\x63reated_unix_ms\x18\x04 \x01(\x03\x12\x1e\n\x16last_heartbeat_unix_ms\x18\x05 \x01(\x03\x12\x0e\n\x06\x63losed\x18\x06 \x01(\x08\x12\x14\n\x0c\x63lose_status\x18\x07 \x01(\t\x12\x16\n\x0e\x63losed_unix_ms\x18\x08 \x01(\x03\x12\x18\n\x10training_run_ids\x18\t \x03(\t\x12\x13\n\x0bsampler_ids\x18\n \x03(\t\x12\x17\n\x0fsample_requests\x18\x0b \x01(\x03\x12\x15\n\rprompt_tokens\x18\x0c \x01(\x03\x12\x16\n\x0etokens_sampled\x18\r \x01(\x03\x12\x14\n\x0c\x64isplay_name\x18\x0e \x01(\t\x12\x12\n\nproject_id\x18\x0f \x01(\t\x12\x19\n\x11\x63heckpoints_count\x18\x10 \x01(\x03\x12\x18\n\x10\x63heckpoint_bytes\x18\x11 \x01(\x03\x1a\x33\n\x11UserMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"U\n\x14ListSessionsResponse\x12(\n\x08sessions\x18\x01 \x03(\x0b\x32\x16.temper.v1.SessionInfo\x12\x13\n\x0btotal_count\x18\x02 \x01(\x03\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xa9\x01\n\x0eSamplingRecord\x12\x12\n\nsampler_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x03\x12\x16\n\x0etokens_sampled\x18\x05 \x01(\x03\x12\x17\n\x0fstarted_unix_ms\x18\x06 \x01(\x03\x12\x18\n\x10\x61nswered_unix_ms\x18\x07 \x01(\x03\"\x93\x01\n\x0eSamplingBucket\x12\x15\n\rstart_unix_ms\x18\x01 \x01(\x03\x12\x13\n\x0b\x65nd_unix_ms\x18\x02 \x01(\x03\x12\x10\n\x08requests\x18\x03 \x01(\x03\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x03\x12\x16\n\x0etokens_sampled\x18\x05 \x01(\x03\x12\x14\n\x0c\x62usy_seconds\x18\x06 \x01(\x01\"\xb3\x01\n GetSessionSamplingMetricsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0c\x66rom_unix_ms\x18\x02 \x01(\x03\x12\x17\n\nto_unix_ms\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0e\x62ucket_seconds\x18\x04 \x01(\x05\x12\x11\n\tpage_size\x18\x05 \x01(\x05\x12\x12\n\npage_token\x18\x06 \x01(\tB\r\n\x0b_to_unix_ms\"\x94\x01\n!GetSessionSamplingMetricsResponse\x12*\n\x07records\x18\x01 \x03(\x0b\x32\x19.temper.v1.SamplingRecord\x12*\n\x07\x62uckets\x18\x02 \x03(\x0b\x32\x19.temper.v1.SamplingBucket\x12\x17\n\x0fnext_page_token\x18\x03 \x01(\t\"D\n\x07Project\x12\x12\n\nproject_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x17\n\x0f\x63reated_unix_ms\x18\x03 \x01(\x03\"$\n\x14\x43reateProjectRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x15\n\x13ListProjectsRequest\"<\n\x14ListProjectsResponse\x12$\n\x08projects\x18\x01 \x03(\x0b\x32\x12.temper.v1.Project\"E\n\x1b\x41ssignSessionProjectRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nproject_id\x18\x02 \x01(\t\"\xb0\x02\n\x15SearchSessionsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bproject_ids\x18\x02 \x03(\t\x12I\n\ruser_metadata\x18\x03 \x03(\x0b\x32\x32.temper.v1.SearchSessionsRequest.UserMetadataEntry\x12\x14\n\x0c\x64isplay_name\x18\x04 \x01(\t\x12\x10\n\x08statuses\x18\x05 \x03(\t\x12\r\n\x05limit\x18\x06 \x01(\x05\x12\x1d\n\x15\x61\x66ter_created_unix_us\x18\x07 \x01(\x03\x12\x18\n\x10\x61\x66ter_session_id\x18\x08 \x01(\t\x1a\x33\n\x11UserMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"P\n\x16SearchSessionsResponse\x12(\n\x08sessions\x18\x01 \x03(\x0b\x32\x16.temper.v1.SessionInfo\x12\x0c\n\x04more\x18\x02 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17temper/v1/records.proto\x12\ttemper.v1\"\xf3\x03\n\tRunMetric\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0e\n\x06status\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x11\n\x04loss\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\nnum_tokens\x18\x07 \x01(\x03\x12\x16\n\tgrad_norm\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12\x1a\n\rlearning_rate\x18\t \x01(\x01H\x02\x88\x01\x01\x12\x32\n\x07metrics\x18\n \x03(\x0b\x32!.temper.v1.RunMetric.MetricsEntry\x12\x16\n\x0equeued_seconds\x18\x0b \x01(\x01\x12\x17\n\x0ftrainer_seconds\x18\x0c \x01(\x01\x12\x16\n\x0e\x63obatched_with\x18\r \x01(\x05\x12\x0f\n\x07trainer\x18\x0e \x01(\t\x12\r\n\x05\x63ycle\x18\x0f \x01(\x03\x12\x17\n\x0f\x63reated_unix_ms\x18\x10 \x01(\x03\x12\x17\n\x0fstarted_unix_ms\x18\x11 \x01(\x03\x12\x18\n\x10\x61nswered_unix_ms\x18\x12 \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_lossB\x0c\n\n_grad_normB\x10\n\x0e_learning_rate\"\x8c\x01\n\x15ListRunMetricsRequest\x12\x17\n\x0ftraining_run_id\x18\x01 \x01(\t\x12\x11\n\tfrom_step\x18\x02 \x01(\x03\x12\x14\n\x07to_step\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x12\n\npage_token\x18\x05 \x01(\tB\n\n\x08_to_step\"X\n\x16ListRunMetricsResponse\x12%\n\x07metrics\x18\x01 \x03(\x0b\x32\x14.temper.v1.RunMetric\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"H\n\x13ListSessionsRequest\x12\r\n\x05limit\x18\x01 \x01(\x05\x12\x0e\n\x06offset\x18\x02 \x01(\x05\x12\x12\n\nproject_id\x18\x03 \x01(\t\"\x8b\x04\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04tags\x18\x02 \x03(\t\x12?\n\ruser_metadata\x18\x03 \x03(\x0b\x32(.temper.v1.SessionInfo.UserMetadataEntry\x12\x17\n\x0f\x63reated_unix_ms\x18\x04 \x01(\x03\x12\x1e\n\x16last_heartbeat_unix_ms\x18\x05 \x01(\x03\x12\x0e\n\x06\x63losed\x18\x06 \x01(\x08\x12\x14\n\x0c\x63lose_status\x18\x07 \x01(\t\x12\x16\n\x0e\x63losed_unix_ms\x18\x08 \x01(\x03\x12\x18\n\x10training_run_ids\x18\t \x03(\t\x12\x13\n\x0bsampler_ids\x18\n \x03(\t\x12\x17\n\x0fsample_requests\x18\x0b \x01(\x03\x12\x15\n\rprompt_tokens\x18\x0c \x01(\x03\x12\x16\n\x0etokens_sampled\x18\r \x01(\x03\x12\x14\n\x0c\x64isplay_name\x18\x0e \x01(\t\x12\x12\n\nproject_id\x18\x0f \x01(\t\x12\x19\n\x11\x63heckpoints_count\x18\x10 \x01(\x03\x12\x18\n\x10\x63heckpoint_bytes\x18\x11 \x01(\x03\x12\x17\n\x0f\x63reated_unix_us\x18\x12 \x01(\x03\x1a\x33\n\x11UserMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"U\n\x14ListSessionsResponse\x12(\n\x08sessions\x18\x01 \x03(\x0b\x32\x16.temper.v1.SessionInfo\x12\x13\n\x0btotal_count\x18\x02 \x01(\x03\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xa9\x01\n\x0eSamplingRecord\x12\x12\n\nsampler_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x03\x12\x16\n\x0etokens_sampled\x18\x05 \x01(\x03\x12\x17\n\x0fstarted_unix_ms\x18\x06 \x01(\x03\x12\x18\n\x10\x61nswered_unix_ms\x18\x07 \x01(\x03\"\x93\x01\n\x0eSamplingBucket\x12\x15\n\rstart_unix_ms\x18\x01 \x01(\x03\x12\x13\n\x0b\x65nd_unix_ms\x18\x02 \x01(\x03\x12\x10\n\x08requests\x18\x03 \x01(\x03\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x03\x12\x16\n\x0etokens_sampled\x18\x05 \x01(\x03\x12\x14\n\x0c\x62usy_seconds\x18\x06 \x01(\x01\"\xb3\x01\n GetSessionSamplingMetricsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0c\x66rom_unix_ms\x18\x02 \x01(\x03\x12\x17\n\nto_unix_ms\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0e\x62ucket_seconds\x18\x04 \x01(\x05\x12\x11\n\tpage_size\x18\x05 \x01(\x05\x12\x12\n\npage_token\x18\x06 \x01(\tB\r\n\x0b_to_unix_ms\"\x94\x01\n!GetSessionSamplingMetricsResponse\x12*\n\x07records\x18\x01 \x03(\x0b\x32\x19.temper.v1.SamplingRecord\x12*\n\x07\x62uckets\x18\x02 \x03(\x0b\x32\x19.temper.v1.SamplingBucket\x12\x17\n\x0fnext_page_token\x18\x03 \x01(\t\"D\n\x07Project\x12\x12\n\nproject_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x17\n\x0f\x63reated_unix_ms\x18\x03 \x01(\x03\"$\n\x14\x43reateProjectRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x15\n\x13ListProjectsRequest\"<\n\x14ListProjectsResponse\x12$\n\x08projects\x18\x01 \x03(\x0b\x32\x12.temper.v1.Project\"E\n\x1b\x41ssignSessionProjectRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nproject_id\x18\x02 \x01(\t\"\xb0\x02\n\x15SearchSessionsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bproject_ids\x18\x02 \x03(\t\x12I\n\ruser_metadata\x18\x03 \x03(\x0b\x32\x32.temper.v1.SearchSessionsRequest.UserMetadataEntry\x12\x14\n\x0c\x64isplay_name\x18\x04 \x01(\t\x12\x10\n\x08statuses\x18\x05 \x03(\t\x12\r\n\x05limit\x18\x06 \x01(\x05\x12\x1d\n\x15\x61\x66ter_created_unix_us\x18\x07 \x01(\x03\x12\x18\n\x10\x61\x66ter_session_id\x18\x08 \x01(\t\x1a\x33\n\x11UserMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"`\n\x16SearchSessionsResponse\x12(\n\x08sessions\x18\x01 \x03(\x0b\x32\x16.temper.v1.SessionInfo\x12\x0c\n\x04more\x18\x02 \x01(\x08\x12\x0e\n\x06tenant\x18\x03 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,35 +48,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTSESSIONSREQUEST']._serialized_start=773
   _globals['_LISTSESSIONSREQUEST']._serialized_end=845
   _globals['_SESSIONINFO']._serialized_start=848
-  _globals['_SESSIONINFO']._serialized_end=1346
-  _globals['_SESSIONINFO_USERMETADATAENTRY']._serialized_start=1295
-  _globals['_SESSIONINFO_USERMETADATAENTRY']._serialized_end=1346
-  _globals['_LISTSESSIONSRESPONSE']._serialized_start=1348
-  _globals['_LISTSESSIONSRESPONSE']._serialized_end=1433
-  _globals['_GETSESSIONREQUEST']._serialized_start=1435
-  _globals['_GETSESSIONREQUEST']._serialized_end=1474
-  _globals['_SAMPLINGRECORD']._serialized_start=1477
-  _globals['_SAMPLINGRECORD']._serialized_end=1646
-  _globals['_SAMPLINGBUCKET']._serialized_start=1649
-  _globals['_SAMPLINGBUCKET']._serialized_end=1796
-  _globals['_GETSESSIONSAMPLINGMETRICSREQUEST']._serialized_start=1799
-  _globals['_GETSESSIONSAMPLINGMETRICSREQUEST']._serialized_end=1978
-  _globals['_GETSESSIONSAMPLINGMETRICSRESPONSE']._serialized_start=1981
-  _globals['_GETSESSIONSAMPLINGMETRICSRESPONSE']._serialized_end=2129
-  _globals['_PROJECT']._serialized_start=2131
-  _globals['_PROJECT']._serialized_end=2199
-  _globals['_CREATEPROJECTREQUEST']._serialized_start=2201
-  _globals['_CREATEPROJECTREQUEST']._serialized_end=2237
-  _globals['_LISTPROJECTSREQUEST']._serialized_start=2239
-  _globals['_LISTPROJECTSREQUEST']._serialized_end=2260
-  _globals['_LISTPROJECTSRESPONSE']._serialized_start=2262
-  _globals['_LISTPROJECTSRESPONSE']._serialized_end=2322
-  _globals['_ASSIGNSESSIONPROJECTREQUEST']._serialized_start=2324
-  _globals['_ASSIGNSESSIONPROJECTREQUEST']._serialized_end=2393
-  _globals['_SEARCHSESSIONSREQUEST']._serialized_start=2396
-  _globals['_SEARCHSESSIONSREQUEST']._serialized_end=2700
-  _globals['_SEARCHSESSIONSREQUEST_USERMETADATAENTRY']._serialized_start=1295
-  _globals['_SEARCHSESSIONSREQUEST_USERMETADATAENTRY']._serialized_end=1346
-  _globals['_SEARCHSESSIONSRESPONSE']._serialized_start=2702
-  _globals['_SEARCHSESSIONSRESPONSE']._serialized_end=2782
+  _globals['_SESSIONINFO']._serialized_end=1371
+  _globals['_SESSIONINFO_USERMETADATAENTRY']._serialized_start=1320
+  _globals['_SESSIONINFO_USERMETADATAENTRY']._serialized_end=1371
+  _globals['_LISTSESSIONSRESPONSE']._serialized_start=1373
+  _globals['_LISTSESSIONSRESPONSE']._serialized_end=1458
+  _globals['_GETSESSIONREQUEST']._serialized_start=1460
+  _globals['_GETSESSIONREQUEST']._serialized_end=1499
+  _globals['_SAMPLINGRECORD']._serialized_start=1502
+  _globals['_SAMPLINGRECORD']._serialized_end=1671
+  _globals['_SAMPLINGBUCKET']._serialized_start=1674
+  _globals['_SAMPLINGBUCKET']._serialized_end=1821
+  _globals['_GETSESSIONSAMPLINGMETRICSREQUEST']._serialized_start=1824
+  _globals['_GETSESSIONSAMPLINGMETRICSREQUEST']._serialized_end=2003
+  _globals['_GETSESSIONSAMPLINGMETRICSRESPONSE']._serialized_start=2006
+  _globals['_GETSESSIONSAMPLINGMETRICSRESPONSE']._serialized_end=2154
+  _globals['_PROJECT']._serialized_start=2156
+  _globals['_PROJECT']._serialized_end=2224
+  _globals['_CREATEPROJECTREQUEST']._serialized_start=2226
+  _globals['_CREATEPROJECTREQUEST']._serialized_end=2262
+  _globals['_LISTPROJECTSREQUEST']._serialized_start=2264
+  _globals['_LISTPROJECTSREQUEST']._serialized_end=2285
+  _globals['_LISTPROJECTSRESPONSE']._serialized_start=2287
+  _globals['_LISTPROJECTSRESPONSE']._serialized_end=2347
+  _globals['_ASSIGNSESSIONPROJECTREQUEST']._serialized_start=2349
+  _globals['_ASSIGNSESSIONPROJECTREQUEST']._serialized_end=2418
+  _globals['_SEARCHSESSIONSREQUEST']._serialized_start=2421
+  _globals['_SEARCHSESSIONSREQUEST']._serialized_end=2725
+  _globals['_SEARCHSESSIONSREQUEST_USERMETADATAENTRY']._serialized_start=1320
+  _globals['_SEARCHSESSIONSREQUEST_USERMETADATAENTRY']._serialized_end=1371
+  _globals['_SEARCHSESSIONSRESPONSE']._serialized_start=2727
+  _globals['_SEARCHSESSIONSRESPONSE']._serialized_end=2823
 # @@protoc_insertion_point(module_scope)

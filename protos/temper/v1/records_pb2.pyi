@@ -86,7 +86,7 @@ class ListSessionsRequest(_message.Message):
     def __init__(self, limit: _Optional[int] = ..., offset: _Optional[int] = ..., project_id: _Optional[str] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "tags", "user_metadata", "created_unix_ms", "last_heartbeat_unix_ms", "closed", "close_status", "closed_unix_ms", "training_run_ids", "sampler_ids", "sample_requests", "prompt_tokens", "tokens_sampled", "display_name", "project_id", "checkpoints_count", "checkpoint_bytes")
+    __slots__ = ("session_id", "tags", "user_metadata", "created_unix_ms", "last_heartbeat_unix_ms", "closed", "close_status", "closed_unix_ms", "training_run_ids", "sampler_ids", "sample_requests", "prompt_tokens", "tokens_sampled", "display_name", "project_id", "checkpoints_count", "checkpoint_bytes", "created_unix_us")
     class UserMetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class SessionInfo(_message.Message):
     PROJECT_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_COUNT_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_US_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tags: _containers.RepeatedScalarFieldContainer[str]
     user_metadata: _containers.ScalarMap[str, str]
@@ -128,7 +129,8 @@ class SessionInfo(_message.Message):
     project_id: str
     checkpoints_count: int
     checkpoint_bytes: int
-    def __init__(self, session_id: _Optional[str] = ..., tags: _Optional[_Iterable[str]] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., created_unix_ms: _Optional[int] = ..., last_heartbeat_unix_ms: _Optional[int] = ..., closed: _Optional[bool] = ..., close_status: _Optional[str] = ..., closed_unix_ms: _Optional[int] = ..., training_run_ids: _Optional[_Iterable[str]] = ..., sampler_ids: _Optional[_Iterable[str]] = ..., sample_requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., tokens_sampled: _Optional[int] = ..., display_name: _Optional[str] = ..., project_id: _Optional[str] = ..., checkpoints_count: _Optional[int] = ..., checkpoint_bytes: _Optional[int] = ...) -> None: ...
+    created_unix_us: int
+    def __init__(self, session_id: _Optional[str] = ..., tags: _Optional[_Iterable[str]] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., created_unix_ms: _Optional[int] = ..., last_heartbeat_unix_ms: _Optional[int] = ..., closed: _Optional[bool] = ..., close_status: _Optional[str] = ..., closed_unix_ms: _Optional[int] = ..., training_run_ids: _Optional[_Iterable[str]] = ..., sampler_ids: _Optional[_Iterable[str]] = ..., sample_requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., tokens_sampled: _Optional[int] = ..., display_name: _Optional[str] = ..., project_id: _Optional[str] = ..., checkpoints_count: _Optional[int] = ..., checkpoint_bytes: _Optional[int] = ..., created_unix_us: _Optional[int] = ...) -> None: ...
 
 class ListSessionsResponse(_message.Message):
     __slots__ = ("sessions", "total_count")
@@ -266,9 +268,11 @@ class SearchSessionsRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., project_ids: _Optional[_Iterable[str]] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., display_name: _Optional[str] = ..., statuses: _Optional[_Iterable[str]] = ..., limit: _Optional[int] = ..., after_created_unix_us: _Optional[int] = ..., after_session_id: _Optional[str] = ...) -> None: ...
 
 class SearchSessionsResponse(_message.Message):
-    __slots__ = ("sessions", "more")
+    __slots__ = ("sessions", "more", "tenant")
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
     more: bool
-    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
+    tenant: str
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., more: _Optional[bool] = ..., tenant: _Optional[str] = ...) -> None: ...
