@@ -15,7 +15,9 @@ from temper.v1 import types_pb2
 
 SCHEME = "tinker://"
 WEIGHT_FILES = ("adapter_config.json", "adapter_model.safetensors")
-KIND_DIRS = {types_pb2.CHECKPOINT_KIND_SAMPLER: "sampler_weights", types_pb2.CHECKPOINT_KIND_TRAINING: "weights"}
+# external_weights: a peft adapter folder saved for download (save_weights_external), same files as a sampler checkpoint
+KIND_DIRS = {types_pb2.CHECKPOINT_KIND_SAMPLER: "sampler_weights", types_pb2.CHECKPOINT_KIND_TRAINING: "weights",
+             types_pb2.CHECKPOINT_KIND_EXTERNAL: "external_weights"}
 DIR_KINDS = {v: k for k, v in KIND_DIRS.items()}
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -49,5 +51,5 @@ def parse_path(path: str) -> CheckpointPath:
         raise InvalidArgument(f"checkpoint path {shown(path)} must start with {SCHEME}")
     parts = path[len(SCHEME) :].split("/")
     if len(parts) != 3 or parts[1] not in DIR_KINDS or not parts[0]:
-        raise InvalidArgument(f"checkpoint path {shown(path)} must look like tinker://<run>/(weights|sampler_weights)/<name>")
+        raise InvalidArgument(f"checkpoint path {shown(path)} must look like tinker://<run>/(weights|sampler_weights|external_weights)/<name>")
     return CheckpointPath(parts[0], DIR_KINDS[parts[1]], check_name(parts[2]))

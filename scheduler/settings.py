@@ -141,6 +141,12 @@ class SchedulerSettings(ProcessSettings, InternalTokenSettings):
         600.0, description="An ephemeral sampler snapshot (save_weights_and_get_sampling_client) no sampling client used for "
                            "this long, and not its run's newest, is deleted.")
     checkpoint_gc_interval_seconds: float = Field(30.0, description="How often expired checkpoints and idle snapshots are collected.")
+    download_url_seconds: float = Field(
+        3600.0, gt=0, le=7 * 86400, description="How long a signed download URL of an external_weights checkpoint "
+                                                "(get_external_weights_urls) stays valid.")
+    download_key_rotate_seconds: float = Field(
+        86400.0, gt=0, description="A new \"download\" signing key is made this often; a URL signed with an older key "
+                                   "verifies until it expires (the key is retired after this plus download_url_seconds).")
     # records kept after the answer (run_metrics, sampling_records: scheduler/db/records.py)
     metrics_retention_seconds: float = Field(
         30 * 86400.0, ge=0, description="Per-request run metrics and sampling records older than this are deleted; 0: kept "

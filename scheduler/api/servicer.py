@@ -22,6 +22,7 @@ from temper.scheduler.workers.backends import Backends
 from temper.scheduler.api.audit_verbs import AuditVerbs
 from temper.scheduler.api.checkpoint_verbs import CheckpointVerbs, check_ttl
 from temper.scheduler.api.cluster_status import ClusterStatusVerbs
+from temper.scheduler.api.download_verbs import DownloadVerbs
 from temper.scheduler.api.image_inputs import has_images, serves_images, vision_of
 from temper.scheduler.api.image_verbs import ImageVerbs
 from temper.scheduler.api.inflight_verbs import check_inflight_save
@@ -58,8 +59,8 @@ def needs_workers(method):
     return wrapper
 
 
-class TemperServicer(LaneRouting, AuditVerbs, ClusterStatusVerbs, SamplingVerbs, CheckpointVerbs, ImportVerbs, ImageVerbs, LookupVerbs, TokenizerVerbs,
-                     RecordVerbs, ProjectVerbs,
+class TemperServicer(LaneRouting, AuditVerbs, ClusterStatusVerbs, SamplingVerbs, CheckpointVerbs, DownloadVerbs, ImportVerbs, ImageVerbs,
+                     LookupVerbs, TokenizerVerbs, RecordVerbs, ProjectVerbs,
                      service_pb2_grpc.TemperServicer):
     def __init__(self, store, backends: Backends, runs: RunRegistry, admission: Admission):
         self.store = store
@@ -272,7 +273,7 @@ class TemperServicer(LaneRouting, AuditVerbs, ClusterStatusVerbs, SamplingVerbs,
     async def SaveWeights(self, request, context):
         def check(run: RunInfo) -> int:
             if request.kind not in KIND_DIRS:
-                raise InvalidArgument("kind must be CHECKPOINT_KIND_SAMPLER or CHECKPOINT_KIND_TRAINING")
+                raise InvalidArgument("kind must be CHECKPOINT_KIND_SAMPLER, CHECKPOINT_KIND_TRAINING or CHECKPOINT_KIND_EXTERNAL")
             if request.ephemeral and request.kind != types_pb2.CHECKPOINT_KIND_SAMPLER:
                 raise InvalidArgument("only sampler checkpoints can be ephemeral")
             if request.inflight:

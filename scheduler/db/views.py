@@ -9,7 +9,8 @@ from temper.common.checkpoints import KIND_DIRS
 from temper.scheduler.db import models as m
 from temper.v1 import service_pb2, trainer_pb2, types_pb2
 
-KIND_NAMES = {types_pb2.CHECKPOINT_KIND_SAMPLER: "sampler", types_pb2.CHECKPOINT_KIND_TRAINING: "training"}
+KIND_NAMES = {types_pb2.CHECKPOINT_KIND_SAMPLER: "sampler", types_pb2.CHECKPOINT_KIND_TRAINING: "training",
+              types_pb2.CHECKPOINT_KIND_EXTERNAL: "external"}
 
 
 def unix_ms(value: datetime | None) -> int:

@@ -123,8 +123,9 @@ class TrainerHandle:
         async with downstream(f"trainer {self.address}"):
             return await self.calls.run(self.stub.ImportAdapter(messages(), timeout=self.settings.trainer_call_timeout_seconds))
 
-    async def read_checkpoint(self, key: str, weights_only: bool = False):
-        request = trainer_pb2.ReadCheckpointRequest(checkpoint_key=key, weights_only=weights_only)
+    async def read_checkpoint(self, key: str, weights_only: bool = False, relative_path: str = ""):
+        """``relative_path``: only that file of the checkpoint."""
+        request = trainer_pb2.ReadCheckpointRequest(checkpoint_key=key, weights_only=weights_only, relative_path=relative_path)
         async with downstream(f"trainer {self.address}"):
             chunks = aiter(self.stub.ReadCheckpoint(request, timeout=self.settings.trainer_call_timeout_seconds))
             while True:

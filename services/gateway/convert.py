@@ -28,7 +28,8 @@ from temper.v1 import service_pb2, types_pb2
 PROTO = "application/x-protobuf"
 _STOP_TO_WIRE = {types_pb2.STOP_REASON_STOP: wire.STOP_REASON_STOP, types_pb2.STOP_REASON_LENGTH: wire.STOP_REASON_LENGTH}
 _STOP_TO_JSON = {types_pb2.STOP_REASON_STOP: "stop", types_pb2.STOP_REASON_LENGTH: "length"}
-_KIND_TO_JSON = {types_pb2.CHECKPOINT_KIND_TRAINING: "training", types_pb2.CHECKPOINT_KIND_SAMPLER: "sampler"}
+_KIND_TO_JSON = {types_pb2.CHECKPOINT_KIND_TRAINING: "training", types_pb2.CHECKPOINT_KIND_SAMPLER: "sampler",
+                 types_pb2.CHECKPOINT_KIND_EXTERNAL: "external"}
 
 
 # ---- ids -----------------------------------------------------------------------------------------

@@ -29,6 +29,9 @@ def optim_step_result(resp) -> Result:
 
 
 def save_weights_result(resp) -> Result:
+    if resp.checkpoint.kind == types_pb2.CHECKPOINT_KIND_EXTERNAL:
+        return Result(json=lambda: {"type": "save_weights_external", "path": resp.checkpoint.path,
+                                    "size_bytes": resp.checkpoint.size_bytes})
     return Result(json=lambda: {"type": "save_weights", "path": resp.checkpoint.path})
 
 

@@ -1,6 +1,7 @@
-"""The routes of the SDK's RestClient: training runs, checkpoints (0.39's search too), weights info.
+"""The routes of the SDK's RestClient: training runs, checkpoints (0.39's search too), weights info
+(external_weights_urls: routes_downloads.py).
 
-A checkpoint id is ``<weights|sampler_weights>/<name>``, so it spans two path segments here. Every
+A checkpoint id is ``<weights|sampler_weights|external_weights>/<name>``, so it spans two path segments here. Every
 route reads the API key before anything else, so a call without one is 401 whatever it sends.
 """
 
@@ -140,10 +141,3 @@ async def set_checkpoint_ttl(run_id: str, kind: str, name: str, request: Request
     ttl = fields.integer(await json_body(request), "ttl_seconds", default=0)  # the scheduler checks its range
     await _update(request, path, ttl_seconds=ttl)
     return None
-
-
-@router.get(RUNS_PATH + "/external_weights_urls")
-async def external_weights_urls(run_id: str, kind: str, name: str, request: Request):
-    api_key(request)
-    raise invalid(
-        "external weights URLs are not served by Temper; download a checkpoint with temper.client.download_checkpoint")

@@ -219,13 +219,19 @@ async def save_weights_for_sampler(request: Request):
 
 @router.post("/save_weights_external")
 async def save_weights_external(request: Request):
+    """A peft adapter folder (adapter_config.json + adapter_model.safetensors) as the checkpoint
+    tinker://<run>/external_weights/<name>, downloaded through get_external_weights_urls."""
     api_key(request)
-    run, seq = _run_and_seq(await json_body(request))
+    body = await json_body(request)
+    run, seq = _run_and_seq(body)
 
     def build(seq):
-        raise invalid("save_weights_external is not supported by Temper yet (download a checkpoint with temper.client)")
+        if body.get("age_encryption_recipients"):
+            raise invalid("age_encryption_recipients is not supported: Temper saves external weights unencrypted "
+                          "(download them over HTTPS and encrypt them yourself)")
+        return _save_request(body, run, seq, types_pb2.CHECKPOINT_KIND_EXTERNAL, fields.string(body, "path"))
 
-    return await _sequenced(request, run, seq, build, "SaveWeights", lambda resp: None)
+    return await _sequenced(request, run, seq, build, "SaveWeights", results.save_weights_result)
 
 
 @router.post("/load_weights")

@@ -136,6 +136,10 @@ def _status(outcome) -> trainer_pb2.ItemStatus:
 
 def checkpoint_files(request: trainer_pb2.ReadCheckpointRequest) -> tuple[str, tuple[str, ...] | None]:
     """(checkpoint key, the file names to send or None for all)."""
+    if request.relative_path:
+        if "/" in request.relative_path or "\\" in request.relative_path or request.relative_path in (".", ".."):
+            raise InvalidArgument(f"relative_path {request.relative_path!r} must name one file of the checkpoint's folder")
+        return request.checkpoint_key, (request.relative_path,)
     return request.checkpoint_key, (WEIGHT_FILES if request.weights_only else None)
 
 
