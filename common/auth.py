@@ -27,3 +27,9 @@ def bearer_token(context: grpc.aio.ServicerContext) -> str | None:
 
 def bearer_metadata(token: str) -> tuple[str, str]:
     return (AUTHORIZATION, f"Bearer {token}")
+
+
+def looks_like_jwt(credential: str) -> bool:
+    """A compact JWS (three base64url parts; a JSON header starts "eyJ"): a token from the key-for-token
+    exchange (scheduler/tenancy/jwt_tokens.py), never an API key ("tml-...")."""
+    return credential.startswith("eyJ") and credential.count(".") == 2

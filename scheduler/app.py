@@ -33,6 +33,7 @@ from temper.scheduler.planning.policy import FairShare
 from temper.scheduler.planning.records import prune_forever
 from temper.scheduler.planning.session_expiry import SessionExpiry
 from temper.scheduler.workers.registry import start_registry
+from temper.scheduler.tenancy.jwt_tokens import JwtKeys
 from temper.scheduler.planning.runs import RunRegistry
 from temper.scheduler.api.servicer import TemperServicer
 from temper.scheduler.api.cluster_status import ClusterSources
@@ -64,8 +65,10 @@ class SchedulerApp:
         self.admission = Admission(self.store, self.runs, settings)
         self.loop = SchedulerLoop(self.admission, self.backends, self.store, self.runs, settings)
         self.servicer = TemperServicer(self.store, self.backends, self.runs, self.admission)
-        self.auth = ApiKeyAuth(self.store, settings.auth, settings.key_cache_seconds)
-        self.servicer.forget_key = self.auth.forget  # a key revoked through the API stops at once here
+        tokens = JwtKeys(self.store, settings.jwt_seconds, settings.jwt_key_rotate_seconds)
+        self.auth = ApiKeyAuth(self.store, settings.auth, settings.key_cache_seconds, tokens)
+        self.servicer.forget_key = self.auth.forget  # a key revoked through the API stops at once here, its tokens too
+        self.servicer.tokens = tokens  # CreateAuthToken
         self.collector = CheckpointCollector(self.store, self.backends, self.runs, settings)
         self.membership = Membership(self.backends, self.loop.recovery, settings)
         self.servicer.cluster = ClusterSources(self.membership, self.loop.recovery)  # what GetClusterStatus reads

@@ -127,6 +127,13 @@ class SchedulerSettings(ProcessSettings, InternalTokenSettings):
         "api_key", description="api_key: every public call needs `authorization: Bearer <key>` and its tenant is the key's. "
                                "disabled: no keys, one tenant ('default') — for a single-user laptop only.")
     key_cache_seconds: float = Field(10.0, description="How long a looked-up API key is trusted; a revoked key stops working within it.")
+    jwt_seconds: float = Field(
+        900.0, ge=120, le=86400, description="Lifetime of a JWT from the key-for-token exchange (CreateAuthToken: the Tinker "
+                                            "SDK's default auth, renewed by the SDK at half its life). Revoking its API key "
+                                            "ends it within key_cache_seconds, whatever is left of this.")
+    jwt_key_rotate_seconds: float = Field(
+        86400.0, gt=0, description="A new \"jwt\" signing key is made this often; a token signed with an older key "
+                                   "verifies until it expires (the key is retired after this plus jwt_seconds).")
     default_max_training_runs: int = Field(0, description="Open training runs per tenant (sessions not closed); 0: unlimited. "
                                                           "The admin command's set-quota overrides it per tenant.")
     default_max_resident_adapters: int = Field(0, description="A tenant's adapters held by one sampler; loading one more drops "

@@ -3,7 +3,8 @@
 GetAuditLog: a tenant's key reads its own tenant's entries, an admin key every tenant's (or one).
 ListApiKeys / CreateApiKey / RevokeApiKey: the calling tenant's keys only (another tenant's key is
 NOT_FOUND, as if it did not exist); an admin key may be made only by an admin. Each change is logged
-in its own transaction (scheduler/db/audit.py).
+in its own transaction (scheduler/db/audit.py). CreateAuthToken: a short-lived JWT for the calling key
+(scheduler/tenancy/jwt_tokens.py), the Tinker SDK's default auth.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ from __future__ import annotations
 import asyncio
 from datetime import datetime, timezone
 
-from temper.common.errors import InvalidArgument, PermissionDenied
+from temper.common.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from temper.common.strings import check_text
 from temper.scheduler.db import models as m
 from temper.scheduler.db.audit import AuditQuery, MAX_PAGE
 from temper.scheduler.db.views import unix_ms
-from temper.scheduler.tenancy.auth import caller_actor, caller_identity, require_admin
+from temper.scheduler.tenancy.auth import caller_actor, caller_identity, caller_used_token, require_admin
 from temper.v1 import service_pb2
 
 DEFAULT_PAGE = 100
@@ -68,7 +69,8 @@ def _time(ms: int) -> datetime | None:
 class AuditVerbs:
     """Mixed into TemperServicer (``store`` comes from it; ``forget_key``, the auth cache's, from app.py)."""
 
-    forget_key = None  # called with a revoked key's SHA-256: this scheduler refuses it from its next call
+    forget_key = None  # called with a revoked key's SHA-256 and id: this scheduler refuses it and its tokens from their next call
+    tokens = None  # the auth's JwtKeys (app.py): CreateAuthToken signs with them
 
     async def GetAuditLog(self, request, context):
         identity = caller_identity()
@@ -107,5 +109,14 @@ class AuditVerbs:
         check_text(ref, "key", identifier=True)
         row = await asyncio.to_thread(self.store.revoke_api_key, ref, identity.tenant, caller_actor())
         if self.forget_key is not None:
-            self.forget_key(row.key_sha256)
+            self.forget_key(row.key_sha256, row.id)
         return key_message(row, identity.tenant)
+
+    async def CreateAuthToken(self, request, context):
+        if self.tokens is None:
+            raise FailedPrecondition("this scheduler issues no tokens; send the API key itself")
+        if caller_used_token():
+            # a token minting its successor would outlive any lifetime; the key itself must ask
+            raise PermissionDenied("a token cannot be exchanged for another: send the API key (tml-...) itself")
+        token, expires_unix = await self.tokens.issue(caller_identity())
+        return service_pb2.AuthToken(jwt=token, expires_unix_ms=int(expires_unix * 1000))

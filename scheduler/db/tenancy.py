@@ -13,7 +13,7 @@ from datetime import datetime, timedelta, timezone
 from sqlalchemy import func, select, update
 
 from temper.common.errors import InvalidArgument, NotFound, Unauthenticated
-from temper.scheduler.db import keys
+from temper.scheduler.db import keys, signing_keys
 from temper.scheduler.db import models as m
 from temper.scheduler.db.access import ReadAccess, ReadFacts
 from temper.scheduler.db.audit import Actor, record
@@ -106,6 +106,32 @@ class TenancyStore:
             if row.last_used_at is None or now() - _aware(row.last_used_at) > LAST_USED_RESOLUTION:
                 row.last_used_at = now()
             return KeyIdentity(tenant, row.id, row.prefix, bool(row.is_admin))
+
+    def key_identity_by_id(self, key_id: int) -> KeyIdentity:
+        """Who the key with this id is, if it is still live (a token's key: scheduler/tenancy/jwt_tokens.py);
+        Unauthenticated if it is unknown or revoked. Its last use is recorded as key_identity does."""
+        if not 0 < key_id <= MAX_KEY_ID:
+            raise Unauthenticated(f"the token names no API key (id {key_id})")
+        with self.sessions.begin() as db:
+            found = db.execute(select(m.ApiKey, m.Tenant.name).join(m.Tenant, m.Tenant.id == m.ApiKey.tenant_id)
+                               .where(m.ApiKey.id == key_id)).first()
+            if found is None:
+                raise Unauthenticated(f"the token's API key (id {key_id}) no longer exists")
+            row, tenant = found
+            if row.revoked_at is not None:
+                raise Unauthenticated(f"API key {row.prefix}… was revoked; its tokens are refused")
+            if row.last_used_at is None or now() - _aware(row.last_used_at) > LAST_USED_RESOLUTION:
+                row.last_used_at = now()
+            return KeyIdentity(tenant, row.id, row.prefix, bool(row.is_admin))
+
+    def current_signing_key(self, purpose: str, rotate_after_seconds: float) -> signing_keys.SigningKey:
+        """The key to sign ``purpose``'s tokens with now (made or rotated here when due)."""
+        with self.sessions.begin() as db:
+            return signing_keys.current_key(db, purpose, rotate_after_seconds)
+
+    def signing_key(self, purpose: str, kid: str, max_age_seconds: float | None = None) -> signing_keys.SigningKey | None:
+        with self.sessions() as db:
+            return signing_keys.key_by_id(db, purpose, kid, max_age_seconds)
 
     # ---- limits -------------------------------------------------------------------------------
 

@@ -5,6 +5,8 @@ the handler reads the result with ``caller()`` (the tenant), ``caller_identity()
 prefix, role) or ``caller_actor()`` (who, for the audit log); ``require_admin()`` refuses a tenant's
 key with PERMISSION_DENIED. With auth disabled the one caller is an admin (a single-user laptop). Keys are looked up in the database and remembered
 for ``cache_seconds``, so a revoked key stops working within that time on a running scheduler.
+A JWT from the key-for-token exchange (jwt_tokens.py) is taken in place of its key: its signature and
+expiry are checked, then its key must be live, so revoking the key ends its tokens within that time too.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from temper.common.errors import PermissionDenied, Unauthenticated
 from temper.scheduler.db import keys
 from temper.scheduler.db.audit import Actor
 from temper.scheduler.db.tenancy import KeyIdentity
+from temper.scheduler.tenancy.jwt_tokens import LEEWAY_SECONDS, InvalidToken, JwtKeys, looks_like_jwt
 
 AuthMode = Literal["api_key", "disabled"]
 LOCAL_TENANT = "default"  # the one tenant of a scheduler with auth disabled
@@ -29,6 +32,12 @@ UNKNOWN_KEY_SECONDS = 1.0  # unknown keys are remembered briefly too: guessing c
 
 _caller: ContextVar[str] = ContextVar("temper_caller")
 _identity: ContextVar[KeyIdentity] = ContextVar("temper_caller_key")
+_by_token: ContextVar[bool] = ContextVar("temper_caller_by_token", default=False)
+
+
+def caller_used_token() -> bool:
+    """Whether this call came with a JWT (jwt_tokens.py) rather than the API key itself."""
+    return _by_token.get()
 
 
 def caller() -> str:
@@ -77,10 +86,11 @@ SIGNED_METHODS = frozenset({"/temper.v1.Temper/ReadSignedCheckpointFile"})
 
 
 class ApiKeyAuth:
-    def __init__(self, store, mode: AuthMode = "api_key", cache_seconds: float = 10.0):
+    def __init__(self, store, mode: AuthMode = "api_key", cache_seconds: float = 10.0, tokens: JwtKeys | None = None):
         self.store = store
         self.mode = mode
         self.cache_seconds = cache_seconds
+        self.tokens = tokens  # verifies JWTs sent in place of a key; None: only API keys are taken
         # the key as sent -> (until, its identity or refusal): a dict lookup per call, no hash of the key to compute
         self._cache: dict[str, tuple[float, KeyIdentity | Unauthenticated]] = {}
 
@@ -98,27 +108,47 @@ class ApiKeyAuth:
         identity = await self.identity(key)
         _identity.set(identity)
         _caller.set(identity.tenant)
+        _by_token.set(not key.startswith(keys.PREFIX))
 
-    def forget(self, key_sha256: str) -> None:
-        """Drop a key from the cache (it was just revoked here): its next call is looked up again."""
-        for key in [key for key in self._cache if keys.digest(key) == key_sha256]:
+    def forget(self, key_sha256: str, key_id: int | None = None) -> None:
+        """Drop a key, and the tokens of key ``key_id``, from the cache (it was just revoked here): their
+        next call is looked up again."""
+        for key in [key for key, (_, found) in self._cache.items()
+                    if (key_id is not None and isinstance(found, KeyIdentity) and found.key_id == key_id)
+                    or keys.digest(key) == key_sha256]:
             del self._cache[key]
 
     async def tenant(self, key: str) -> str:
         return (await self.identity(key)).tenant
 
     async def identity(self, key: str) -> KeyIdentity:
-        if not key.startswith(keys.PREFIX):
-            raise Unauthenticated(f"API keys start with {keys.PREFIX!r}")
+        """The identity of an API key, or of a JWT (the key it names, which must still be live)."""
+        token = self.tokens is not None and looks_like_jwt(key)
+        if not token and not key.startswith(keys.PREFIX):
+            raise Unauthenticated(f"API keys start with {keys.PREFIX!r}"
+                                  + (" (or send a JWT from the key-for-token exchange)" if self.tokens else ""))
         cached = self._cache.get(key)
         if cached is None or cached[0] < time.monotonic():
             try:
-                cached = (time.monotonic() + self.cache_seconds, await asyncio.to_thread(self.store.key_identity, key))
+                cached = await (self._token_identity(key) if token else self._key_identity(key))
             except Unauthenticated as refusal:
                 cached = (time.monotonic() + UNKNOWN_KEY_SECONDS, refusal)
             if len(self._cache) >= MAX_CACHED_KEYS:
                 self._cache.clear()
             self._cache[key] = cached
         if isinstance(cached[1], Unauthenticated):
-            raise Unauthenticated(cached[1].message)
+            raise type(cached[1])(cached[1].message)
         return cached[1]
+
+    async def _key_identity(self, key: str) -> tuple[float, KeyIdentity]:
+        return time.monotonic() + self.cache_seconds, await asyncio.to_thread(self.store.key_identity, key)
+
+    async def _token_identity(self, token: str) -> tuple[float, KeyIdentity]:
+        """Signature and expiry (no query once the signing key is cached), then the one lookup an API key
+        costs too: the key the token names must be live. Trusted until either check is due again."""
+        claims = await self.tokens.verify(token)
+        live = await asyncio.to_thread(self.store.key_identity_by_id, claims.key_id)
+        if live.tenant != claims.tenant:
+            raise InvalidToken("the token's tenant is not its API key's")
+        left = claims.expires_unix + LEEWAY_SECONDS - time.time()
+        return time.monotonic() + min(self.cache_seconds, left), live

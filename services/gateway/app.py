@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from temper.common.auth import looks_like_jwt
 from temper.common.errors import TemperError
 from temper.services.gateway.body_limit import JSON_LIMIT, PROTOBUF_LIMIT, BodyLimit
 from temper.services.gateway.errors import (PARSE_ERRORS, GatewayError, error_body, failed_result, http_headers, http_status,
@@ -75,10 +76,11 @@ def image_limits(request: Request) -> ImageLimits:
     return getattr(request.app.state, "image_limits", DEFAULT_LIMITS)
 
 
-# Temper's keys are "tml-" and 43 URL-safe characters; any printable ASCII token up to this length is
-# passed on (a scheduler with auth off takes any key). gRPC metadata holds nothing else, and a longer
-# one overflows its header limit (RESOURCE_EXHAUSTED, which clients would resend).
-MAX_KEY_CHARS = 512
+# Temper's keys are "tml-" and 43 URL-safe characters, its JWTs (POST /api/v1/auth/token) up to ~700
+# (a 128-character tenant named twice); any printable ASCII token up to this length is passed on (a
+# scheduler with auth off takes any key). gRPC metadata holds nothing else, and one far longer
+# overflows its header limit (8 KiB: RESOURCE_EXHAUSTED, which clients would resend).
+MAX_KEY_CHARS = 1024
 _KEY = re.compile(rf"[\x21-\x7e]{{1,{MAX_KEY_CHARS}}}")
 
 
@@ -86,15 +88,21 @@ def api_key(request: Request) -> str:
     """The caller's key: ``X-API-Key`` as the SDK sends it, or ``Authorization: Bearer``. Only its
     form is checked here: the scheduler checks the key itself on every call. Routes read it before
     the body, so a call without a key is 401 whatever its body."""
+    key = sent_credential(request)
+    if not key:
+        raise GatewayError(grpc.StatusCode.UNAUTHENTICATED, "no API key: set TINKER_API_KEY (a Temper key, tml-...)")
+    if not _KEY.fullmatch(key):
+        raise GatewayError(grpc.StatusCode.UNAUTHENTICATED, "the API key is not a Temper key (tml-... or a JWT from "
+                                                            f"/api/v1/auth/token, printable ASCII, at most {MAX_KEY_CHARS} characters)")
+    return key
+
+
+def sent_credential(request: Request) -> str:
+    """The key or token the request carries, unchecked ("" if none)."""
     key = request.headers.get("x-api-key")
     if not key:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         key = token.strip() if scheme.lower() == "bearer" else ""
-    if not key:
-        raise GatewayError(grpc.StatusCode.UNAUTHENTICATED, "no API key: set TINKER_API_KEY (a Temper key, tml-...)")
-    if not _KEY.fullmatch(key):
-        raise GatewayError(grpc.StatusCode.UNAUTHENTICATED,
-                           f"the API key is not a Temper key (tml-..., printable ASCII, at most {MAX_KEY_CHARS} characters)")
     return key
 
 
@@ -172,7 +180,12 @@ def create_app(scheduler: Scheduler, long_poll_seconds: float = 25.0, future_kee
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError):
         log.info("%s %s -> %s", request.method, request.url.path, exc)
-        return error_response(exc, request.url.path)
+        response = error_response(exc, request.url.path)
+        if response.status_code == 401 and looks_like_jwt(sent_credential(request)):
+            # RFC 6750: the token itself is refused (expired, tampered, its key revoked); the SDK then
+            # exchanges its key for a new one and replays the request once
+            response.headers["WWW-Authenticate"] = 'Bearer error="invalid_token"'
+        return response
 
     @app.exception_handler(TemperError)  # raised by shared checks (parse_path, encode_tokens)
     async def _temper_error(request: Request, exc: TemperError):

@@ -13,16 +13,26 @@ from temper.v1 import service_pb2
 
 router = APIRouter(prefix="/api/v1")
 
-# Every flag at the SDK's conservative default; spelled out so a reader sees what we rely on: API keys
-# (no JWT exchange), per-request retrieve_future polling, client-side custom losses, no sampling-session
-# joins, uncompressed forward_backward bodies.
-CLIENT_CONFIG = {"pjwt_auth_enabled": False, "credential_default_source": "api_key", "proto_compress_fwdbwd": False,
+# Spelled out so a reader sees what we rely on: JWT auth (the SDK exchanges its API key for a short-lived
+# JWT at /auth/token and sends that; the SDK's default), per-request retrieve_future polling, client-side
+# custom losses, no sampling-session joins, uncompressed forward_backward bodies.
+CLIENT_CONFIG = {"pjwt_auth_enabled": True, "credential_default_source": "api_key", "proto_compress_fwdbwd": False,
                  "sample_use_retrieve_futures": False, "custom_loss_server_side": False, "sample_join_sampling_session": False}
 
 
 @router.post("/client/config")
 async def client_config():
     return CLIENT_CONFIG
+
+
+@router.post("/auth/token")
+async def auth_token(request: Request):
+    """The SDK's key-for-JWT exchange: the scheduler signs a token for the calling API key (CreateAuthToken)."""
+    key = api_key(request)
+    gw = gateway(request)
+    token = await gw.scheduler.call("CreateAuthToken", service_pb2.CreateAuthTokenRequest(), key)
+    gw.futures.bind_token(token.jwt, key, token.expires_unix_ms / 1000)  # futures stay the key's across renewals
+    return {"jwt": token.jwt}
 
 
 @router.post("/client/dynamic_config")
