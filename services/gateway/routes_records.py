@@ -10,8 +10,8 @@ is 404, as a missing one). ``project_id`` (list_sessions, storage usage) filters
 caller's projects (``routes_projects.py``); another tenant's project is 404, as a missing one.
 ``access_scope`` ``accessible`` answers as ``owned``: another tenant's sessions are never readable.
 
-The SDK's own ``whoami()`` reads a JWT's claims client-side and never calls a server (it raises
-without JWT auth, which Temper's gateway keeps off); ``/api/v1/whoami`` answers the same shape for a
+The SDK's own ``whoami()`` reads the claims of the JWT it got from ``/api/v1/auth/token``
+(routes_session.py) client-side and never calls a server; ``/api/v1/whoami`` answers the same shape for a
 plain API key, for ``curl`` and ``temper.client``.
 """
 
