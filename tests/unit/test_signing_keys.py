@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 from sqlalchemy import func, select, update
@@ -28,7 +29,7 @@ def age(sessions, kid: str, seconds: float) -> None:
     with sessions.begin() as db:
         row = db.get(m.SigningKey, kid)
         db.execute(update(m.SigningKey).where(m.SigningKey.kid == kid)
-                   .values(created_at=row.created_at - __import__("datetime").timedelta(seconds=seconds)))
+                   .values(created_at=row.created_at - timedelta(seconds=seconds)))
 
 
 def test_current_key_is_made_once_kept_then_rotated_and_older_keys_stay_readable(sqlite_sessions):
