@@ -38,14 +38,16 @@ class CheckpointVerbs:
         tenant = caller()
         if request.training_run_id:
             await self.runs.get(request.training_run_id, tenant)
-            rows = await asyncio.to_thread(self.store.list_checkpoints, request.training_run_id)
+            rows = await asyncio.to_thread(self.store.list_checkpoints, request.training_run_id, request.include_temporary)
         else:
-            rows = await asyncio.to_thread(self.store.tenant_checkpoints, tenant)
+            rows = await asyncio.to_thread(self.store.tenant_checkpoints, tenant, request.include_temporary)
         if request.project_ids:  # issue 33: NotFound for a project not the caller's
             in_projects = await asyncio.to_thread(self.store.project_run_ids, list(request.project_ids), tenant)
             rows = [r for r in rows if r.training_run_id in in_projects]
         runs = await asyncio.to_thread(self.store.run_rows, {r.training_run_id for r in rows})
-        return service_pb2.ListCheckpointsResponse(checkpoints=[checkpoint_message(r, runs.get(r.training_run_id)) for r in rows])
+        idle = timedelta(seconds=self.admission.settings.snapshot_idle_seconds)
+        return service_pb2.ListCheckpointsResponse(checkpoints=[checkpoint_message(r, runs.get(r.training_run_id), idle)
+                                                                for r in rows])
 
     async def GetCheckpoint(self, request, context):
         row, run = await asyncio.to_thread(self.store.readable_checkpoint_and_run, str(parse_path(request.path)), caller())

@@ -20,7 +20,7 @@ from temper.common.errors import InvalidArgument
 from temper.scheduler.db import models as m
 from temper.scheduler.db.outage import database_errors
 
-AUDIT_ACTIONS = ("api_key.create", "api_key.revoke", "quota.set", "checkpoint.publish", "checkpoint.unpublish",
+AUDIT_ACTIONS = ("api_key.create", "api_key.revoke", "quota.set", "checkpoint.save", "checkpoint.publish", "checkpoint.unpublish",
                  "checkpoint.ttl", "checkpoint.delete", "checkpoint.import", "session.open", "session.close",
                  "session.expire", "session.project", "project.create",
                  "image.upload", "image.delete")

@@ -28,7 +28,7 @@ from temper.scheduler.db.images import ImageStore
 from temper.scheduler.db.inflight import InflightStore
 from temper.scheduler.db.projects import EXPIRED, ProjectStore
 from temper.scheduler.db.session_search import SessionSearchStore
-from temper.scheduler.db.tenancy import TenancyStore
+from temper.scheduler.db.tenancy import TenancyStore, listed
 
 def executor_threads() -> int:
     """The threads of asyncio's default executor, where every store call runs (``asyncio.to_thread``)."""
@@ -216,8 +216,11 @@ class Store(TenancyStore, RequestLogStore, CatalogStore, AuditStore, RecordsStor
                 m.Checkpoint.training_run_id == run_id, m.Checkpoint.kind == kind, m.Checkpoint.name == name)) is not None
 
     def add_checkpoint(self, run_id: str, kind: str, name: str, path: str, size_bytes: int, ephemeral: bool = False,
-                       ttl_seconds: int = 0, user_metadata: dict[str, str] | None = None, lane_write: bool = False) -> m.Checkpoint:
-        """``lane_write``: a save of the run's lane (fenced: replicas), not an import's or a copy's row."""
+                       ttl_seconds: int = 0, user_metadata: dict[str, str] | None = None, lane_write: bool = False,
+                       actor: Actor | None = None) -> m.Checkpoint:
+        """``lane_write``: a save of the run's lane (fenced: replicas), not an import's or a copy's row;
+        a save is logged (checkpoint.save, for ``actor.tenant``) in its row's transaction, so a save
+        resent after its answer was lost (the row exists) is logged once."""
         expires_at = _now() + timedelta(seconds=ttl_seconds) if ttl_seconds > 0 else None
         try:
             with self.sessions.begin() as db:
@@ -226,15 +229,21 @@ class Store(TenancyStore, RequestLogStore, CatalogStore, AuditStore, RecordsStor
                 row = m.Checkpoint(training_run_id=run_id, kind=kind, name=name, path=path, size_bytes=size_bytes,
                                    ephemeral=ephemeral, expires_at=expires_at, user_metadata=dict(user_metadata or {}))
                 db.add(row)
+                if lane_write and actor is not None:
+                    db.flush()  # a taken path raises IntegrityError here, before any entry
+                    record(db, actor, "checkpoint.save", actor.tenant, path, kind=kind, size_bytes=size_bytes,
+                           **({"temporary": True} if ephemeral else {}), **({"ttl_seconds": ttl_seconds} if ttl_seconds else {}))
                 return row
         except IntegrityError:
             raise AlreadyExists(f"checkpoint {path} already exists") from None
 
     def add_or_get_checkpoint(self, run_id: str, kind: str, name: str, path: str, size_bytes: int, ephemeral: bool = False,
-                              ttl_seconds: int = 0, user_metadata: dict[str, str] | None = None) -> m.Checkpoint:
+                              ttl_seconds: int = 0, user_metadata: dict[str, str] | None = None,
+                              actor: Actor | None = None) -> m.Checkpoint:
         """add_checkpoint, or the row an earlier attempt of the same save wrote (its answer was lost)."""
         try:
-            return self.add_checkpoint(run_id, kind, name, path, size_bytes, ephemeral, ttl_seconds, user_metadata, lane_write=True)
+            return self.add_checkpoint(run_id, kind, name, path, size_bytes, ephemeral, ttl_seconds, user_metadata, lane_write=True,
+                                       actor=actor)
         except AlreadyExists:
             return self.get_checkpoint(path)
 
@@ -245,11 +254,11 @@ class Store(TenancyStore, RequestLogStore, CatalogStore, AuditStore, RecordsStor
             raise NotFound(f"checkpoint {path} not found")
         return row
 
-    def list_checkpoints(self, run_id: str) -> list[m.Checkpoint]:
+    def list_checkpoints(self, run_id: str, include_temporary: bool = False) -> list[m.Checkpoint]:
         self.get_training_run(run_id)
         with self.sessions() as db:
             return list(db.scalars(select(m.Checkpoint).where(m.Checkpoint.training_run_id == run_id,
-                                                              m.Checkpoint.ephemeral.is_(False)).order_by(m.Checkpoint.id)))
+                                                              listed(include_temporary)).order_by(m.Checkpoint.id)))
 
     # ---- sampling clients ---------------------------------------------------------------------
 

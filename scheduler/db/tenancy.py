@@ -223,29 +223,39 @@ class TenancyStore:
 
     def update_checkpoint(self, path: str, tenant: str, published: bool | None, expires_at: datetime | None | bool,
                           actor: Actor | None = None, ttl_seconds: int | None = None) -> m.Checkpoint:
-        """``expires_at``: a time, None to clear, False to leave as it is (``ttl_seconds``: what was asked, for the log)."""
+        """``expires_at``: a time, None to clear, False to leave as it is (``ttl_seconds``: what was asked, for the log).
+        What is already so is left alone and not logged again (publishing a published checkpoint, a
+        request resent, clearing no TTL): the log holds each change once."""
         row = self.owned_checkpoint(path, tenant)
         values = {}
-        if published is not None:
+        if published is not None and published != bool(row.published):
             values["published"] = published
-        if expires_at is not False:
+        if expires_at is not False and not (expires_at is None and row.expires_at is None):
             values["expires_at"] = expires_at
         if values:
             with self.sessions.begin() as db:
-                db.execute(update(m.Checkpoint).where(m.Checkpoint.id == row.id).values(**values))
-                if published is not None:
+                # the row as it is now, locked: of two concurrent identical requests only the first changes it
+                current = db.scalar(select(m.Checkpoint).where(m.Checkpoint.id == row.id).with_for_update())
+                if current is None:
+                    raise NotFound(f"checkpoint {path} not found")
+                if "published" in values and values["published"] == bool(current.published):
+                    del values["published"]
+                if values:
+                    db.execute(update(m.Checkpoint).where(m.Checkpoint.id == row.id).values(**values))
+                if "published" in values:
                     record(db, actor, "checkpoint.publish" if published else "checkpoint.unpublish", tenant, path)
-                if expires_at is not False:
+                if "expires_at" in values:
                     record(db, actor, "checkpoint.ttl", tenant, path, ttl_seconds=ttl_seconds, expires_at=expires_at)
             self.read_access.forget(path)  # committed: the next call reads the new facts
         return self.owned_checkpoint(path, tenant)
 
     def delete_checkpoint_row(self, checkpoint_id: int, actor: Actor | None = None, reason: str = "") -> None:
-        """The row goes with its audit entry (but for an unlisted snapshot the scheduler collects)."""
+        """The row goes with its audit entry (but for an in-flight version the scheduler collects: its
+        save was not logged either, one per async-RL step)."""
         with self.sessions.begin() as db:
             row = db.get(m.Checkpoint, checkpoint_id)
             if row is not None:
-                if actor is not None or not row.ephemeral:
+                if actor is not None or row.inflight_version is None:
                     owner = db.scalar(select(m.Tenant.name).join(m.Session, m.Session.tenant_id == m.Tenant.id)
                                       .join(m.TrainingRun, m.TrainingRun.session_id == m.Session.id)
                                       .where(m.TrainingRun.id == row.training_run_id))
@@ -259,13 +269,14 @@ class TenancyStore:
         with self.sessions.begin() as db:
             db.execute(update(m.Checkpoint).where(m.Checkpoint.path == path).values(last_used_at=now()))
 
-    def tenant_checkpoints(self, tenant: str) -> list[m.Checkpoint]:
-        """Every listed (not ephemeral) checkpoint of the tenant, oldest first."""
+    def tenant_checkpoints(self, tenant: str, include_temporary: bool = False) -> list[m.Checkpoint]:
+        """Every listed (not ephemeral) checkpoint of the tenant, oldest first; ``include_temporary``:
+        also its temporary sampler snapshots (not the in-flight versions of async RL)."""
         with self.sessions() as db:
             return list(db.scalars(select(m.Checkpoint).join(m.TrainingRun, m.TrainingRun.id == m.Checkpoint.training_run_id)
                                    .join(m.Session, m.Session.id == m.TrainingRun.session_id)
                                    .join(m.Tenant, m.Tenant.id == m.Session.tenant_id)
-                                   .where(m.Tenant.name == tenant, m.Checkpoint.ephemeral.is_(False)).order_by(m.Checkpoint.id)))
+                                   .where(m.Tenant.name == tenant, listed(include_temporary)).order_by(m.Checkpoint.id)))
 
     def collectable_checkpoints(self, idle: timedelta) -> list[m.Checkpoint]:
         """Checkpoints past their TTL, and ephemeral snapshots no sampling client used for ``idle``
@@ -293,3 +304,11 @@ class TenancyStore:
 def _aware(value: datetime) -> datetime:
     """SQLite returns naive datetimes (stored as UTC)."""
     return value if value.tzinfo is not None else value.replace(tzinfo=timezone.utc)
+
+
+def listed(include_temporary: bool):
+    """The checkpoints a listing shows: the named ones, and with ``include_temporary`` the temporary
+    sampler snapshots too (never in-flight versions: one per async-RL step, collected when idle)."""
+    if include_temporary:
+        return m.Checkpoint.inflight_version.is_(None)
+    return m.Checkpoint.ephemeral.is_(False)

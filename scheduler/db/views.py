@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 from temper.common.checkpoints import KIND_DIRS
 from temper.scheduler.db import models as m
@@ -42,17 +42,24 @@ def run_message(run: m.TrainingRun, owner: str, next_seq_id: int,
         inflight=types_pb2.WeightsVersion(path=run.inflight_path or "", version=run.inflight_version or 0))
     if model is not None:
         info.tokenizer_id, info.vocab_size, info.max_context_length = model.tokenizer_id, model.vocab_size, model.max_context_length
+        info.family, info.num_experts, info.num_experts_per_tok = model.family, model.num_experts, model.num_experts_per_tok
     return info
 
 
-def checkpoint_message(row: m.Checkpoint, run: m.TrainingRun | None = None) -> types_pb2.Checkpoint:
-    """``run``: the run that saved it (fills base_model and lora_config)."""
+def checkpoint_message(row: m.Checkpoint, run: m.TrainingRun | None = None,
+                       idle_expiry: timedelta | None = None) -> types_pb2.Checkpoint:
+    """``run``: the run that saved it (fills base_model and lora_config). ``idle_expiry``: how long an
+    unused temporary (ephemeral) checkpoint is kept; its expires_unix_ms is its last use plus that."""
     kind = {v: k for k, v in KIND_NAMES.items()}[row.kind]
     msg = types_pb2.Checkpoint(
         checkpoint_id=f"{KIND_DIRS[kind]}/{row.name}", kind=kind, path=row.path, training_run_id=row.training_run_id,
         size_bytes=row.size_bytes, created_unix_ms=unix_ms(row.created_at), published=bool(row.published),
         expires_unix_ms=unix_ms(row.expires_at), user_metadata={str(k): str(v) for k, v in (row.user_metadata or {}).items()},
     )
+    if row.ephemeral:
+        msg.temporary = True
+        if idle_expiry is not None and not row.expires_at:
+            msg.expires_unix_ms = unix_ms((row.last_used_at or row.created_at) + idle_expiry)
     if run is not None:
         msg.base_model = run.base_model
         msg.lora_config.CopyFrom(lora_of(run))

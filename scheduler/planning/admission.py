@@ -27,6 +27,7 @@ from temper.common.strings import check_request_strings
 from temper.scheduler import metrics
 from temper.scheduler.db.request_log import NewRequest
 from temper.scheduler.planning.group_commit import RequestWriter
+from temper.scheduler.tenancy.auth import caller, caller_identity
 from temper.scheduler.tenancy.quotas import Quotas
 from temper.scheduler.planning.runs import RunInfo, RunRegistry
 from temper.scheduler.settings import SchedulerSettings
@@ -114,6 +115,7 @@ class Admission:
         self._check_capacity(run, queue, seq_id, kind)
         work = Work(run_id, seq_id, kind, request, sha, tokens, run.tenant, WorkState.CLAIMED)
         work.deterministic = bool(run.row.deterministic)
+        work.key_prefix = caller_identity().prefix if run.tenant == caller() else ""
         work.resent = recorded  # its row was left queued or running: it may have reached a trainer (a save tolerates its files)
         self._claim(queue, work)  # no await since the capacity check: the limit holds exactly
         try:

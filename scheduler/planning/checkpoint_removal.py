@@ -17,5 +17,6 @@ async def remove_checkpoint(store, backends, runs, row: m.Checkpoint, actor=None
     key = parse_path(row.path).key
     freed = await backends.trainer_for(run.base_model, run.run_id).delete_checkpoint(key)
     await backends.forget_checkpoint(key)
-    await asyncio.to_thread(store.delete_checkpoint_row, row.id, actor, "" if actor is not None else "ttl expired")
+    reason = "" if actor is not None else "unused temporary checkpoint" if row.ephemeral else "ttl expired"
+    await asyncio.to_thread(store.delete_checkpoint_row, row.id, actor, reason)
     return freed

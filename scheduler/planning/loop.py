@@ -38,6 +38,7 @@ from temper.scheduler.planning.recovery import Recovery, adapter_missing
 from temper.scheduler.planning.records import metric_rows, stamp
 from temper.scheduler.planning.runs import RunRegistry
 from temper.scheduler.settings import SchedulerSettings
+from temper.scheduler.db.audit import Actor
 from temper.scheduler.db.views import KIND_NAMES, checkpoint_message
 from temper.scheduler.tenancy.quotas import check_hard_limit
 from temper.scheduler.planning.work import Work, WorkKind
@@ -263,8 +264,9 @@ class SchedulerLoop:
         if request.inflight:  # the row and the run's move to it, in one transaction (db/inflight.py)
             return await self.persist(self.store.add_inflight_checkpoint, work.run_id, request.name, str(path), size,
                                       dict(request.user_metadata))
+        actor = Actor("api" if work.key_prefix else "scheduler", work.key_prefix, work.tenant)
         return await self.persist(self.store.add_or_get_checkpoint, work.run_id, KIND_NAMES[request.kind], request.name, str(path),
-                                  size, request.ephemeral, request.ttl_seconds, dict(request.user_metadata))
+                                  size, request.ephemeral, request.ttl_seconds, dict(request.user_metadata), actor)
 
     async def _remove_existing(self, path: str) -> None:
         """An overwriting save: the checkpoint of that name goes first (files, sampler copies, row)."""

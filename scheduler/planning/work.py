@@ -55,6 +55,7 @@ class Work:
     dispatch: Dispatch | None = None # the latest time it went to a trainer (None: never)
     marked: bool = False             # its row says "running" already (marked ahead with its run's previous cycle: loop.py)
     deterministic: bool = False      # its run's deterministic mode (docs/deterministic.md): sent with its cycle item
+    key_prefix: str = ""              # the submitting key's prefix, for the audit log ("": resent after a restart)
     future: asyncio.Future | None = field(default=None, repr=False)
 
     @property

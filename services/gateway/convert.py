@@ -311,10 +311,20 @@ def checkpoint_to_json(c: types_pb2.Checkpoint) -> dict:
     return body
 
 
+def model_shape(info: service_pb2.TrainingRunInfo) -> dict:
+    """The model family and, for a mixture-of-experts model, its routed experts and the adapter's rank
+    per expert (the SDK keeps ModelData.arch; the other fields are Temper's, read from the JSON)."""
+    shape = {"arch": info.family} if info.family else {}
+    if info.num_experts:
+        shape.update(num_experts=info.num_experts, num_experts_per_tok=info.num_experts_per_tok,
+                     expert_rank=info.lora_config.expert_rank)
+    return shape
+
+
 def info_to_json(info: service_pb2.TrainingRunInfo) -> dict:
     return {"type": "get_info", "model_id": info.training_run_id, "model_name": info.base_model, "is_lora": True,
             "lora_rank": info.lora_config.rank, "optimizer_config": {"type": "adamw"},
-            "model_data": {"model_name": info.base_model, "tokenizer_id": info.tokenizer_id}}
+            "model_data": {"model_name": info.base_model, "tokenizer_id": info.tokenizer_id, **model_shape(info)}}
 
 
 def weights_info_to_json(checkpoint: types_pb2.Checkpoint) -> dict:
@@ -337,7 +347,8 @@ def training_run_to_json(info: service_pb2.TrainingRunInfo, checkpoints: list[ty
             "last_request_time": _iso(latest) if latest else datetime.now(timezone.utc).isoformat(),
             "last_checkpoint": checkpoint_to_json(training) if training else None,
             "last_sampler_checkpoint": checkpoint_to_json(sampler) if sampler else None,
-            "user_metadata": dict(info.user_metadata) or None}
+            "user_metadata": dict(info.user_metadata) or None,
+            **{("model_family" if k == "arch" else k): v for k, v in model_shape(info).items()}}
 
 
 def capabilities_to_json(resp: service_pb2.GetServerCapabilitiesResponse) -> dict:

@@ -71,6 +71,7 @@ def test_every_audited_action_leaves_one_entry_naming_the_key(audit_stack, tiny_
     run.optim_step(AdamParams(learning_rate=1e-2)).result()
     path = run.save_weights_for_sampler("w").result().path
     alice.publish_checkpoint(path)
+    alice.publish_checkpoint(path)  # published already: nothing changes, nothing is logged again
     alice.unpublish_checkpoint(path)
     alice.set_checkpoint_ttl(path, 3600)
     folder = alice.download_checkpoint(path, tmp_path / "w")
@@ -90,6 +91,7 @@ def test_every_audited_action_leaves_one_entry_naming_the_key(audit_stack, tiny_
     assert mine == [
         ("api_key.create", prefix, "", "admin-command"),  # the stack made alice's key with the admin command
         ("session.open", session, prefix, "api"),
+        ("checkpoint.save", path, prefix, "api"),
         ("checkpoint.publish", path, prefix, "api"),
         ("checkpoint.unpublish", path, prefix, "api"),
         ("checkpoint.ttl", path, prefix, "api"),

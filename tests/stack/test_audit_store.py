@@ -82,6 +82,34 @@ def test_each_change_leaves_one_entry_naming_who_and_what(store):
     assert len(entries(store, "carol")) == before + 4  # exactly one entry each
 
 
+def test_a_repeated_change_is_logged_once(store):
+    """A save resent after its answer was lost, a publish of a published checkpoint, clearing a TTL
+    that is not set: each leaves the one entry of the change it repeats (or none)."""
+    jo = Actor.api("tml-joKEY000", "jo")
+    path = checkpoint_of(store, "jo", "imported")
+    run_id = store.get_checkpoint(path).training_run_id
+    saved = f"tinker://{run_id}/sampler_weights/w"
+    count = len(entries(store, "jo"))
+    for _ in range(2):  # the second: the loop's retry of the same save (the row is there already)
+        store.add_or_get_checkpoint(run_id, "sampler", "w", saved, 46, False, 0, {}, jo)
+    snapshot = f"tinker://{run_id}/sampler_weights/ephemeral-3"
+    store.add_or_get_checkpoint(run_id, "sampler", "ephemeral-3", snapshot, 46, True, 0, {}, jo)
+    for _ in range(2):
+        store.update_checkpoint(saved, "jo", True, False, jo)
+    store.update_checkpoint(saved, "jo", None, None, jo, 0)  # no TTL to clear
+    store.update_checkpoint(saved, "jo", None, now() + timedelta(hours=1), jo, 3600)
+    store.update_checkpoint(saved, "jo", None, None, jo, 0)
+    store.update_checkpoint(saved, "jo", None, None, jo, 0)
+    new = [(e.action, e.target, e.details.get("temporary"), e.key_prefix) for e in reversed(entries(store, "jo")[:-count])]
+    assert new == [("checkpoint.save", saved, None, "tml-joKEY000"), ("checkpoint.save", snapshot, "true", "tml-joKEY000"),
+                   ("checkpoint.publish", saved, None, "tml-joKEY000"), ("checkpoint.ttl", saved, None, "tml-joKEY000"),
+                   ("checkpoint.ttl", saved, None, "tml-joKEY000")]
+    assert store.get_checkpoint(saved).published and store.get_checkpoint(saved).expires_at is None
+    # listings: a temporary checkpoint only when asked for
+    assert [c.path for c in store.list_checkpoints(run_id)] == [path, saved]
+    assert [c.path for c in store.tenant_checkpoints("jo", include_temporary=True)] == [path, saved, snapshot]
+
+
 def test_a_refused_change_leaves_no_entry(store):
     path = checkpoint_of(store, "dave", "mine")
     _, erins_key = store.create_api_key("erin", "", False, Actor.api("tml-erinKEY0", "erin"))

@@ -60,11 +60,14 @@ def world(tiny_model_dir, new_postgres_database, tmp_path_factory):
         alice, bob = raw_stub(stack, "alice"), raw_stub(stack, "bob")
         a_run, a_session, a_path = _train(alice, tiny_model_dir, STEPS, "final")
         _sample(alice, a_session, a_path, 3)
+        temporary = alice.SaveWeights(service_pb2.SaveWeightsRequest(  # save_weights_for_sampler without a path
+            training_run_id=a_run, seq_id=2 * STEPS + 2, name=f"ephemeral-{2 * STEPS + 2}",
+            kind=types_pb2.CHECKPOINT_KIND_SAMPLER, ephemeral=True)).checkpoint.path
         b_run, b_session, b_path = _train(bob, tiny_model_dir, 1, "bob-final")
         yield {"stack": stack, "url": stack.gateway_url, "model": tiny_model_dir, "alice": alice,
                "keys": {"alice": stack.key_for("alice"), "bob": stack.key_for("bob"),
                         "ops": create_key(url, "ops", label="console test", is_admin=True)},
-               "a_run": a_run, "a_session": a_session, "a_path": a_path,
+               "a_run": a_run, "a_session": a_session, "a_path": a_path, "a_temporary": temporary,
                "b_run": b_run, "b_session": b_session, "b_path": b_path}
 
 
@@ -129,6 +132,10 @@ def test_publish_a_checkpoint(console, world):
     expires = world["alice"].GetCheckpoint(service_pb2.GetCheckpointRequest(path=world["a_path"])).expires_unix_ms
     assert before + 3600 * 1000 <= expires <= time.time() * 1000 + 3600 * 1000
     console.screenshot("checkpoints")
+    # the temporary snapshot is listed, marked, with when it goes if unused; it is not published or kept
+    row = console.driver.find_element(By.XPATH, f"//tr[td/code[text()='{world['a_temporary']}']]")
+    assert "(temporary)" in row.text and "if unused" in row.text and "temporary" in row.get_attribute("class")
+    assert not row.find_elements(By.CSS_SELECTOR, "button.publish") and row.find_elements(By.CSS_SELECTOR, "button.delete")
 
 
 def test_chat_in_the_playground(console, world, tmp_path):
@@ -136,6 +143,7 @@ def test_chat_in_the_playground(console, world, tmp_path):
     console.open("playground", "playground")
     options = [o.get_attribute("value") for o in console.driver.find_elements(By.CSS_SELECTOR, "#pg-model option")]
     assert world["model"] in options and world["a_path"] in options and world["b_path"] not in options
+    Select(console.driver.find_element(By.ID, "pg-model")).select_by_value(world["a_temporary"])  # usable until collected
     console.driver.find_element(By.ID, "pg-input").send_keys("Which attempt is better?")
     console.driver.find_element(By.ID, "pg-send").click()
     answer = console.wait(lambda: console.driver.find_element(By.CSS_SELECTOR, ".msg.assistant[data-done=true]"),
@@ -174,7 +182,7 @@ def test_download_a_trace_and_check_it_against_the_rows(console, world, download
     trace = _trace_file(downloads, world["a_session"])
     rows = world["alice"].ListRunMetrics(records_pb2.ListRunMetricsRequest(training_run_id=world["a_run"], page_size=1000)).metrics
     requests = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "request"]
-    assert len(requests) == len(rows) == 2 * STEPS + 1
+    assert len(requests) == len(rows) == 2 * STEPS + 2
     for row in rows:
         [span] = [s for s in requests if s["args"]["seq_id"] == row.seq_id]
         assert span["ts"] == row.created_unix_ms * 1000 and span["dur"] == (row.answered_unix_ms - row.created_unix_ms) * 1000
@@ -192,6 +200,10 @@ def test_download_a_trace_and_check_it_against_the_rows(console, world, download
         (r.started_unix_ms * 1000, (r.answered_unix_ms - r.started_unix_ms) * 1000, r.tokens_sampled) for r in kept)
     console.driver.find_element(By.ID, "show-timeline").click()
     console.wait(lambda: console.driver.find_elements(By.CSS_SELECTOR, "#timeline canvas"), what="the timeline")
+    labels = console.driver.execute_script(  # every track's label whole: nothing cut off by its column
+        "return Array.from(document.querySelectorAll('#timeline .tl-label'), e => [e.textContent, e.scrollWidth, e.clientWidth])")
+    assert "counter › tokens trained per second" in [text for text, _, _ in labels], labels
+    assert all(0 < inner <= shown for _, inner, shown in labels), labels
     console.screenshot("session")
     console.driver.find_element(By.ID, "timeline").screenshot(str(console.screenshot("trace_timeline")))
 
@@ -254,3 +266,49 @@ def test_the_operator_sees_the_workers(console, world):
     assert "trainer" in workers and "sampler" in workers and "up" in workers
     assert world["stack"].service("trainer").address.split(":")[-1] in workers
     console.screenshot("operator_workers")
+
+
+STEP_TICKS = """
+const done = arguments[arguments.length - 1];
+const ticks = (chart) => Array.from(chart.plot.axes[0]._values || []);
+import("/console/static/js/charts.js").then((charts) => {
+  const few = charts.lineChart("two steps", [0, 1], [{ label: "y", values: [2, 1] }], { integerX: true, xLabel: "step" });
+  document.body.append(few);
+  requestAnimationFrame(() => requestAnimationFrame(() => {
+    done({ run: ticks(document.querySelector("#run-charts [data-chart='loss (sum)']")), few: ticks(few) });
+    few.remove();
+  }));
+});
+"""
+
+
+def test_cosmetics_nav_ticks_and_unknown_routes(console, world):
+    console.driver.get(f"{world['url']}/console/")
+    console.driver.execute_script("sessionStorage.clear()")
+    console.driver.refresh()
+    console.wait(lambda: console.driver.find_element(By.ID, "login").is_displayed(), what="the login form")
+    assert not console.driver.find_element(By.ID, "nav").is_displayed()  # logged out: no nav
+    assert console.driver.execute_script("return getComputedStyle(document.getElementById('nav')).display") == "none"
+    console.login(world["keys"]["alice"])
+    assert console.driver.find_element(By.ID, "nav").is_displayed()
+    for route in ("runs/nobody:train:7", f"run/{world['a_run']}x", "no-such-page", "usage/extra"):
+        error = console.open(route, "none")
+        assert error and console.driver.find_elements(By.ID, "not-found"), (route, error)
+        assert not console.driver.find_elements(By.ID, "runs-table"), route  # never the list in its place
+    assert console.open(f"runs/{world['a_run']}", "run") is None  # #/runs/<id> is the run's page
+    console.wait(lambda: console.driver.find_elements(By.CSS_SELECTOR, "#run-charts .chart canvas"), what="the curves")
+    requests = console.driver.execute_script(  # kind, loss, loss / Σ weights of each request shown
+        "return Array.from(document.querySelectorAll('#requests-table tbody tr'), tr => [1, 4, 5].map(i => tr.cells[i].textContent))")
+    assert {kind for kind, _, _ in requests} >= {"forward_backward", "optim_step"}
+    for kind, loss, per_weight in requests:  # a row without a loss shows none (not 0)
+        if kind == "forward_backward":
+            assert float(loss) > 0 and float(per_weight) > 0, (kind, loss, per_weight)
+        else:
+            assert loss == per_weight == "—", (kind, loss, per_weight)
+    cards = console.driver.find_element(By.CSS_SELECTOR, ".cards").text
+    assert "family" in cards and "qwen3" in cards
+    console.driver.set_script_timeout(30)
+    ticks = console.driver.execute_async_script(STEP_TICKS)
+    for name, labels in ticks.items():  # whole steps only: no 0.5
+        shown = [t for t in labels if t != ""]
+        assert len(shown) >= 2 and all(t.lstrip("-").isdigit() for t in shown), (name, labels)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import warnings
 
+import httpx
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
@@ -124,6 +125,29 @@ def test_dense_and_moe_run_the_same_sdk_loop(two_model_stack, tiny_model_dir, mo
         assert r["moved"] != r["after"] and r["resumed"] == r["after"], (base_model, r["moved"], r["after"], r["resumed"])
         assert r["fresh"].model_id != r["tc"].model_id and r["from_state"] == r["after"]
         assert r["fresh"].get_info().model_data.model_name == base_model
+
+    # the model's family, experts and rank per expert: ModelData.arch in the SDK's types; the counts in
+    # the JSON of get_info and list_training_runs (the SDK's pydantic types keep only their own fields)
+    # and on the console's run page
+    moe_id, dense_id = results[moe_model_dir]["tc"].model_id, results[tiny_model_dir]["tc"].model_id
+    assert results[moe_model_dir]["info"].model_data.arch == "qwen3_moe"
+    assert results[tiny_model_dir]["info"].model_data.arch == "qwen3"
+    listed = {r.training_run_id: r for r in rest.list_training_runs(limit=100).result().training_runs}
+    assert listed[moe_id].lora_rank == RANK and listed[moe_id].base_model == moe_model_dir
+    headers = {"X-API-Key": two_model_stack.api_key}
+    base = two_model_stack.gateway_url
+    moe_shape = {"num_experts": 8, "num_experts_per_tok": 2, "expert_rank": RANK // 2}
+    info_json = httpx.post(f"{base}/api/v1/get_info", json={"model_id": moe_id}, headers=headers, timeout=30).json()
+    assert info_json["model_data"] == {**info_json["model_data"], "arch": "qwen3_moe", **moe_shape}
+    dense_json = httpx.post(f"{base}/api/v1/get_info", json={"model_id": dense_id}, headers=headers, timeout=30).json()
+    assert dense_json["model_data"]["arch"] == "qwen3" and "num_experts" not in dense_json["model_data"]
+    runs_json = {r["training_run_id"]: r for r in httpx.get(f"{base}/api/v1/training_runs", params={"limit": 100},
+                                                               headers=headers, timeout=30).json()["training_runs"]}
+    assert runs_json[moe_id] == {**runs_json[moe_id], "model_family": "qwen3_moe", **moe_shape}
+    assert runs_json[dense_id]["model_family"] == "qwen3" and "num_experts" not in runs_json[dense_id]
+    console_run = httpx.get(f"{base}/console/api/runs/{moe_id}", headers=headers, timeout=30).json()["run"]
+    assert (console_run["family"], console_run["num_experts"], console_run["num_experts_per_tok"],
+            console_run["lora_config"]["expert_rank"]) == ("qwen3_moe", 8, 2, RANK // 2)
 
     # Temper's own gRPC: the saved adapters, as peft folders
     with two_model_stack.client() as ours:

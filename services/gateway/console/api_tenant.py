@@ -77,13 +77,14 @@ async def run(run_id: str, request: Request):
     fields.text(run_id, "run id")
     info = await call(request, "GetInfo", service_pb2.GetInfoRequest(training_run_id=run_id))
     steps = _run_usage(await call(request, "GetUsage", service_pb2.GetUsageRequest()))
-    checkpoints = await call(request, "ListCheckpoints", service_pb2.ListCheckpointsRequest(training_run_id=run_id))
+    checkpoints = await call(request, "ListCheckpoints", service_pb2.ListCheckpointsRequest(training_run_id=run_id,
+                                                                                            include_temporary=True))
     return {"run": _run_json(info, steps), "checkpoints": [view(c) for c in checkpoints.checkpoints]}
 
 
 @router.get("/checkpoints")
 async def checkpoints(request: Request):
-    listed = await call(request, "ListCheckpoints", service_pb2.ListCheckpointsRequest())
+    listed = await call(request, "ListCheckpoints", service_pb2.ListCheckpointsRequest(include_temporary=True))
     return {"checkpoints": [view(c) for c in sorted(listed.checkpoints, key=lambda c: -c.created_unix_ms)]}
 
 
@@ -115,10 +116,12 @@ async def delete(request: Request):
 
 @router.get("/models")
 async def models(request: Request):
-    """What the Playground can chat with: the base models, and the tenant's sampler checkpoints."""
+    """What the Playground can chat with: the base models, and the tenant's sampler checkpoints (the
+    temporary ones too, until they are collected)."""
     caps = await call(request, "GetServerCapabilities", service_pb2.GetServerCapabilitiesRequest())
-    listed = await call(request, "ListCheckpoints", service_pb2.ListCheckpointsRequest())
+    listed = await call(request, "ListCheckpoints", service_pb2.ListCheckpointsRequest(include_temporary=True))
     sampler = [c for c in listed.checkpoints if c.checkpoint_id.startswith("sampler_weights/")]
     return {"base_models": [m.model_name for m in caps.supported_models if m.sampleable],
-            "checkpoints": [{"path": c.path, "base_model": c.base_model}
+            "checkpoints": [{"path": c.path, "base_model": c.base_model, "temporary": c.temporary,
+                             "expires_unix_ms": c.expires_unix_ms}
                             for c in sorted(sampler, key=lambda c: -c.created_unix_ms)]}

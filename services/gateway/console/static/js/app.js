@@ -16,9 +16,20 @@ const PAGES = {
   operator: () => import("./pages/operator.js"),
 };
 
+// Pages that show one thing take its id (#/run/<id>; #/runs/<id> is the same); the others take none.
+const WITH_ID = new Set(["run", "session"]);
+const ALIASES = { runs: "run", sessions: "session" };
+
 const $ = (id) => document.getElementById(id);
 let me = null;
 let drawing = 0;
+
+// An unknown route, or an id the server does not know (or another tenant's: the same 404): said so,
+// never a list drawn in its place.
+function notFound(message) {
+  return [h("p", { class: "error", id: "not-found" }, message),
+    h("p", {}, h("a", { href: "#/runs" }, "Back to your training runs"))];
+}
 
 async function whoami() {
   me = await get("/console/api/me");
@@ -45,13 +56,14 @@ async function draw() {
     return showLogin(err instanceof ApiError && err.status === 401 ? "That key was refused." : String(err.message));
   }
   $("login").hidden = true; $("nav").hidden = false; $("logout").hidden = false;
-  const [name, ...rest] = (location.hash.replace(/^#\/?/, "") || "runs").split("/");
-  const id = rest.length ? decodeURIComponent(rest.join("/")) : null;
-  for (const a of document.querySelectorAll("#nav a")) a.classList.toggle("active", a.dataset.page === name);
+  const [first, ...rest] = (location.hash.replace(/^#\/?/, "") || "runs").split("/");
+  const id = rest.length && rest.join("/") ? decodeURIComponent(rest.join("/")) : null;
+  const name = id !== null && ALIASES[first] ? ALIASES[first] : first;
+  for (const a of document.querySelectorAll("#nav a")) a.classList.toggle("active", a.dataset.page === first);
   const page = $("page");
   page.replaceChildren(h("p", { class: "muted" }, "loading…"));
   const load = PAGES[name];
-  if (!load) { page.replaceChildren(errorBox(`no page ${name}`)); return; }
+  if (!load || WITH_ID.has(name) !== (id !== null)) { page.replaceChildren(...notFound(`There is no page #/${location.hash.replace(/^#\/?/, "")}.`)); return; }
   try {
     const view = await load();
     const fresh = h("div", { id: "view", dataset: { page: name } });
@@ -59,7 +71,9 @@ async function draw() {
     if (ticket === drawing) page.replaceChildren(fresh);
   } catch (err) {
     if (err instanceof ApiError && err.status === 401) { session.logout(); return showLogin("The key was refused."); }
-    if (ticket === drawing) page.replaceChildren(errorBox(err));
+    if (ticket !== drawing) return;
+    if (err instanceof ApiError && err.status === 404) page.replaceChildren(...notFound(`Not found: ${err.message}`));
+    else page.replaceChildren(errorBox(err));
   }
 }
 

@@ -17,11 +17,13 @@ export function h(tag, attrs, ...children) {
 }
 
 export function table(columns, rows, attrs) {
-  // columns: [{label, num?, cell: row => Node|string}]
-  return h("table", attrs,
+  // columns: [{label, num?, cell: row => Node|string}]; attrs.rowClass: row => a class for its <tr>
+  const { rowClass, ...tableAttrs } = attrs || {};
+  return h("table", tableAttrs,
     h("thead", {}, h("tr", {}, columns.map((c) => h("th", { class: c.num ? "num" : "" }, c.label)))),
     h("tbody", {}, rows.length
-      ? rows.map((r) => h("tr", {}, columns.map((c) => h("td", { class: c.num ? "num" : "" }, c.cell(r)))))
+      ? rows.map((r) => h("tr", { class: rowClass ? rowClass(r) || null : null },
+        columns.map((c) => h("td", { class: c.num ? "num" : "" }, c.cell(r)))))
       : h("tr", {}, h("td", { colspan: columns.length, class: "muted" }, "nothing yet"))));
 }
 
@@ -49,6 +51,7 @@ export const fmt = {
 export function lora(cfg) {
   if (!cfg) return "—";
   const parts = [`rank ${cfg.rank}`];
+  if (cfg.expert_rank) parts.push(`experts rank ${cfg.expert_rank}`);
   for (const [k, label] of [["train_attn", "attn"], ["train_mlp", "mlp"], ["train_unembed", "unembed"]]) if (cfg[k]) parts.push(label);
   return parts.join(", ");
 }

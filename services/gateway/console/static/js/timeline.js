@@ -5,7 +5,8 @@ import { h } from "./dom.js";
 
 const COLORS = { request: "#9fb4f5", queued: "#f2c46d", running: "#5b7ee5", cycle: "#3cae74", sampling: "#c46bd6" };
 const ROW = 18;
-const LABEL = 210;
+const LEFT = 8;  // the canvas's margin before the time axis starts
+const FONT = "11px system-ui, sans-serif";
 
 function tracks(trace) {
   const names = new Map(); const procs = new Map();
@@ -43,6 +44,14 @@ function tracks(trace) {
   return out;
 }
 
+// The track labels are text beside the canvas, their column as wide as the longest label (measured
+// in the canvas's font), so no label is cut short; the canvas draws the time axis and the tracks.
+function labelWidth(rows, font) {
+  const g = document.createElement("canvas").getContext("2d");
+  g.font = font;
+  return Math.ceil(Math.max(120, ...rows.map((r) => g.measureText(r.label).width)) + 16);
+}
+
 export function timeline(trace, width = 1200) {
   const rows = tracks(trace);
   // the time axis spans the spans (counters' per-second buckets run to the range's end; they are clipped)
@@ -53,21 +62,25 @@ export function timeline(trace, width = 1200) {
   const box = h("div", { class: "timeline", id: "timeline" });
   if (!rows.length || !(t1 > t0)) { box.append(h("p", { class: "muted" }, "nothing in this range")); return box; }
   const height = 24 + rows.reduce((n, r) => n + r.depth * ROW + 6, 0);
-  const canvas = h("canvas", { width: width * devicePixelRatio, height: height * devicePixelRatio, style: `width:${width}px;height:${height}px` });
+  const labelsWidth = Math.min(labelWidth(rows, FONT), width / 2);
+  const plotWidth = width - labelsWidth;
+  const labels = h("div", { class: "tl-labels", style: `width:${labelsWidth}px;height:${height}px` });
+  const canvas = h("canvas", { width: plotWidth * devicePixelRatio, height: height * devicePixelRatio, style: `width:${plotWidth}px;height:${height}px` });
   const g = canvas.getContext("2d");
   g.scale(devicePixelRatio, devicePixelRatio);
-  g.font = "11px system-ui, sans-serif";
-  const x = (ts) => LABEL + ((ts - t0) / (t1 - t0)) * (width - LABEL - 10);
+  g.font = FONT;
+  const x = (ts) => LEFT + ((ts - t0) / (t1 - t0)) * (plotWidth - LEFT - 10);
   g.fillStyle = "#667085";
   for (let i = 0; i <= 5; i += 1) {
     const ts = t0 + ((t1 - t0) * i) / 5;
-    g.fillText(`+${((ts - t0) / 1e6).toFixed(2)} s`, x(ts) - 14, 12);
+    const text = `+${((ts - t0) / 1e6).toFixed(2)} s`;
+    g.fillText(text, Math.min(Math.max(0, x(ts) - 14), plotWidth - g.measureText(text).width - 2), 12);
     g.fillStyle = "#eef0f4"; g.fillRect(x(ts), 16, 1, height); g.fillStyle = "#667085";
   }
   let y = 22;
   for (const r of rows) {
     const h0 = r.depth * ROW;
-    g.fillStyle = "#1d2330"; g.fillText(r.label.slice(0, 34), 6, y + 12);
+    labels.append(h("div", { class: "tl-label", style: `top:${y + 1}px`, title: r.label }, r.label));
     if (r.spans) {
       for (const e of r.spans) {
         const left = x(e.ts); const w = Math.max(1, x(e.ts + e.dur) - left);
@@ -88,12 +101,13 @@ export function timeline(trace, width = 1200) {
         else { g.lineTo(x(ts), py(shown[i - 1][1])); g.lineTo(x(ts), py(v)); }
       });
       if (shown.length) g.lineTo(x(t1), py(shown[shown.length - 1][1]));
-      g.stroke(); g.fillStyle = "#667085"; g.fillText(`max ${max.toPrecision(3)}`, width - 70, y + 10);
+      g.stroke(); g.fillStyle = "#667085"; g.fillText(`max ${max.toPrecision(3)}`, plotWidth - 70, y + 10);
     }
     y += h0 + 6;
-    g.fillStyle = "#e4e7ec"; g.fillRect(0, y - 3, width, 1);
+    g.fillStyle = "#e4e7ec"; g.fillRect(0, y - 3, plotWidth, 1);
+    labels.append(h("div", { class: "tl-rule", style: `position:absolute;left:0;right:0;top:${y - 3}px;height:1px;background:#e4e7ec` }));
   }
-  box.append(canvas);
+  box.append(h("div", { class: "tl-body" }, labels, canvas));
   box.append(h("div", { class: "legend" }, Object.entries(COLORS).map(([k, c]) => h("span", {}, h("i", { style: `background:${c}` }), k))));
   return box;
 }

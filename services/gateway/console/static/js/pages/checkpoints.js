@@ -4,6 +4,7 @@ import { errorBox, fmt, h, runLink, table } from "../dom.js";
 // Every change is a POST with a JSON body (the server validates it); then the page is drawn again,
 // with what was done shown above the table.
 let flash = null;
+const KINDS = { CHECKPOINT_KIND_SAMPLER: "sampler", CHECKPOINT_KIND_TRAINING: "training", CHECKPOINT_KIND_EXTERNAL: "external" };
 
 export function checkpointTable(checkpoints, redraw) {
   const status = h("p", { class: flash ? "ok" : "muted", id: "checkpoint-status" }, flash || "");
@@ -27,23 +28,28 @@ export function checkpointTable(checkpoints, redraw) {
     const del = h("button", { type: "button", class: "delete", onclick: (e) => {
       if (window.confirm(`Delete ${c.path}? Its files go too.`)) act(e.target, "/console/api/checkpoints/delete", { path: c.path }, `deleted ${c.path}`);
     } }, "Delete");
+    // a temporary checkpoint is for sampling while it is in use: it is neither published nor kept
+    if (c.temporary) return h("span", {}, copy, " ", del);
     return h("span", {}, publish, " ", ttl, setTtl, " ", copy, " ", del);
   };
   return h("div", {}, status, table([
     { label: "path", cell: (c) => h("code", { class: "path" }, c.path) },
     { label: "run", cell: (c) => runLink(c.training_run_id) },
-    { label: "kind", cell: (c) => (c.kind === "CHECKPOINT_KIND_SAMPLER" ? "sampler" : "training") },
+    { label: "kind", cell: (c) => [KINDS[c.kind] || c.kind, c.temporary ? h("span", { class: "temporary-mark muted" }, " (temporary)") : null] },
     { label: "size", num: true, cell: (c) => fmt.bytes(c.size_bytes) },
     { label: "saved", cell: (c) => fmt.time(c.created_unix_ms) },
     { label: "published", cell: (c) => (c.published ? "yes" : "no") },
-    { label: "expires", cell: (c) => (c.expires_unix_ms ? fmt.time(c.expires_unix_ms) : "never") },
+    { label: "expires", cell: (c) => (c.temporary ? `if unused, ${fmt.time(c.expires_unix_ms)}`
+      : c.expires_unix_ms ? fmt.time(c.expires_unix_ms) : "never") },
     { label: "", cell: actions },
-  ], checkpoints, { class: "checkpoints" }));
+  ], checkpoints, { class: "checkpoints", rowClass: (c) => (c.temporary ? "temporary" : "") }));
 }
 
 export async function render(page, _id, ctx) {
   const data = await get("/console/api/checkpoints");
-  page.append(h("h1", {}, "Checkpoints"), checkpointTable(data.checkpoints, ctx.redraw));
+  page.append(h("h1", {}, "Checkpoints"),
+    h("p", { class: "muted" }, "Temporary checkpoints (save_weights_and_get_sampling_client) are removed once no sampling client used them for a while; until then they can be sampled here and in the Playground."),
+    checkpointTable(data.checkpoints, ctx.redraw));
 }
 
 export { errorBox };

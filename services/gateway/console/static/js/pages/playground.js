@@ -1,5 +1,5 @@
 import { get, session } from "../api.js";
-import { errorBox, h } from "../dom.js";
+import { errorBox, fmt, h } from "../dom.js";
 
 // Chat with a base model or one of your sampler checkpoints through the OpenAI-compatible route
 // (POST /v1/chat/completions, stream: true): tokens are shown as the server-sent events arrive.
@@ -32,7 +32,8 @@ export async function render(page) {
   const models = await get("/console/api/models");
   const model = h("select", { id: "pg-model" },
     h("optgroup", { label: "base models" }, models.base_models.map((m) => h("option", { value: m }, m))),
-    h("optgroup", { label: "your sampler checkpoints" }, models.checkpoints.map((c) => h("option", { value: c.path }, c.path))));
+    h("optgroup", { label: "your sampler checkpoints" }, models.checkpoints.map((c) => h("option", { value: c.path, dataset: { temporary: c.temporary ? "true" : "false" } },
+      c.temporary ? `${c.path} (temporary, if unused until ${fmt.time(c.expires_unix_ms)})` : c.path))));
   const maxTokens = h("input", { id: "pg-max-tokens", type: "number", min: 1, max: 4096, value: 32, style: "width:6em" });
   const temperature = h("input", { id: "pg-temperature", type: "number", min: 0, max: 2, step: 0.1, value: 0.7, style: "width:5em" });
   const chat = h("div", { id: "chat" });

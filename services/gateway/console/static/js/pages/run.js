@@ -9,7 +9,7 @@ function curves(rows, byTime) {
   const x = (r) => (byTime ? r.answered_unix_ms / 1000 : r.step);
   const fb = rows.filter((r) => r.kind === "forward_backward" && r.status === "done" && r.loss !== null);
   const optim = rows.filter((r) => r.kind === "optim_step" && r.status === "done");
-  const opts = { time: byTime, xLabel: byTime ? "time" : "step" };
+  const opts = { time: byTime, integerX: !byTime, xLabel: byTime ? "time" : "step" };
   // loss:sum / weights:sum, computed by the gateway (console/loss.py): the cookbook's train_mean_nll.
   // Null where the loss has no weights (RL losses); such rows leave the chart out.
   const weighted = fb.filter((r) => r.loss_per_weight !== null && r.loss_per_weight !== undefined);
@@ -49,11 +49,15 @@ export async function render(page, runId, ctx) {
   page.append(
     h("h1", {}, `Run ${run.training_run_id}`),
     h("div", { class: "cards" },
-      [["model", run.base_model], ["LoRA", lora(run.lora_config)], ["mode", run.deterministic ? "deterministic" : "default"],
+      [["model", run.base_model], ["family", run.family || "—"],
+        ...(run.num_experts ? [["experts", `${run.num_experts} (top-${run.num_experts_per_tok})`],
+          ["expert rank", fmt.num(run.lora_config.expert_rank)]] : []),
+        ["LoRA", lora(run.lora_config)], ["mode", run.deterministic ? "deterministic" : "default"],
         ["steps", fmt.num(run.steps)],
         ["tokens trained", fmt.num(run.tokens_trained)], ["next seq", fmt.num(run.next_seq_id)],
         ["last request", fmt.ago(run.last_request_unix_ms)]]
-        .map(([label, value]) => h("div", { class: "card" }, h("div", { class: "muted" }, label), h("div", { class: "value mono" }, value)))),
+        .map(([label, value]) => h("div", { class: "card", dataset: { card: label } }, h("div", { class: "muted" }, label),
+          h("div", { class: "value mono" }, value)))),
     h("p", {}, "session ", sessionLink(run.training_run_id.split(":train:")[0]), ` · ${rows.length} request(s) kept`),
     h("div", { class: "toolbar" }, "Curves ", axis),
     holder,

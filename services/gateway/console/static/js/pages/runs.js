@@ -10,6 +10,7 @@ export async function render(page) {
       { label: "run", cell: (r) => runLink(r.training_run_id) },
       { label: "session", cell: (r) => sessionLink(r.training_run_id.split(":train:")[0]) },
       { label: "model", cell: (r) => h("span", { class: "mono" }, r.base_model) },
+      { label: "family", cell: (r) => (r.num_experts ? `${r.family} · ${r.num_experts} experts` : r.family || "—") },
       { label: "LoRA", cell: (r) => lora(r.lora_config) },
       { label: "steps", num: true, cell: (r) => fmt.num(r.steps) },
       { label: "tokens trained", num: true, cell: (r) => fmt.num(r.tokens_trained) },
