@@ -38,13 +38,14 @@ class DownloadVerbs:
         path = parse_path(request.path)
         if path.kind != types_pb2.CHECKPOINT_KIND_EXTERNAL:
             raise InvalidArgument(f"only external_weights checkpoints have download URLs (save_weights_external), not {path}")
-        row = await asyncio.to_thread(self.store.readable_checkpoint, str(path), caller())
+        reader = caller()
+        row = await asyncio.to_thread(self.store.readable_checkpoint, str(path), reader)
         key = await asyncio.to_thread(self._signing_key)
         expires = int((time.time() + self.admission.settings.download_url_seconds) * 1000)
         generation = unix_ms(row.created_at)
         response = service_pb2.SignCheckpointDownloadResponse(expires_unix_ms=expires)
         for name in WEIGHT_FILES:  # an external_weights checkpoint is exactly these (LoraModel.files)
-            response.files.add(relative_path=name, token=download_tokens.sign(key, str(path), name, expires, generation))
+            response.files.add(relative_path=name, token=download_tokens.sign(key, str(path), name, expires, generation, reader))
         return response
 
     async def ReadSignedCheckpointFile(self, request, context):
@@ -52,10 +53,10 @@ class DownloadVerbs:
         path = parse_path(request.path)
         key = await asyncio.to_thread(self._verifying_key, fields.kid)
         download_tokens.verify(key, fields, str(path), request.relative_path, int(time.time() * 1000))
-        try:
-            row = await asyncio.to_thread(self.store.get_checkpoint, str(path))
+        try:  # the reader's right, again: an unpublished checkpoint is no longer another tenant's to read
+            row = await asyncio.to_thread(self.store.readable_checkpoint, str(path), fields.reader)
         except NotFound:
-            raise NotFound(f"checkpoint {path} was deleted") from None
+            raise NotFound(f"checkpoint {path} was deleted or is no longer published") from None
         expired = row.expires_at is not None and unix_ms(row.expires_at) <= int(time.time() * 1000)
         if unix_ms(row.created_at) != fields.generation or expired:  # deleted (and maybe saved again), or past its TTL
             raise NotFound(f"checkpoint {path} was deleted")

@@ -141,10 +141,13 @@ def test_bad_urls_are_403_deleted_is_404_and_other_tenants_get_none(stack, sdk, 
     with pytest.raises(tinker.NotFoundError):
         other.get_external_weights_urls(path).result()
     owner.publish_checkpoint_from_tinker_path(path).result()
-    assert set(other.get_external_weights_urls(path).result().urls) == FILES  # published: anyone may download
+    others_urls = other.get_external_weights_urls(path).result().urls
+    assert set(others_urls) == FILES and get(others_urls["adapter_config.json"])[0] == 200  # published: anyone may download
     owner.unpublish_checkpoint_from_tinker_path(path).result()
     with pytest.raises(tinker.NotFoundError):
         other.get_external_weights_urls(path).result()
+    assert get(others_urls["adapter_config.json"])[0] == 404  # unpublished: the other tenant's URLs stop at once
+    assert get(config)[0] == 200  # the owner's still open
     run, name = sampler.split("/")[2], sampler.split("/")[-1]
     status, _, body = get(f"{stack.gateway_url}/api/v1/training_runs/{run}/checkpoints/sampler_weights/{name}/external_weights_urls",
                           stack.api_key)

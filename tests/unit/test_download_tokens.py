@@ -20,6 +20,7 @@ from temper.scheduler.db.store import make_engine, upgrade_schema
 from temper.scheduler.tenancy import download_tokens as tokens
 
 KEY = SigningKey(kid="k1", secret=b"s" * 32, purpose="download", created_unix=0.0)
+READER = "tenant.with-dots"
 PATH, FILE, GEN, EXPIRES = "tinker://s:train:0/external_weights/out", "adapter_model.safetensors", 1_700_000_000_123, 2_000_000_000_000
 
 
@@ -27,11 +28,16 @@ def check(token: str, key=KEY, path=PATH, relative_path=FILE, now=EXPIRES - 1):
     tokens.verify(key, tokens.parse(token), path, relative_path, now)
 
 
+def fields_b64(token: str) -> str:
+    return token.split(".")[4]
+
+
 def test_a_token_opens_its_file_until_it_expires_and_nothing_else():
-    token = tokens.sign(KEY, PATH, FILE, EXPIRES, GEN)
+    token = tokens.sign(KEY, PATH, FILE, EXPIRES, GEN, READER)
     check(token)
     fields = tokens.parse(token)
-    assert (fields.kid, fields.expires_unix_ms, fields.generation) == ("k1", EXPIRES, GEN)
+    assert (fields.kid, fields.expires_unix_ms, fields.generation, fields.reader) == ("k1", EXPIRES, GEN, READER)
+    other_reader = tokens.sign(KEY, PATH, FILE, EXPIRES, GEN, "other").split(".")[4]
     last = token[-1]
     refused = {
         "tampered signature": dict(token=token[:-1] + ("A" if last != "A" else "B")),
@@ -39,6 +45,7 @@ def test_a_token_opens_its_file_until_it_expires_and_nothing_else():
         "another checkpoint": dict(token=token, path=PATH + "2"),
         "expiry moved": dict(token=token.replace(f".{EXPIRES}.", f".{EXPIRES + 1000}.")),
         "generation changed": dict(token=token.replace(f".{GEN}.", f".{GEN + 1}.")),
+        "reader changed": dict(token=token.replace(f".{fields_b64(token)}.", f".{other_reader}.")),
         "expired": dict(token=token, now=EXPIRES),
         "unknown or retired key": dict(token=token, key=None),
         "same kid, other secret": dict(token=token, key=SigningKey("k1", b"t" * 32, "download", 0.0)),
@@ -74,7 +81,7 @@ def make_older(holder, kid: str, seconds: float) -> None:
 def test_a_rotated_key_still_verifies_what_it_signed_until_it_is_retired(verbs):
     first = verbs._signing_key()
     assert verbs._signing_key() == first  # kept while younger than the rotation period
-    token = tokens.sign(first, PATH, FILE, EXPIRES, GEN)
+    token = tokens.sign(first, PATH, FILE, EXPIRES, GEN, READER)
     make_older(verbs, first.kid, 3601)  # past rotation: new URLs are signed with a new key ...
     second = verbs._signing_key()
     assert second.kid != first.kid and second.secret != first.secret
