@@ -56,7 +56,7 @@ class StorageStore(FakeStore):
     def delete_checkpoint_row(self, checkpoint_id, actor=None, reason=""):
         self.checkpoints = {p: c for p, c in self.checkpoints.items() if c.id != checkpoint_id}
 
-    def add_or_get_checkpoint(self, run_id, kind, name, path, size, ephemeral, ttl_seconds, user_metadata):
+    def add_or_get_checkpoint(self, run_id, kind, name, path, size, ephemeral, ttl_seconds, user_metadata, actor=None):
         row = m.Checkpoint(id=len(self.checkpoints) + 1, training_run_id=run_id, kind=kind, name=name, path=path,
                            size_bytes=size, created_at=datetime.now(timezone.utc), published=False, ephemeral=ephemeral)
         return self.checkpoints.setdefault(path, row)
