@@ -64,9 +64,10 @@ export async function render(page, sessionId) {
     catch (err) { timelineBox.replaceChildren(errorBox(err)); }
   } }, "Show timeline");
   page.append(
-    h("h1", {}, `Session ${s.session_id}`),
+    h("h1", {}, `Session ${s.display_name || s.session_id}`),
+    s.display_name ? h("p", { class: "muted mono" }, s.session_id) : "",
     h("div", { class: "cards" },
-      [["created", fmt.time(s.created_unix_ms)], ["last heartbeat", fmt.ago(s.last_heartbeat_unix_ms)],
+      [["project", s.project_id || "—"], ["created", fmt.time(s.created_unix_ms)], ["last heartbeat", fmt.ago(s.last_heartbeat_unix_ms)],
         ["state", s.closed ? `closed (${s.close_status})` : "open"], ["sample requests", fmt.num(s.sample_requests)],
         ["prompt tokens", fmt.num(s.prompt_tokens)], ["tokens sampled", fmt.num(s.tokens_sampled)]]
         .map(([label, value]) => h("div", { class: "card" }, h("div", { class: "muted" }, label), h("div", { class: "value" }, value)))),
