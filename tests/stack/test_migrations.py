@@ -24,7 +24,7 @@ from temper.scheduler.db import models
 REPO = Path(__file__).resolve().parents[2]
 EXPECTED_TABLES = {"tenants", "sessions", "training_runs", "checkpoints", "sampling_clients", "requests", "api_keys",
                    "run_metrics", "sampling_records", "audit_log", "images", "lane_leases", "scheduler_replicas",
-                   "signing_keys"}
+                   "signing_keys", "projects"}
 
 
 def alembic_config() -> Config:
