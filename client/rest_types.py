@@ -59,8 +59,9 @@ class CheckpointSearchCursor:
 
 @dataclass(frozen=True)
 class CheckpointSearchRequest:
-    """Tinker 0.39's checkpoint search (RestClient.search_checkpoints). ``project_ids``: Temper has no
-    projects (None or [] only); ``base_models``: any of them ([] matches none); ``limit``: 1 to 200."""
+    """Tinker 0.39's checkpoint search (RestClient.search_checkpoints). ``project_ids``: any of these of
+    the caller's projects (another's or an unknown one: NotFoundError); ``base_models``: any of them
+    ([] matches none); ``limit``: 1 to 200."""
 
     project_ids: list[str] | None = None
     user_metadata: dict[str, str] = field(default_factory=dict)

@@ -207,7 +207,7 @@ def test_sdk_session_storage_and_whoami_routes(gw, tiny_model_dir, monkeypatch):
         assert usage.data[0].checkpoint_count == len(listed) >= 2 and usage.data[0].user_name == scheduler_usage.tenant
         r = httpx.get(f"{gw.gateway_url}/api/v1/billing/usage/checkpoints/current", params={"project_id": "p"}, headers=headers,
                       timeout=30)
-        assert r.status_code == 400 and "no projects" in r.text
+        assert r.status_code == 404 and "not found" in r.text  # not one of the caller's projects
 
         me = httpx.get(f"{gw.gateway_url}/api/v1/whoami", headers=headers, timeout=30).json()
         assert me["org_urn"] == f"temper:tenant:{scheduler_usage.tenant}" and gw.api_key.startswith(me["key_prefix"])

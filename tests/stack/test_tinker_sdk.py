@@ -13,6 +13,7 @@ from tinker import types as tt  # noqa: E402
 
 from fixtures_stack import sft_datum  # noqa: E402
 from temper.client import AdamParams, ModelInput, SamplingParams  # noqa: E402
+from temper.common.errors import NotFound  # noqa: E402
 from temper.localstack import LocalStack  # noqa: E402
 
 ADAM = dict(learning_rate=5e-3, eps=1e-8)
@@ -284,7 +285,7 @@ def test_run_metadata_listing_overwrite_and_published_resume(sdk, gw_stack, tiny
         other.close("success")
 
 
-def test_search_checkpoints_base_model_and_sessions_not_served(sdk, ours, gw_stack, tiny_model_dir):
+def test_search_checkpoints_and_base_model(sdk, ours, gw_stack, tiny_model_dir):
     """Tinker 0.39's RestClient.search_checkpoints: POST /api/v1/checkpoints/search with its
     CheckpointSearchRequest body (sent here as 0.39 sends it when the installed SDK predates it), the
     caller's checkpoints only, cursor paging; Checkpoint.base_model; temper.client's search_checkpoints
@@ -323,7 +324,7 @@ def test_search_checkpoints_base_model_and_sessions_not_served(sdk, ours, gw_sta
     assert len(search({"user_metadata": {"search": tag}, "base_models": [tiny_model_dir]})["checkpoints"]) == 3
     assert len(search({"user_metadata": {"search": tag}, "owner": {"type": "user", "owner_urns": ["local"]}})["checkpoints"]) == 3
     assert search({"user_metadata": {"search": tag}, "owner": {"type": "user", "owner_urns": ["sdk-other"]}})["checkpoints"] == []
-    assert "no projects" in str(search({"project_ids": ["p1"]}, status=400))
+    assert "not found" in str(search({"project_ids": ["p1"]}, status=404))  # not one of the caller's projects
     assert "limit" in str(search({"limit": 500}, status=400))
     # another tenant never sees them, published or not
     rest = sdk_rest(gw_stack)
@@ -343,9 +344,8 @@ def test_search_checkpoints_base_model_and_sessions_not_served(sdk, ours, gw_sta
     assert page.checkpoints[0].base_model == tiny_model_dir and page.next_cursor is not None
     page2 = our_rest.search_checkpoints(request.model_copy(update={"cursor": page.next_cursor})).result()
     assert [c.tinker_path for c in page2.checkpoints] == newest_first[2:] and page2.next_cursor is None
-    with pytest.raises(ValueError, match="no projects"):
-        our_rest.search_checkpoints(t.CheckpointSearchRequest(project_ids=["p1"]))
+    with pytest.raises(NotFound, match="not found"):
+        our_rest.search_checkpoints(t.CheckpointSearchRequest(project_ids=["p1"])).result()
 
-    # list_sessions and get_session are served (tests/stack/test_records_api.py); searching sessions is not
-    r = httpx.post(f"{gw_stack.gateway_url}/api/v1/sessions/search", json={}, headers={"X-API-Key": gw_stack.api_key})
-    assert r.status_code == 404 and "not served" in r.text
+    # list_sessions and get_session: tests/stack/test_records_api.py; search_sessions and projects:
+    # tests/stack/test_sdk_sessions_projects.py
