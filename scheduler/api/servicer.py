@@ -20,6 +20,7 @@ from temper.scheduler.planning.admission import Admission
 from temper.scheduler.tenancy.auth import caller, caller_actor
 from temper.scheduler.workers.backends import Backends
 from temper.scheduler.api.audit_verbs import AuditVerbs
+from temper.scheduler.api.billing_copy_verbs import BillingCopyVerbs
 from temper.scheduler.api.checkpoint_verbs import CheckpointVerbs, check_ttl
 from temper.scheduler.api.cluster_status import ClusterStatusVerbs
 from temper.scheduler.api.download_verbs import DownloadVerbs
@@ -60,7 +61,7 @@ def needs_workers(method):
 
 
 class TemperServicer(LaneRouting, AuditVerbs, ClusterStatusVerbs, SamplingVerbs, CheckpointVerbs, DownloadVerbs, ImportVerbs, ImageVerbs,
-                     LookupVerbs, TokenizerVerbs, RecordVerbs, ProjectVerbs,
+                     LookupVerbs, TokenizerVerbs, RecordVerbs, BillingCopyVerbs, ProjectVerbs,
                      service_pb2_grpc.TemperServicer):
     def __init__(self, store, backends: Backends, runs: RunRegistry, admission: Admission):
         self.store = store

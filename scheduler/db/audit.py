@@ -21,7 +21,7 @@ from temper.scheduler.db import models as m
 from temper.scheduler.db.outage import database_errors
 
 AUDIT_ACTIONS = ("api_key.create", "api_key.revoke", "quota.set", "checkpoint.save", "checkpoint.publish", "checkpoint.unpublish",
-                 "checkpoint.ttl", "checkpoint.delete", "checkpoint.import", "session.open", "session.close",
+                 "checkpoint.ttl", "checkpoint.delete", "checkpoint.import", "checkpoint.copy", "session.open", "session.close",
                  "session.expire", "session.project", "project.create",
                  "image.upload", "image.delete")
 ACTORS = ("api", "admin-command", "scheduler")

@@ -34,6 +34,7 @@ async def serve(settings: GatewaySettings) -> None:
                      settings.max_json_body_bytes, settings.max_protobuf_body_bytes)
     app.state.console_max_rows = settings.console_max_rows
     app.state.image_limits = settings.image_limits()
+    app.state.price_table = settings.prices()  # billing usage costs, the cookbook's models.json (routes_billing.py)
     sock = _listen(settings.bind)
     tls = {}
     if settings.tls_cert_file is not None:

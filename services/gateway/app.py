@@ -219,6 +219,8 @@ def create_app(scheduler: Scheduler, long_poll_seconds: float = 25.0, future_kee
     app.include_router(routes_images.router)
     from temper.services.gateway import routes_downloads  # signed URLs of external_weights checkpoints
     app.include_router(routes_downloads.router)
+    from temper.services.gateway import routes_billing  # billing usage events, copy_weights, the cookbook's models.json
+    app.include_router(routes_billing.router)
     console.install(app)  # the web console at /console (and /api/v1/sessions/{id}/trace)
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)

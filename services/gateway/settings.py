@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from temper.common.billing import ModelPrices, parse_price_table
 from temper.common.settings import ProcessSettings
 from temper.services.gateway.body_limit import JSON_LIMIT, PROTOBUF_LIMIT
 
@@ -43,3 +44,10 @@ class GatewaySettings(ProcessSettings):
     console_max_rows: int = Field(20000, gt=0, le=1_000_000,
                                   description="Most kept rows (requests and sampling calls) one console trace or Session "
                                               "Metrics answer reads; a range holding more is refused (400): narrow it.")
+    price_table: str = Field("", description="USD rates per base model, as JSON {model: {train_per_mtok, sample_per_mtok, "
+                                             "prefill_per_mtok, storage_per_gb_month, cached_prefill_per_mtok?}}: "
+                                             "the costs of billing usage events and the cookbook's /tinker/models.json. "
+                                             "Empty: usage is answered without costs. A malformed table stops the start.")
+
+    def prices(self) -> dict[str, ModelPrices]:
+        return parse_price_table(self.price_table)
