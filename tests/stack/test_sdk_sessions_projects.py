@@ -2,7 +2,7 @@
 and 3): display names, projects (create, ServiceClient(project_id=...), assign_session_project, every
 list filtered by project), search_sessions, and expiry of a session whose heartbeats stopped. Bad
 input (another tenant's project or session, malformed filters, bad names) is refused and changes
-nothing. One stack for the module (the suite runs near its time limit); the store's side of each is
+nothing. An expired session's sampling clients are refused as a closed one's. One stack for the module (the suite runs near its time limit); the store's side of each is
 tested on SQLite in tests/unit/test_session_projects_store.py."""
 
 import json
@@ -10,6 +10,7 @@ import time
 import urllib.error
 import urllib.request
 
+import grpc
 import pytest
 import sqlalchemy
 
@@ -17,7 +18,10 @@ tinker = pytest.importorskip("tinker")  # the `gateway` extra (make venv install
 
 from tinker import types as tt  # noqa: E402
 
+from fixtures_stack import raw_stub  # noqa: E402
+from temper.client import ModelInput, SamplingParams, convert  # noqa: E402
 from temper.localstack import LocalStack  # noqa: E402
+from temper.v1 import service_pb2  # noqa: E402
 
 # The SDK sends a heartbeat every 10 s: 30 s leaves its sessions open. The silent session's last
 # heartbeat is set back by that much (no test waits out the timeout); the scheduler's sweep does the rest.
@@ -31,7 +35,7 @@ def stack(tiny_model_dir, new_postgres_database, tmp_path_factory):
     env = {"TEMPER_SCHEDULER_SESSION_EXPIRE_SECONDS": str(EXPIRE_SECONDS), "TEMPER_SCHEDULER_SESSION_EXPIRE_INTERVAL_SECONDS": "0.5"}
     with LocalStack(tiny_model_dir, tmp_path_factory.mktemp("sdk-sessions"), database_url=url, num_threads=1, gateway=True,
                     extra_env=env) as local:
-        local.start()
+        local.address = local.start()  # raw_stub's scheduler address
         yield local
 
 
@@ -53,12 +57,22 @@ def raw_session(stack, **fields):
     return call(stack, "POST", "/api/v1/create_session", body)
 
 
+def sample(stub, sampler_id):
+    return stub.Sample(service_pb2.SampleRequest(
+        sampler_id=sampler_id, prompt=convert.model_input_to_proto(ModelInput.from_ints([5, 6, 7])), num_samples=1,
+        sampling_params=convert.sampling_params_to_proto(SamplingParams(max_tokens=2, seed=1))))
+
+
 @pytest.fixture(scope="module")
-def silent(stack):
-    """A session made first and never sent a heartbeat."""
+def silent(stack, tiny_model_dir):
+    """A session made first and never sent a heartbeat, with a sampling client that has sampled."""
     status, body = raw_session(stack, display_name="silent one")
     assert status == 200, body
-    return body["session_id"]
+    stub = raw_stub(stack)
+    sampler = stub.CreateSamplingClient(service_pb2.CreateSamplingClientRequest(session_id=body["session_id"],
+                                                                               base_model=tiny_model_dir))
+    assert len(sample(stub, sampler.sampler_id).sequences) == 1
+    return body["session_id"], sampler.sampler_id
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +160,7 @@ def test_bad_names_and_filters_are_refused(stack, world):
 
 
 def test_assign_and_search(stack, world, silent):
-    client = rest(stack)
+    client, silent = rest(stack), silent[0]
     client.assign_session_project(world["second"], world["archive"]).result()
     hits = search(stack, project_ids=[world["archive"]]).sessions
     assert [(s.session_id, s.display_name, s.project_id) for s in hits] == [(world["second"], "eval two", world["archive"])]
@@ -166,7 +180,8 @@ def test_assign_and_search(stack, world, silent):
     assert pages == [world["second"], world["first"], silent]
 
 
-def test_a_silent_session_expires_and_refuses_heartbeats(stack, world, silent):
+def test_a_silent_session_expires_releases_its_samplers_and_refuses_heartbeats(stack, world, silent):
+    silent, sampler_id = silent
     engine = sqlalchemy.create_engine(stack.database_url)
     with engine.begin() as db:
         db.execute(sqlalchemy.text("UPDATE sessions SET last_heartbeat_at = last_heartbeat_at - make_interval(secs => :s) "
@@ -179,6 +194,9 @@ def test_a_silent_session_expires_and_refuses_heartbeats(stack, world, silent):
         time.sleep(0.5)
     status, body = call(stack, "POST", "/api/v1/session_heartbeat", {"session_id": silent, "type": "session_heartbeat"})
     assert status == 410 and "expired" in json.dumps(body)
+    with pytest.raises(grpc.RpcError) as refused:  # released as CloseSession releases them
+        sample(raw_stub(stack), sampler_id)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     active = {s.session_id for s in search(stack, statuses=[tt.ActiveSessionStatusQuery()]).sessions}
     assert {world["first"], world["second"]} <= active and silent not in active  # the SDK's heartbeats keep theirs open
     status, audit = call(stack, "GET", "/api/v1/audit?event_type=all")
