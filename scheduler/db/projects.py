@@ -12,10 +12,10 @@ from __future__ import annotations
 import secrets
 from datetime import datetime, timedelta
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 
-from temper.common.errors import AlreadyExists, InvalidArgument, NotFound
+from temper.common.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from temper.common.strings import check_text
 from temper.scheduler.db import models as m
 from temper.scheduler.db.audit import SCHEDULER, Actor, record
@@ -49,9 +49,9 @@ class ProjectStore:
             with self.sessions.begin() as db:
                 if db.scalar(select(m.Project.name).where(m.Project.tenant_id == tenant_id, m.Project.name == name)) is not None:
                     raise AlreadyExists(f"project {name!r} already exists")
-                count = len(db.scalars(select(m.Project.id).where(m.Project.tenant_id == tenant_id)).all())
+                count = db.scalar(select(func.count()).select_from(m.Project).where(m.Project.tenant_id == tenant_id))
                 if count >= MAX_PROJECTS_PER_TENANT:
-                    raise InvalidArgument(f"a tenant has at most {MAX_PROJECTS_PER_TENANT} projects")
+                    raise ResourceExhausted(f"a tenant has at most {MAX_PROJECTS_PER_TENANT} projects")
                 row = m.Project(id=new_project_id(), tenant_id=tenant_id, name=name, created_at=now())
                 db.add(row)
                 record(db, actor, "project.create", tenant, row.id, name=name)

@@ -1,9 +1,10 @@
 """Sessions and projects through the unmodified tinker SDK on one gateway stack (issue 33, items 1
 and 3): display names, projects (create, ServiceClient(project_id=...), assign_session_project, every
-list filtered by project), search_sessions, and expiry of a session whose heartbeats stopped. Bad
-input (another tenant's project or session, malformed filters, bad names) is refused and changes
-nothing. An expired session's sampling clients are refused as a closed one's. One stack for the module (the suite runs near its time limit); the store's side of each is
-tested on SQLite in tests/unit/test_session_projects_store.py."""
+list filtered by project), search_sessions, and expiry of a session whose heartbeats stopped (its
+sampling clients then refused as a closed session's). Bad input (another tenant's project or
+session, malformed filters, bad names) is refused and changes nothing. One stack for the module (the
+suite runs near its time limit); the store's side of each is tested on SQLite in
+tests/unit/test_session_projects_store.py."""
 
 import json
 import time
