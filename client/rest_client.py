@@ -1,8 +1,8 @@
 """RestClient: training runs and checkpoints under the Tinker SDK's RestClient method names, mapped
 to Temper's gRPC verbs. Every method returns an APIFuture; each ``*_async`` gives the result.
 
-Temper's API has no sessions listing, audit log, billing, weight copies or signed download URLs:
-those methods raise ``UnsupportedError`` (a NotImplementedError) naming what to use instead.
+Temper's gRPC API has no sessions listing, audit log, billing events or signed download URLs (the
+HTTP gateway serves them to the tinker SDK): those methods raise ``UnsupportedError`` (a NotImplementedError) naming what to use instead.
 """
 
 from __future__ import annotations
@@ -176,10 +176,21 @@ class RestClient:
 
         return self._submit(run())
 
+    def copy_weights(self, path: str, destination_project_id: str | None = None, *,
+                     ttl_seconds: int | None = None) -> APIFuture[str]:
+        """The tinker path of a copy of ``path`` (the caller's checkpoint, or one published to it) made
+        for the caller, in ``destination_project_id`` (one of its projects) if given; ``ttl_seconds``:
+        1 hour to 10 years, None for no expiry. The copy outlives its source (CopyCheckpoint)."""
+        async def run():
+            copied = await self._call("CopyCheckpoint", service_pb2.CopyCheckpointRequest(
+                source_path=path, ttl_seconds=ttl_seconds or 0, project_id=destination_project_id or ""))
+            return copied.path
+
+        return self._submit(run())
+
     # ---- what Temper does not serve -----------------------------------------------------------
 
     get_external_weights_urls = _unsupported("get_external_weights_urls", "download with ServiceClient.download_checkpoint")
-    copy_weights = _unsupported("copy_weights", "Temper has no projects; load the checkpoint with create_training_client_from_state")
     get_session = _unsupported("get_session", "the gRPC API has no session queries")
     list_sessions = _unsupported("list_sessions", "the gRPC API has no session queries")
     search_sessions = _unsupported("search_sessions", "the gRPC API has no session queries")
@@ -187,7 +198,8 @@ class RestClient:
     export_session_trace = _unsupported("export_session_trace", "the gRPC API has no session traces")
     get_audit_log = _unsupported("get_audit_log", "Temper keeps no audit log")
     whoami = _unsupported("whoami", "ServiceClient.get_usage() names the caller's tenant")
-    get_billing_usage = _unsupported("get_billing_usage", "ServiceClient.get_usage() gives tokens and steps")
+    get_billing_usage = _unsupported("get_billing_usage", "ServiceClient.get_usage() gives tokens and steps; the gateway "
+                                     "serves hourly events (GET /api/v1/billing/usage/events) to the tinker SDK")
     get_current_checkpoint_storage_usage = _unsupported("get_current_checkpoint_storage_usage",
                                                         "ServiceClient.get_usage()['storage_bytes']")
 
@@ -197,6 +209,7 @@ class RestClient:
     get_weights_info_by_tinker_path_async = _async_of(get_weights_info_by_tinker_path)
     list_training_runs_async = _async_of(list_training_runs)
     get_sampler_async = _async_of(get_sampler)
+    copy_weights_async = _async_of(copy_weights)
     list_checkpoints_async = _async_of(list_checkpoints)
     list_user_checkpoints_async = _async_of(list_user_checkpoints)
     search_checkpoints_async = _async_of(search_checkpoints)

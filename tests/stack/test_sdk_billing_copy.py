@@ -197,6 +197,18 @@ def test_copy_of_a_published_checkpoint_and_the_refusals(stack, work):
     rest.publish_checkpoint_from_tinker_path(sampler).result()
     theirs = other.copy_weights(sampler, other_name).result()
     assert [c.tinker_path for c in other.list_user_checkpoints().result().checkpoints] == [theirs]
+    # temper.client (gRPC) copies the same way, with the same checks
+    from temper.client import NotFoundError
+
+    grpc_client = stack.client("copy-other")
+    try:
+        grpc_rest = grpc_client.create_rest_client()
+        over_grpc = grpc_rest.copy_weights(sampler, other_name).result()
+        assert over_grpc not in (theirs, sampler) and over_grpc.endswith("/sampler_weights/pub")
+        with pytest.raises(NotFoundError):
+            grpc_rest.copy_weights(source, other_name).result()  # still unpublished
+    finally:
+        grpc_client.close().result()
     with pytest.raises(tinker.NotFoundError):  # the copy is theirs, not published: not readable by the source's owner
         rest.get_weights_info_by_tinker_path(theirs).result()
     their_client = tinker.ServiceClient(base_url=stack.gateway_url, api_key=other_key)
