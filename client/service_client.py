@@ -37,7 +37,8 @@ class ServiceClient:
         the server against ``root_certificates`` (PEM), else TEMPER_TLS_CA_FILE, else the system's roots.
         ``api_key``: else TEMPER_API_KEY, else TINKER_API_KEY. ``connect_timeout``: seconds to reach the
         scheduler before failing (else TEMPER_CONNECT_TIMEOUT, else 30). ``project_id`` (else
-        TINKER_PROJECT_ID) and ``display_name``: Temper has no projects; both are recorded as session tags."""
+        TINKER_PROJECT_ID): one of the caller's projects (NotFound otherwise; docs/tenancy.md); ``display_name``:
+        the session's name in lists, searches and the console."""
         if args and isinstance(args[0], str):
             base_url, api_key = (list(args) + [api_key])[:2] if base_url is None else (base_url, api_key)
         elif args:
@@ -45,9 +46,9 @@ class ServiceClient:
         if kwargs:
             warnings.warn(f"ServiceClient ignores unsupported arguments: {', '.join(sorted(kwargs))}", FutureWarning, stacklevel=2)
         project_id = project_id or os.environ.get("TINKER_PROJECT_ID") or None
-        tags = [*(tags or []), *([f"project:{project_id}"] if project_id else []), *([f"name:{display_name}"] if display_name else [])]
         self.runtime = open_runtime(base_url, api_key, timeout, root_certificates, connect_timeout)
-        request = service_pb2.CreateSessionRequest(tags=tags, user_metadata=dict(user_metadata or {}))
+        request = service_pb2.CreateSessionRequest(tags=list(tags or []), user_metadata=dict(user_metadata or {}),
+                                                   display_name=display_name or "", project_id=project_id or "")
         try:
             self.session_id = self.runtime.rpc("CreateSession", request).result().session_id
         except BaseException:
