@@ -6,9 +6,10 @@ scheduler's audit log (GetAuditLog): a tenant's key sees its own tenant's, an ad
 tenant's. ``event`` is Tinker's ``<resource>_<action>`` spelling of Temper's action
 (``checkpoint.publish`` -> ``checkpoint_publish``); ``event_details`` says who (tenant, key prefix,
 actor), what (action, target) and the entry's details. ``event_type``: ``checkpoints`` (checkpoint
-events), ``organizations`` (keys and limits: a Temper tenant is Tinker's organization), ``all``;
-Temper has no projects or teams, so those answer no entries. A day with more than ``MAX_ENTRIES``
-entries is refused (400, naming the command that pages through it), never built in memory.
+events), ``organizations`` (keys and limits: a Temper tenant is Tinker's organization), ``projects``
+(a project made, a session moved into one), ``all``; Temper has no teams, so those answer no
+entries. A day with more than ``MAX_ENTRIES`` entries is refused (400, naming the command that pages
+through it), never built in memory.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from temper.v1 import service_pb2
 
 router = APIRouter(prefix="/api/v1")
 EVENT_TYPES = {"all": None, "checkpoints": ("checkpoint.",), "organizations": ("api_key.", "quota."),
-               "projects": (), "teams": ()}
+               "projects": ("project.", "session.project"), "teams": ()}
 PAGE = 1000          # GetAuditLog's largest page
 MAX_ENTRIES = 10_000  # one day's answer at most: more is refused, not built
 

@@ -203,3 +203,5 @@ def test_a_silent_session_expires_releases_its_samplers_and_refuses_heartbeats(s
     status, audit = call(stack, "GET", "/api/v1/audit?event_type=all")
     assert status == 200, audit
     assert silent in json.dumps(audit) and "session.expire" in json.dumps(audit)
+    projects = call(stack, "GET", "/api/v1/audit?event_type=projects")[1]["entries"]
+    assert sorted({e["event"] for e in projects}) == ["project_create", "session_project"]
