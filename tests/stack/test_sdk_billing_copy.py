@@ -71,10 +71,10 @@ def work(stack, tiny_model_dir):
         mp.undo()
 
 
-def http(stack, method, path, key=None, body=None):
+def http(stack, method, path, key=None, body=None, headers=None):
     """(status, parsed body) of a plain request."""
     data = json.dumps(body).encode() if body is not None else None
-    headers = {"Content-Type": "application/json", **({"X-API-Key": key} if key else {})}
+    headers = {"Content-Type": "application/json", **({"X-API-Key": key} if key else {}), **(headers or {})}
     request = urllib.request.Request(stack.gateway_url + path, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
@@ -109,9 +109,20 @@ def test_billing_usage_counts_what_was_sent_and_prices_it(stack, work, tiny_mode
     assert sum(e.event_info.count for e in events if e.event_info.type == "checkpoint") == 2
     assert any(e.event_info.type == "storage" for e in events)
     assert usage(stack, stack.key_for("billing-other")).data == []  # only the caller's tenant's usage
-    # the cookbook's pricing file, at the operator's rates
-    status, models = http(stack, "GET", "/tinker/models.json")
-    assert status == 200 and models[0]["tinker_id"] == tiny_model_dir and models[0]["train"] == "$3.0"
+    # the cookbook's pricing file, at the operator's rates: its CostTracker prices a step with them
+    cost_estimation = pytest.importorskip("tinker_cookbook.utils.cost_estimation")
+    mp = pytest.MonkeyPatch()
+    try:  # the cookbook keeps the file it fetched for the process: fetched afresh here, put back after
+        mp.setattr(cost_estimation, "_pricing_fetched", False)
+        mp.setattr(cost_estimation, "_pricing_entries", None)
+        assert cost_estimation.load_model_pricing(url=f"{stack.gateway_url}/tinker/models.json") is not None
+        tracker = cost_estimation.CostTracker(cost_estimation.fetch_model_pricing(tiny_model_dir))
+        step = tracker.record_step(cost_estimation.TokenUsage(trained=totals["training"], sampled=totals["sampling_sample"],
+                                                              prefill_uncached=totals["sampling_prefill"]))
+    finally:
+        mp.undo()
+    token_costs = sum(e.estimated_cost_usd for e in events if e.event_info.type in RATE_OF)
+    assert step["cost/step_usd"] == pytest.approx(token_costs)
 
 
 def test_malformed_billing_windows_are_400(stack, work):
@@ -197,6 +208,11 @@ def test_copy_of_a_published_checkpoint_and_the_refusals(stack, work):
     rest.publish_checkpoint_from_tinker_path(sampler).result()
     theirs = other.copy_weights(sampler, other_name).result()
     assert [c.tinker_path for c in other.list_user_checkpoints().result().checkpoints] == [theirs]
+    # a request resent under the same X-Idempotency-Key (as the SDK resends) answers the first copy
+    resend = lambda: http(stack, "POST", "/api/v1/copy_weights", other_key,  # noqa: E731
+                          {"source_path": sampler, "destination_project_id": other_name}, {"X-Idempotency-Key": "k1"})
+    first, again = resend(), resend()
+    assert first[0] == 200 and again == first and first[1]["tinker_path"] != theirs
     # temper.client (gRPC) copies the same way, with the same checks
     from temper.client import NotFoundError
 
