@@ -15,7 +15,7 @@ from temper.client import types as t
 from temper.client.errors import unsupported
 from temper.client.futures import APIFuture
 from temper.common import checkpoint_search
-from temper.v1 import service_pb2, types_pb2
+from temper.v1 import records_pb2, service_pb2, types_pb2
 
 if TYPE_CHECKING:
     from temper.client.runtime import Runtime
@@ -188,13 +188,21 @@ class RestClient:
 
         return self._submit(run())
 
+    def assign_session_project(self, session_id: str, project_id: str) -> APIFuture[None]:
+        """Moves one of the caller's sessions into one of its projects (AssignSessionProject; either of
+        another tenant, or unknown: NotFoundError, nothing changed)."""
+        async def run():
+            await self._call("AssignSessionProject", records_pb2.AssignSessionProjectRequest(session_id=session_id,
+                                                                                            project_id=project_id))
+
+        return self._submit(run())
+
     # ---- what Temper does not serve -----------------------------------------------------------
 
     get_external_weights_urls = _unsupported("get_external_weights_urls", "download with ServiceClient.download_checkpoint")
     get_session = _unsupported("get_session", "the gRPC API has no session queries")
     list_sessions = _unsupported("list_sessions", "the gRPC API has no session queries")
     search_sessions = _unsupported("search_sessions", "the gRPC API has no session queries")
-    assign_session_project = _unsupported("assign_session_project", "Temper has no projects")
     export_session_trace = _unsupported("export_session_trace", "the gRPC API has no session traces")
     get_audit_log = _unsupported("get_audit_log", "Temper keeps no audit log")
     whoami = _unsupported("whoami", "ServiceClient.get_usage() names the caller's tenant")

@@ -21,6 +21,7 @@ from tinker import types as tt  # noqa: E402
 
 from fixtures_stack import raw_stub  # noqa: E402
 from temper.client import ModelInput, SamplingParams, convert  # noqa: E402
+from temper.common.errors import NotFound  # noqa: E402
 from temper.localstack import LocalStack  # noqa: E402
 from temper.v1 import service_pb2  # noqa: E402
 
@@ -205,3 +206,13 @@ def test_a_silent_session_expires_releases_its_samplers_and_refuses_heartbeats(s
     assert silent in json.dumps(audit) and "session.expire" in json.dumps(audit)
     projects = call(stack, "GET", "/api/v1/audit?event_type=projects")[1]["entries"]
     assert sorted({e["event"] for e in projects}) == ["project_create", "session_project"]
+
+
+def test_temper_client_names_and_moves_its_session(stack, world):
+    with stack.client(display_name="over grpc", project_id=world["archive"]) as ours:
+        found = search(stack, session_id=ours.session_id).sessions
+        assert [(s.display_name, s.project_id) for s in found] == [("over grpc", world["archive"])]
+        ours.create_rest_client().assign_session_project(ours.session_id, world["nightly"]).result()
+        assert search(stack, session_id=ours.session_id).sessions[0].project_id == world["nightly"]
+        with pytest.raises(NotFound):
+            ours.create_rest_client().assign_session_project(ours.session_id, world["theirs"]).result()
