@@ -192,3 +192,25 @@ def test_storage_is_the_callers_checkpoints_bytes_over_their_life(store):
     storage = {u.hour_ms: u.gigabyte_hours for u in usage if u.kind == "storage"}
     assert storage == {T0: pytest.approx(1.0), T0 + HOUR_MS: pytest.approx(1.0)}  # 2 GB for half of each hour
     assert [(u.hour_ms, u.count) for u in usage if u.kind == "checkpoint"] == [(T0, 1)]
+
+
+def test_trainer_store_copy_links_files_and_outlives_the_source(tmp_path):
+    from temper.common.errors import AlreadyExists
+    from temper.services.trainer.checkpoints import CheckpointStore
+
+    files = CheckpointStore(tmp_path / "ckpt")
+    staging = files.staging_dir("r/weights/a")
+    (staging / "adapter_model.safetensors").write_bytes(b"w" * 100)
+    (staging / "optimizer.pt").write_bytes(b"o" * 20)
+    files.publish(staging, "r/weights/a")
+    assert files.copy("r/weights/a", "c/weights/a") == 120
+    source, copy = files.path("r/weights/a") / "optimizer.pt", files.path("c/weights/a") / "optimizer.pt"
+    assert copy.stat().st_ino == source.stat().st_ino  # linked, not duplicated
+    with pytest.raises(AlreadyExists):
+        files.copy("r/weights/a", "c/weights/a")
+    with pytest.raises(NotFound):
+        files.copy("r/weights/none", "d/weights/a")
+    assert not (tmp_path / "ckpt" / "d").exists()
+    files.delete("r/weights/a")
+    assert sorted(p.name for p in files.path("c/weights/a").iterdir()) == ["adapter_model.safetensors", "optimizer.pt"]
+    assert copy.read_bytes() == b"o" * 20
