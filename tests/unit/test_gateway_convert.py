@@ -258,7 +258,7 @@ def test_routes_json_body_futures_and_protobuf_results():
         assert fake.sent[-1][1].seq_id == 3 and not fake.sent[-1][1].data
 
         assert http.post("/api/v1/create_session", json={}).status_code == 401
-        assert http.post("/api/v1/sessions/search", json={}, headers=headers).status_code == 404  # a route not served
+        assert http.post("/api/v1/no_such_route", json={}, headers=headers).status_code == 404  # a route not served
         refused = http.post("/api/v1/asample", json={"sampling_session_id": "s:sample:0", "seq_id": 0, "prompt_alt_tokens_k": 3,
                                                       "prompt": {"chunks": []}, "sampling_params": {}}, headers=headers)
         assert refused.status_code == 400 and "prompt_alt_tokens_k" in refused.json()["error"]
