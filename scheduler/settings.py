@@ -163,7 +163,8 @@ class SchedulerSettings(ProcessSettings, InternalTokenSettings):
     metrics_prune_interval_seconds: float = Field(300.0, gt=0, description="How often the records past their retention are deleted.")
     # session expiry (issue 33: scheduler/planning/session_expiry.py)
     session_expire_seconds: float = Field(
-        600.0, ge=0, description="A session without a heartbeat for this long is closed as \"expired\": its checkpoints stay, its "
+        600.0, ge=0, description="A session without a heartbeat, and without work (a request of its runs, a sample), for this "
+                                 "long is closed as \"expired\": its checkpoints stay, its "
                                  "runs take no more work and its sampling clients answer as a closed session's do; 0: never. "
                                  "The SDK sends a heartbeat every 10 s.")
     session_expire_interval_seconds: float = Field(

@@ -20,6 +20,7 @@ from temper.common.strings import check_text
 from temper.scheduler.db import models as m
 from temper.scheduler.db.audit import SCHEDULER, Actor, record
 from temper.scheduler.db.outage import database_errors, now
+from temper.scheduler.db.views import unix_ms
 
 EXPIRED = "expired"  # close_status of a session whose heartbeats stopped
 MAX_PROJECTS_PER_TENANT = 1000
@@ -95,16 +96,21 @@ class ProjectStore:
     # ---- expiry ---------------------------------------------------------------------------------
 
     def expire_sessions(self, timeout_seconds: float) -> list[str]:
-        """Closes every open session last heard before ``timeout_seconds`` ago (close_status
-        ``expired``) and returns their ids. One UPDATE ... RETURNING: two replicas sweeping at once
-        expire each session once (the row lock orders them; the second finds it closed), and each
-        expiry is audited once, in the same transaction."""
+        """Closes every open session neither heard from nor working for ``timeout_seconds`` (close
+        status ``expired``) and returns their ids. Working: a run of it had a request recorded, or a
+        sampling client of it sampled, in that time (a raw gRPC client that sends no heartbeats is not
+        cut off mid-work). One UPDATE ... RETURNING: two replicas sweeping at once expire each session
+        once (the row lock orders them; the second finds it closed), and each expiry is audited once,
+        in the same transaction."""
         stamp = now()
         cutoff = stamp - timedelta(seconds=timeout_seconds)
+        s, run, sampled = m.Session, m.TrainingRun, m.SamplingRecord
+        training = select(run.id).where(run.session_id == s.id, run.last_request_at >= cutoff).exists()
+        sampling = select(sampled.id).where(sampled.session_id == s.id, sampled.started_ms >= unix_ms(cutoff)).exists()
         with self.sessions.begin() as db:
-            expired = db.execute(update(m.Session).where(m.Session.closed_at.is_(None), m.Session.last_heartbeat_at < cutoff)
+            expired = db.execute(update(s).where(s.closed_at.is_(None), s.last_heartbeat_at < cutoff, ~training, ~sampling)
                                  .values(closed_at=stamp, close_status=EXPIRED)
-                                 .returning(m.Session.id, m.Session.tenant_id)).all()
+                                 .returning(s.id, s.tenant_id)).all()
             if not expired:
                 return []
             names = dict(db.execute(select(m.Tenant.id, m.Tenant.name).where(m.Tenant.id.in_(sorted({t for _, t in expired})))).all())

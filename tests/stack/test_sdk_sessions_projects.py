@@ -184,10 +184,13 @@ def test_assign_and_search(stack, world, silent):
 
 def test_a_silent_session_expires_releases_its_samplers_and_refuses_heartbeats(stack, world, silent):
     silent, sampler_id = silent
+    # silent and idle for longer than the timeout: its heartbeat and its one sample set back
     engine = sqlalchemy.create_engine(stack.database_url)
     with engine.begin() as db:
         db.execute(sqlalchemy.text("UPDATE sessions SET last_heartbeat_at = last_heartbeat_at - make_interval(secs => :s) "
                                    "WHERE id = :id"), {"s": EXPIRE_SECONDS + 1, "id": silent})
+        db.execute(sqlalchemy.text("UPDATE sampling_records SET started_ms = started_ms - :ms, answered_ms = answered_ms - :ms "
+                                   "WHERE session_id = :id"), {"ms": (EXPIRE_SECONDS + 1) * 1000, "id": silent})
     engine.dispose()
     deadline = time.monotonic() + 30
     cancelled = [tt.CancelledSessionStatusQuery()]

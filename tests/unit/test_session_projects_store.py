@@ -14,6 +14,8 @@ from temper.common.errors import AlreadyExists, FailedPrecondition, InvalidArgum
 from temper.scheduler.db import models as m
 from temper.scheduler.db.audit import AuditQuery
 from temper.scheduler.db.outage import now
+from temper.scheduler.db.records import SamplingRow
+from temper.scheduler.db.views import unix_ms
 from temper.scheduler.db.session_search import SessionQuery
 from temper.scheduler.db.store import Store, upgrade_schema
 from temper.scheduler.planning.session_expiry import SessionExpiry, sweep_interval
@@ -87,13 +89,19 @@ def test_search_filters_and_pages(store):
     assert not more and ids(rest) == [made[0]]
 
 
-def test_expiry_closes_silent_sessions_once_and_releases_them(store):
+def test_expiry_closes_silent_idle_sessions_once_and_releases_them(store):
     silent = store.create_session("alice", [], {}).id
     alive = store.create_session("alice", [], {}).id
     closed = store.create_session("alice", [], {}).id
+    training, sampling = store.create_session("alice", [], {}).id, store.create_session("alice", [], {}).id
     store.close_session(closed, "success", "alice")
+    long_ago = now() - timedelta(seconds=60)
     with store.sessions.begin() as db:
-        db.execute(update(m.Session).where(m.Session.id.in_([silent, closed])).values(last_heartbeat_at=now() - timedelta(seconds=60)))
+        db.execute(update(m.Session).where(m.Session.id.in_([silent, closed, training, sampling])).values(last_heartbeat_at=long_ago))
+        # no heartbeats, but working: a request of its run recorded now, or a sample answered now
+        db.add(m.TrainingRun(id=f"{training}:train:0", session_id=training, base_model="b", lora_rank=4, lora_alpha=8.0,
+                             train_attn=True, train_mlp=True, train_unembed=True, last_request_at=now()))
+    store.record_sampling([SamplingRow(sampling, f"{sampling}:sample:0", "sample", 1, 3, 2, unix_ms(now()), unix_ms(now()))])
     released = []
     expiry = SessionExpiry(store, released.append, expire_seconds=30)
     assert asyncio.run(expiry.sweep_once()) == [silent]
@@ -102,6 +110,7 @@ def test_expiry_closes_silent_sessions_once_and_releases_them(store):
     row = store.session_detail(silent, "alice").row
     assert row.close_status == "expired" and store.session_detail(alive, "alice").row.closed_at is None
     assert store.session_detail(closed, "alice").row.close_status == "success"
+    assert all(store.session_detail(s, "alice").row.closed_at is None for s in (training, sampling))
     with pytest.raises(FailedPrecondition, match="expired"):
         store.heartbeat(silent, "alice")
     expiries = [e for e in store.audit_entries(AuditQuery(tenant="alice", limit=50))[0] if e.action == "session.expire"]
