@@ -3,7 +3,7 @@ at creation (the SDK's ``ServiceClient(project_id=...)``) or later (``assign_ses
 lists and searches filter by it. A project belongs to one tenant: another tenant's project id answers
 NOT_FOUND, the same as a missing one, and changes nothing. A mixin of ``Store``.
 
-Also here: session expiry (a session whose heartbeats stopped is closed with close_status
+Also here: session expiry (a session whose heartbeats and work stopped is closed with close_status
 ``expired``), since both write the ``sessions`` row outside the open/close path of ``store.py``.
 """
 

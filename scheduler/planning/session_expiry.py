@@ -1,5 +1,5 @@
 """Session expiry (issue 33): a session whose client stopped sending heartbeats (the SDK sends one
-every 10 s) is closed as ``expired`` after ``session_expire_seconds``. Its checkpoints stay; its runs
+every 10 s) and that does no work is closed as ``expired`` after ``session_expire_seconds``. Its checkpoints stay; its runs
 take no more work and its sampling clients answer as a closed session's do (the same release as
 CloseSession's: ``TemperServicer.release_session``).
 
