@@ -17,8 +17,6 @@ cookbook.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import time
 from datetime import datetime, timezone
 
 from fastapi import APIRouter, Request
@@ -27,11 +25,11 @@ from temper.common.billing import HOUR_MS, ModelPrices, cookbook_pricing, price
 from temper.services.gateway import fields
 from temper.services.gateway.app import api_key, gateway, json_body
 from temper.services.gateway.errors import invalid
+from temper.services.gateway.idempotent import once_per_request
 from temper.v1 import records_pb2, service_pb2
 
 router = APIRouter()
 MAX_SESSION_LOOKUPS = 200      # sessions whose user_metadata one answer reads (more: None)
-IDEMPOTENCY_KEEP_SECONDS = 3600
 COPY_FIELDS = {"source_path", "ttl_seconds", "destination_project_id", "session_id", "model_seq_id", "weights_access_token"}
 
 
@@ -122,37 +120,6 @@ async def cookbook_models(request: Request):
     return cookbook_pricing(price_table(request))
 
 
-class CopyAnswers:
-    """The answers of recent copy_weights calls by (key, X-Idempotency-Key): the SDK resends a call
-    that timed out under the same key, and must get the first copy's path rather than a second copy."""
-
-    def __init__(self):
-        self.answers: dict[str, tuple[float, asyncio.Future]] = {}
-
-    async def once(self, identity: str, make):
-        at = time.monotonic()
-        for old in [k for k, (t, _) in self.answers.items() if at - t > IDEMPOTENCY_KEEP_SECONDS]:
-            del self.answers[old]
-        held = self.answers.get(identity)
-        if held is not None:
-            return await asyncio.shield(held[1])
-        future = asyncio.ensure_future(make())
-        self.answers[identity] = (at, future)
-        try:
-            return await asyncio.shield(future)
-        except BaseException:
-            if future.done():  # a refusal or failure is not remembered: the resent call tries again
-                self.answers.pop(identity, None)
-            raise
-
-
-def _copy_answers(request: Request) -> CopyAnswers:
-    state = request.app.state
-    if not hasattr(state, "copy_answers"):
-        state.copy_answers = CopyAnswers()
-    return state.copy_answers
-
-
 @router.post("/api/v1/copy_weights")
 async def copy_weights(request: Request):
     key, body = api_key(request), await json_body(request)
@@ -173,10 +140,5 @@ async def copy_weights(request: Request):
     async def make():
         return await gateway(request).scheduler.call("CopyCheckpoint", message, key)
 
-    idempotency = request.headers.get("x-idempotency-key")
-    if idempotency:
-        identity = hashlib.sha256(f"{key}\0{idempotency}\0{message.SerializeToString().hex()}".encode()).hexdigest()
-        copied = await _copy_answers(request).once(identity, make)
-    else:
-        copied = await make()
+    copied = await once_per_request(request, key, message.SerializeToString(), make)
     return {"tinker_path": copied.path}

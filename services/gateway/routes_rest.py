@@ -14,6 +14,7 @@ from temper.common.checkpoints import parse_path
 from temper.services.gateway import convert, fields
 from temper.services.gateway.app import api_key, gateway, json_body
 from temper.services.gateway.errors import invalid
+from temper.services.gateway.idempotent import once_per_request
 from temper.v1 import service_pb2
 
 router = APIRouter(prefix="/api/v1")
@@ -112,14 +113,25 @@ def _path(request: Request, run_id: str, kind: str, name: str) -> str:
     return str(parse_path(convert.tinker_path(run_id, f"{kind}/{name}")))
 
 
+async def _once(request: Request, method: str, message) -> None:
+    """One scheduler call that changes a checkpoint; a resend of it (same X-Idempotency-Key) is answered
+    without a second change (idempotent.py)."""
+    key = api_key(request)
+
+    async def make():
+        return await gateway(request).scheduler.call(method, message, key)
+
+    await once_per_request(request, key, message.SerializeToString(), make)
+
+
 async def _update(request: Request, path: str, **changes) -> None:
-    await gateway(request).scheduler.call("UpdateCheckpoint", service_pb2.UpdateCheckpointRequest(path=path, **changes), api_key(request))
+    await _once(request, "UpdateCheckpoint", service_pb2.UpdateCheckpointRequest(path=path, **changes))
 
 
 @router.delete(RUNS_PATH)
 async def delete_checkpoint(run_id: str, kind: str, name: str, request: Request):
     path = _path(request, run_id, kind, name)
-    await gateway(request).scheduler.call("DeleteCheckpoint", service_pb2.DeleteCheckpointRequest(path=path), api_key(request))
+    await _once(request, "DeleteCheckpoint", service_pb2.DeleteCheckpointRequest(path=path))
     return None
 
 

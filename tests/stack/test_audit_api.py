@@ -222,3 +222,27 @@ def test_the_sdk_reads_the_audit_log_through_the_gateway(audit_stack, monkeypatc
     bad = httpx.get(f"{audit_stack.gateway_url}/api/v1/audit", params={"day": "yesterday"},
                     headers={"X-API-Key": audit_stack.key_for("hana")})
     assert bad.status_code == 400 and "YYYY-MM-DD" in bad.text
+
+
+def test_a_change_resent_under_its_idempotency_key_happens_and_is_logged_once(audit_stack, tiny_model_dir):
+    """The SDK resends a call whose answer it lost under the same X-Idempotency-Key (services/gateway/idempotent.py)."""
+    import httpx
+
+    key = audit_stack.key_for("kim")
+    kim = audit_stack.client("kim")
+    path = kim.create_lora_training_client(tiny_model_dir, rank=4, seed=2).save_weights_for_sampler("w").result().path
+    run, kind, name = path.removeprefix("tinker://").split("/", 2)
+    route = f"{audit_stack.gateway_url}/api/v1/training_runs/{run}/checkpoints/{kind}/{name}"
+
+    def send(method: str, suffix: str, idempotency: str, **body):
+        return httpx.request(method, route + suffix, json=body or None, timeout=30,
+                             headers={"X-API-Key": key, "X-Idempotency-Key": idempotency})
+
+    answers = [send("PUT", "/ttl", "stainless-python-retry-a", ttl_seconds=3600) for _ in range(2)]
+    answers.append(send("PUT", "/ttl", "stainless-python-retry-b", ttl_seconds=3600))  # a new request: a new change
+    answers += [send("DELETE", "", "stainless-python-retry-c") for _ in range(2)]  # the resend finds it done, not 404
+    assert [a.status_code for a in answers] == [200] * 5, [a.text for a in answers]
+    assert send("DELETE", "", "stainless-python-retry-d").status_code == 404  # a new delete of a deleted checkpoint
+    kim.close()
+    actions = [e.action for e in reversed(audit(audit_stack, key)) if e.target == path]
+    assert actions == ["checkpoint.save", "checkpoint.ttl", "checkpoint.ttl", "checkpoint.delete"]
