@@ -95,31 +95,25 @@ class TenancyStore:
 
     def key_identity(self, key: str) -> KeyIdentity:
         """Who a valid key is (and its last use recorded); Unauthenticated otherwise."""
-        with self.sessions.begin() as db:
-            found = db.execute(select(m.ApiKey, m.Tenant.name).join(m.Tenant, m.Tenant.id == m.ApiKey.tenant_id)
-                               .where(m.ApiKey.key_sha256 == keys.digest(key))).first()
-            if found is None:
-                raise Unauthenticated("unknown API key")
-            row, tenant = found
-            if row.revoked_at is not None:
-                raise Unauthenticated(f"API key {row.prefix}… was revoked")
-            if row.last_used_at is None or now() - _aware(row.last_used_at) > LAST_USED_RESOLUTION:
-                row.last_used_at = now()
-            return KeyIdentity(tenant, row.id, row.prefix, bool(row.is_admin))
+        return self._live_key(m.ApiKey.key_sha256 == keys.digest(key), "unknown API key", "was revoked")
 
     def key_identity_by_id(self, key_id: int) -> KeyIdentity:
         """Who the key with this id is, if it is still live (a token's key: scheduler/tenancy/jwt_tokens.py);
         Unauthenticated if it is unknown or revoked. Its last use is recorded as key_identity does."""
         if not 0 < key_id <= MAX_KEY_ID:
             raise Unauthenticated(f"the token names no API key (id {key_id})")
+        return self._live_key(m.ApiKey.id == key_id, f"the token's API key (id {key_id}) no longer exists",
+                              "was revoked; its tokens are refused")
+
+    def _live_key(self, which, unknown: str, revoked: str) -> KeyIdentity:
         with self.sessions.begin() as db:
             found = db.execute(select(m.ApiKey, m.Tenant.name).join(m.Tenant, m.Tenant.id == m.ApiKey.tenant_id)
-                               .where(m.ApiKey.id == key_id)).first()
+                               .where(which)).first()
             if found is None:
-                raise Unauthenticated(f"the token's API key (id {key_id}) no longer exists")
+                raise Unauthenticated(unknown)
             row, tenant = found
             if row.revoked_at is not None:
-                raise Unauthenticated(f"API key {row.prefix}… was revoked; its tokens are refused")
+                raise Unauthenticated(f"API key {row.prefix}… {revoked}")
             if row.last_used_at is None or now() - _aware(row.last_used_at) > LAST_USED_RESOLUTION:
                 row.last_used_at = now()
             return KeyIdentity(tenant, row.id, row.prefix, bool(row.is_admin))
