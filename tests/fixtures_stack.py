@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 
 import grpc
 import numpy as np
@@ -187,3 +188,17 @@ def store_with_run(url: str):
                                          lora_dropout=0.0, train_attn=True, train_mlp=True, train_unembed=True, user_metadata={},
                                          next_seq_id=1))
     return store, run_id
+
+
+@contextlib.contextmanager
+def tinker_sdk_env(stack, api_key: str | None = None) -> Iterator[None]:
+    """The unmodified tinker SDK pointed at ``stack``'s gateway (TINKER_BASE_URL, TINKER_API_KEY, telemetry
+    off) for a module-scoped fixture, where the function-scoped ``monkeypatch`` cannot be used."""
+    patch = pytest.MonkeyPatch()
+    try:
+        for name, value in (("TINKER_BASE_URL", stack.gateway_url), ("TINKER_API_KEY", api_key or stack.api_key),
+                            ("TINKER_TELEMETRY", "0")):
+            patch.setenv(name, value)
+        yield
+    finally:
+        patch.undo()

@@ -22,6 +22,7 @@ tinker = pytest.importorskip("tinker")  # the `gateway` extra (make venv install
 
 from tinker import types as tt  # noqa: E402
 
+from fixtures_stack import tinker_sdk_env  # noqa: E402
 from temper.localstack import LocalStack  # noqa: E402
 
 RATES = {"train_per_mtok": 3.0, "sample_per_mtok": 1.5, "prefill_per_mtok": 0.5, "storage_per_gb_month": 20.0}
@@ -49,26 +50,23 @@ def datum(tokens):
 @pytest.fixture(scope="module")
 def work(stack, tiny_model_dir):
     """Two steps, a sampler and a training checkpoint, one sample; what was sent and got back."""
-    mp = pytest.MonkeyPatch()
-    for name, value in (("TINKER_BASE_URL", stack.gateway_url), ("TINKER_API_KEY", stack.api_key), ("TINKER_TELEMETRY", "0")):
-        mp.setenv(name, value)
-    client = tinker.ServiceClient()
-    try:
-        tc = client.create_lora_training_client(tiny_model_dir, rank=4, seed=5).result()
-        data = [datum(t) for t in EXAMPLES]
-        for _ in range(2):
-            tc.forward_backward(data, "cross_entropy").result()
-            tc.optim_step(tt.AdamParams(learning_rate=5e-3)).result()
-        sampler_path = tc.save_weights_for_sampler("s1").result().path
-        state_path = tc.save_state("w1").result().path
-        sc = client.create_sampling_client(model_path=sampler_path).result()
-        sampled = sc.sample(tt.ModelInput.from_ints(PROMPT), 1, tt.SamplingParams(max_tokens=5, temperature=1.0, seed=3)).result()
-        yield dict(client=client, tc=tc, data=data, sampler_path=sampler_path, state_path=state_path,
-                   trained=2 * sum(d.model_input.length for d in data), prefilled=len(PROMPT),
-                   sampled=sum(len(s.tokens) for s in sampled.sequences))
-    finally:
-        client.close("success")
-        mp.undo()
+    with tinker_sdk_env(stack):
+        client = tinker.ServiceClient()
+        try:
+            tc = client.create_lora_training_client(tiny_model_dir, rank=4, seed=5).result()
+            data = [datum(t) for t in EXAMPLES]
+            for _ in range(2):
+                tc.forward_backward(data, "cross_entropy").result()
+                tc.optim_step(tt.AdamParams(learning_rate=5e-3)).result()
+            sampler_path = tc.save_weights_for_sampler("s1").result().path
+            state_path = tc.save_state("w1").result().path
+            sc = client.create_sampling_client(model_path=sampler_path).result()
+            sampled = sc.sample(tt.ModelInput.from_ints(PROMPT), 1, tt.SamplingParams(max_tokens=5, temperature=1.0, seed=3)).result()
+            yield dict(client=client, tc=tc, data=data, sampler_path=sampler_path, state_path=state_path,
+                       trained=2 * sum(d.model_input.length for d in data), prefilled=len(PROMPT),
+                       sampled=sum(len(s.tokens) for s in sampled.sequences))
+        finally:
+            client.close("success")
 
 
 def http(stack, method, path, key=None, body=None, headers=None):

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 from tinker import types as tt  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+from fixtures_stack import tinker_sdk_env  # noqa: E402
 from temper.localstack import LocalStack  # noqa: E402
 
 URL_SECONDS = 6  # signed URLs of this stack expire this soon, so expiry is seen within the test
@@ -44,15 +45,12 @@ def stack(tiny_model_dir, new_postgres_database, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sdk(stack):
-    mp = pytest.MonkeyPatch()
-    for name, value in (("TINKER_BASE_URL", stack.gateway_url), ("TINKER_API_KEY", stack.api_key), ("TINKER_TELEMETRY", "0")):
-        mp.setenv(name, value)
-    client = tinker.ServiceClient()
-    try:
-        yield client
-    finally:
-        client.close("success")
-        mp.undo()
+    with tinker_sdk_env(stack):
+        client = tinker.ServiceClient()
+        try:
+            yield client
+        finally:
+            client.close("success")
 
 
 def data():

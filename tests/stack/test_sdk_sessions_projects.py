@@ -19,7 +19,7 @@ tinker = pytest.importorskip("tinker")  # the `gateway` extra (make venv install
 
 from tinker import types as tt  # noqa: E402
 
-from fixtures_stack import raw_stub  # noqa: E402
+from fixtures_stack import raw_stub, tinker_sdk_env  # noqa: E402
 from temper.client import ModelInput, SamplingParams, convert  # noqa: E402
 from temper.common.errors import NotFound  # noqa: E402
 from temper.localstack import LocalStack  # noqa: E402
@@ -89,21 +89,18 @@ def world(stack, silent, tiny_model_dir):
         made[name] = body["project_id"]
     status, body = call(stack, "POST", "/api/v1/projects", {"name": "theirs"}, key=other_key)
     made["theirs"], made["other_key"] = body["project_id"], other_key
-    mp = pytest.MonkeyPatch()
-    for name, value in (("TINKER_BASE_URL", stack.gateway_url), ("TINKER_API_KEY", stack.api_key), ("TINKER_TELEMETRY", "0")):
-        mp.setenv(name, value)
-    first = tinker.ServiceClient(project_id=made["nightly"], display_name="Nightly SFT run", user_metadata={"team": "rl"})
-    second = tinker.ServiceClient(display_name="eval two")
-    try:
-        tc = first.create_lora_training_client(tiny_model_dir, rank=4, seed=5).result()
-        made["run"] = tc.model_id
-        made["checkpoint"] = tc.save_state("s1").result().path
-        made["first"], made["second"] = tc.model_id.split(":train:")[0], second.holder.get_session_id()
-        yield made
-    finally:
-        first.close("success")
-        second.close("success")
-        mp.undo()
+    with tinker_sdk_env(stack):
+        first = tinker.ServiceClient(project_id=made["nightly"], display_name="Nightly SFT run", user_metadata={"team": "rl"})
+        second = tinker.ServiceClient(display_name="eval two")
+        try:
+            tc = first.create_lora_training_client(tiny_model_dir, rank=4, seed=5).result()
+            made["run"] = tc.model_id
+            made["checkpoint"] = tc.save_state("s1").result().path
+            made["first"], made["second"] = tc.model_id.split(":train:")[0], second.holder.get_session_id()
+            yield made
+        finally:
+            first.close("success")
+            second.close("success")
 
 
 def rest(stack, key=None):

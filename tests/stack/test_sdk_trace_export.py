@@ -22,6 +22,7 @@ tinker = pytest.importorskip("tinker")  # the `gateway` extra (make venv install
 from tinker import types as tt  # noqa: E402
 from tinker_cookbook.supervised.common import compute_mean_nll  # noqa: E402
 
+from fixtures_stack import tinker_sdk_env  # noqa: E402
 from temper.localstack import LocalStack  # noqa: E402
 
 ADAM = dict(learning_rate=5e-3, eps=1e-8)
@@ -41,21 +42,18 @@ def stack(tiny_model_dir, new_postgres_database, tmp_path_factory):
 def trained(stack, tiny_model_dir):
     """A session of the SDK with one run: two steps of forward_backward + optim_step on prompt-masked
     data; yields (run id, session id, the forward_backward answers, the data)."""
-    mp = pytest.MonkeyPatch()
-    for name, value in (("TINKER_BASE_URL", stack.gateway_url), ("TINKER_API_KEY", stack.api_key), ("TINKER_TELEMETRY", "0")):
-        mp.setenv(name, value)
-    client = tinker.ServiceClient()
-    try:
-        tc = client.create_lora_training_client(tiny_model_dir, rank=4, seed=5).result()
-        data = [datum(prompt, completion) for prompt, completion in EXAMPLES]
-        answers = []
-        for _ in range(2):
-            answers.append(tc.forward_backward(data, "cross_entropy").result())
-            tc.optim_step(tt.AdamParams(**ADAM)).result()
-        yield tc.model_id, tc.model_id.split(":train:")[0], answers, data
-    finally:
-        client.close("success")
-        mp.undo()
+    with tinker_sdk_env(stack):
+        client = tinker.ServiceClient()
+        try:
+            tc = client.create_lora_training_client(tiny_model_dir, rank=4, seed=5).result()
+            data = [datum(prompt, completion) for prompt, completion in EXAMPLES]
+            answers = []
+            for _ in range(2):
+                answers.append(tc.forward_backward(data, "cross_entropy").result())
+                tc.optim_step(tt.AdamParams(**ADAM)).result()
+            yield tc.model_id, tc.model_id.split(":train:")[0], answers, data
+        finally:
+            client.close("success")
 
 
 def datum(prompt, completion):
