@@ -13,7 +13,7 @@ same sampling client, so both sides see the same machine. ``fraction = median(pu
 goal <= 0.10 (Miles reports 0.88 for its weight sync).
 
     python benchmarks/publish.py                         # SmolLM2-135M, rank 16, 4 x 128 tokens, 10 rounds
-    python benchmarks/publish.py --model <tiny folder> --rounds 2   # seconds (tests/stack/test_benchmarks.py)
+    python benchmarks/publish.py --model <tiny folder> --rounds 2   # seconds (tests/stack/test_bench_checkpoints.py)
 
 The last stdout line is the result JSON; also written to benchmarks/results/publish.json.
 """

@@ -18,7 +18,7 @@ Real processes (``LocalStack``: scheduler + trainers, no sampler), one client:
       (``--dispatch-retry``), is restored there and trains: ``failover_s`` from the kill to its answers.
 
     python benchmarks/recovery.py                      # SmolLM2-135M, rank 16, 4 x 128 tokens, 20 rounds: ~6 min on 2 cores
-    python benchmarks/recovery.py --model <tiny folder> --rounds 4 --every 2   # seconds (tests/stack/test_benchmarks.py)
+    python benchmarks/recovery.py --model <tiny folder> --rounds 4 --every 2   # seconds (tests/stack/test_bench_recovery.py)
 
 The last stdout line is the result JSON; also written to benchmarks/results/recovery.json.
 """

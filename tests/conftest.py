@@ -11,8 +11,21 @@ from pathlib import Path
 
 import pytest
 
+from file_order import DurationRecorder, load_durations, longest_first
+
 pytest_plugins = ["fixtures_postgres", "fixtures_stack"]
 LAYERS = ("unit", "engine", "stack")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-file-durations", metavar="PATH", default=None,
+                     help="write each test file's total seconds to PATH (tests/file_durations.json orders `make test`)")
+
+
+def pytest_configure(config):
+    path = config.getoption("--record-file-durations")
+    if path:
+        config.pluginmanager.register(DurationRecorder(Path(path)), "temper-file-durations")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -20,3 +33,4 @@ def pytest_collection_modifyitems(config, items):
         layer = Path(str(item.fspath)).parent.name
         if layer in LAYERS:
             item.add_marker(getattr(pytest.mark, layer))
+    longest_first(items, load_durations())
