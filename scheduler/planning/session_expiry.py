@@ -6,12 +6,18 @@ CloseSession's: ``TemperServicer.release_session``).
 Every replica runs the sweep. The expiring itself is one UPDATE ... RETURNING (``Store.expire_sessions``),
 so two replicas at once expire and audit each session once; each replica then also releases the
 sessions any replica expired since its last look (``expired_since``), since the in-memory state it
-releases is its own."""
+releases is its own.
+
+A replica expires nothing until it has reached the database for ``expire_seconds`` without a failure
+(since its start, or since a failed sweep): heartbeats that could not be recorded while the database
+or this process was down must not read as silence afterwards. Live clients heartbeat again within
+10 s, long before that."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from datetime import timedelta
 from typing import Callable
 
@@ -33,6 +39,7 @@ class SessionExpiry:
         self.expire_seconds = expire_seconds
         self.interval = sweep_interval(expire_seconds, interval_seconds)
         self._since = now()
+        self.healthy_since = time.monotonic()  # reset by a failed sweep (see the module's note)
 
     async def run_forever(self) -> None:
         if self.expire_seconds <= 0:
@@ -42,15 +49,18 @@ class SessionExpiry:
             try:
                 await self.sweep_once()
             except TemperError as exc:  # a database outage: the next sweep tries again
+                self.healthy_since = time.monotonic()
                 log.warning("session expiry sweep failed: %s", exc)
             except Exception:  # never let one bad sweep end expiry for the process's life
+                self.healthy_since = time.monotonic()
                 log.exception("session expiry sweep failed")
 
     async def sweep_once(self) -> list[str]:
         """Expires what is due; releases what any replica expired since the last sweep. Returns the
         sessions this call expired."""
         looked = now()
-        expired = await asyncio.to_thread(self.store.expire_sessions, self.expire_seconds)
+        settled = time.monotonic() - self.healthy_since >= self.expire_seconds
+        expired = await asyncio.to_thread(self.store.expire_sessions, self.expire_seconds) if settled else []
         # a margin for clock differences between replicas: releasing a session twice is harmless
         seen = await asyncio.to_thread(self.store.expired_since, self._since - timedelta(seconds=2 * self.interval))
         self._since = looked

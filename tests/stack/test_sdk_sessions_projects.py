@@ -189,7 +189,7 @@ def test_a_silent_session_expires_releases_its_samplers_and_refuses_heartbeats(s
         db.execute(sqlalchemy.text("UPDATE sampling_records SET started_ms = started_ms - :ms, answered_ms = answered_ms - :ms "
                                    "WHERE session_id = :id"), {"ms": (EXPIRE_SECONDS + 1) * 1000, "id": silent})
     engine.dispose()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 2 * EXPIRE_SECONDS  # the scheduler also waits until it has been up EXPIRE_SECONDS
     cancelled = [tt.CancelledSessionStatusQuery()]
     while not search(stack, session_id=silent, statuses=cancelled).sessions:
         assert time.monotonic() < deadline, "the silent session did not expire"

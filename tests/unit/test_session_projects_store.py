@@ -104,6 +104,8 @@ def test_expiry_closes_silent_idle_sessions_once_and_releases_them(store):
     store.record_sampling([SamplingRow(sampling, f"{sampling}:sample:0", "sample", 1, 3, 2, unix_ms(now()), unix_ms(now()))])
     released = []
     expiry = SessionExpiry(store, released.append, expire_seconds=30)
+    assert asyncio.run(expiry.sweep_once()) == []  # not yet 30 s in touch with the database: heartbeats may be missing
+    expiry.healthy_since -= 30
     assert asyncio.run(expiry.sweep_once()) == [silent]
     assert asyncio.run(expiry.sweep_once()) == []  # a second sweep (or replica) expires nothing again
     assert released == [silent, silent]  # released again from expired_since: harmless, and how other replicas learn
