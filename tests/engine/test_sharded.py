@@ -154,13 +154,11 @@ def check_moved(folder, want_weights):
 
 def test_world_2_equals_world_1(folders):
     torch.set_num_threads(1)
-    start = time.monotonic()
     ranks = run_world(2, folders)
     for family in FAMILIES:
         want = reference(folders[family])
         check_equal(family, ranks, want)
         check_moved(folders[family], want[1])
-    assert time.monotonic() - start < 60
 
 
 # SmolLM2: 2 steps of the same rows (token ids < 512, 4-13 tokens), the 49152-token vocabulary's
@@ -180,7 +178,6 @@ def test_world_2_equals_world_1_on_smollm2():
 
     torch.set_num_threads(1)
     folder = prepare_smollm2()
-    start = time.monotonic()
     ranks = run_world(2, {"smollm2": folder}, steps=SMOL_STEPS, options=SMOL_OPTIONS, sgd_lr=SMOL_SGD_LR)
     want = reference(folder, SMOL_STEPS, SMOL_OPTIONS, SMOL_SGD_LR)
     # rtol 1e-5 besides atol 1e-5: the real model's logprobs reach -20 and its loss sums hundreds, where a
@@ -189,7 +186,6 @@ def test_world_2_equals_world_1_on_smollm2():
     # 5e-5 of 259; adapter weights within 2e-7)
     check_equal("smollm2", ranks, want, rel=1e-5)
     check_moved(folder, want[1])
-    assert time.monotonic() - start < 60
 
 
 def _join_alone(init_method, out):

@@ -5,7 +5,6 @@ The same script of calls (adapters created with and without a seed, a refused ca
 cycles with optim steps, a checkpoint saved and loaded into another run, a snapshot restored) gives
 the losses and adapters of one process (1e-5), and both ranks end with the same adapters."""
 
-import time
 
 import numpy as np
 import pytest
@@ -124,7 +123,6 @@ def test_a_two_rank_group_engine_runs_the_calls_of_one_process(tmp_path, extra):
     from temper.services.trainer.engine import TrainerEngine
 
     torch.set_num_threads(1)
-    start = time.monotonic()
     folder = build_tiny_model(tmp_path / "tiny")
     addr = f"127.0.0.1:{free_port()}"
     results = run_ranks(rank_main, lambda r, out: (r, addr, folder, tmp_path / "group" / "ckpt", out, extra), timeout=120)
@@ -151,4 +149,3 @@ def test_a_two_rank_group_engine_runs_the_calls_of_one_process(tmp_path, extra):
     for run_id in ("a", "c"):  # seeded: as one process trains them
         for name, w in weights(alone)[run_id].items():
             np.testing.assert_allclose(rank0[run_id][name], w, atol=1e-5, rtol=0, err_msg=f"{run_id} {name}")
-    assert time.monotonic() - start < 90
