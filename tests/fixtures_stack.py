@@ -202,3 +202,23 @@ def tinker_sdk_env(stack, api_key: str | None = None) -> Iterator[None]:
         yield
     finally:
         patch.undo()
+
+
+def sdk_rest_client(stack, api_key: str | None = None):
+    """The unmodified tinker SDK's RestClient on ``stack``'s gateway (the stack's key unless given)."""
+    import tinker
+
+    return tinker.RestClient(base_url=stack.gateway_url, api_key=api_key or stack.api_key)
+
+
+def plain_get(url: str, api_key: str | None = None):
+    """(status, headers, body) of a plain GET, an HTTP error's too."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, headers={"X-API-Key": api_key} if api_key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.headers, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers, error.read()

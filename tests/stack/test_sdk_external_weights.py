@@ -11,8 +11,6 @@
 
 import json
 import time
-import urllib.error
-import urllib.request
 from datetime import datetime, timezone
 
 import numpy as np
@@ -25,7 +23,7 @@ import torch  # noqa: E402
 from tinker import types as tt  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from fixtures_stack import tinker_sdk_env  # noqa: E402
+from fixtures_stack import plain_get, sdk_rest_client, tinker_sdk_env  # noqa: E402
 from temper.localstack import LocalStack  # noqa: E402
 
 URL_SECONDS = 6  # signed URLs of this stack expire this soon, so expiry is seen within the test
@@ -59,18 +57,8 @@ def data():
             for t in TOKENS]
 
 
-def rest(stack, key=None):
-    return tinker.RestClient(base_url=stack.gateway_url, api_key=key or stack.api_key)
 
 
-def get(url, key=None):
-    """(status, headers, body) of a plain GET."""
-    request = urllib.request.Request(url, headers={"X-API-Key": key} if key else {})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, response.headers, response.read()
-    except urllib.error.HTTPError as error:
-        return error.code, error.headers, error.read()
 
 
 def with_query(url: str, token: str) -> str:
@@ -86,7 +74,7 @@ def test_an_external_save_downloads_as_a_peft_adapter_of_the_trainers_weights(st
     saved = tc.save_weights_external("out", ttl_seconds=7200).result()
     assert saved.path == f"tinker://{tc.model_id}/external_weights/out"
     logprobs = [o["logprobs"].to_numpy() for o in tc.forward(data(), "cross_entropy").result().loss_fn_outputs]
-    client = rest(stack)
+    client = sdk_rest_client(stack)
     listed = {c.checkpoint_id: c for c in client.list_checkpoints(tc.model_id).result().checkpoints}
     assert set(listed) == {"external_weights/out"}  # the refused save left nothing
     external = listed["external_weights/out"]
@@ -98,7 +86,7 @@ def test_an_external_save_downloads_as_a_peft_adapter_of_the_trainers_weights(st
     assert 0 < (answer.expires - datetime.now(timezone.utc)).total_seconds() <= URL_SECONDS
     for relpath, url in answer.urls.items():
         assert url.startswith(f"{stack.gateway_url}/api/v1/external_weights/")
-        status, headers, body = get(url)  # no key: the signature is the credential
+        status, headers, body = plain_get(url)  # no key: the signature is the credential
         assert status == 200, body
         assert int(headers["Content-Length"]) == len(body) > 0
         assert headers["Content-Type"].startswith("application/json" if relpath.endswith(".json") else "application/octet-stream")
@@ -122,40 +110,40 @@ def test_bad_urls_are_403_deleted_is_404_and_other_tenants_get_none(stack, sdk, 
     path = tc.save_weights_external("kept").result().path
     gone = tc.save_weights_external("gone").result().path
     sampler = tc.save_weights_for_sampler("samp").result().path
-    owner = rest(stack)
+    owner = sdk_rest_client(stack)
     signed = owner.get_external_weights_urls(path).result()
     urls = signed.urls
     config, weights = urls["adapter_config.json"], urls["adapter_model.safetensors"]
     token = config.split("?token=")[1]
 
-    assert get(config[:-1] + ("A" if config[-1] != "A" else "B"))[0] == 403            # tampered signature
-    assert get(with_query(weights, token))[0] == 403                                 # another file's token
-    assert get(config.replace("/kept/", "/gone/"))[0] == 403                         # another checkpoint
-    assert get(config.split("?")[0])[0] == 403                                       # no token
-    assert get(with_query(config, token.replace("v1.", "v1.x", 1)))[0] == 403         # unknown key
-    assert get(config)[0] == 200 and get(weights)[0] == 200  # the refusals changed nothing: the URLs still open
+    assert plain_get(config[:-1] + ("A" if config[-1] != "A" else "B"))[0] == 403            # tampered signature
+    assert plain_get(with_query(weights, token))[0] == 403                                 # another file's token
+    assert plain_get(config.replace("/kept/", "/gone/"))[0] == 403                         # another checkpoint
+    assert plain_get(config.split("?")[0])[0] == 403                                       # no token
+    assert plain_get(with_query(config, token.replace("v1.", "v1.x", 1)))[0] == 403         # unknown key
+    assert plain_get(config)[0] == 200 and plain_get(weights)[0] == 200  # the refusals changed nothing: the URLs still open
 
-    other = rest(stack, stack.key_for("external-other"))
+    other = sdk_rest_client(stack, stack.key_for("external-other"))
     with pytest.raises(tinker.NotFoundError):
         other.get_external_weights_urls(path).result()
     owner.publish_checkpoint_from_tinker_path(path).result()
     others_urls = other.get_external_weights_urls(path).result().urls
-    assert set(others_urls) == FILES and get(others_urls["adapter_config.json"])[0] == 200  # published: anyone may download
+    assert set(others_urls) == FILES and plain_get(others_urls["adapter_config.json"])[0] == 200  # published: anyone may download
     owner.unpublish_checkpoint_from_tinker_path(path).result()
     with pytest.raises(tinker.NotFoundError):
         other.get_external_weights_urls(path).result()
-    assert get(others_urls["adapter_config.json"])[0] == 404  # unpublished: the other tenant's URLs stop at once
-    assert get(config)[0] == 200  # the owner's still open
+    assert plain_get(others_urls["adapter_config.json"])[0] == 404  # unpublished: the other tenant's URLs stop at once
+    assert plain_get(config)[0] == 200  # the owner's still open
     run, name = sampler.split("/")[2], sampler.split("/")[-1]
-    status, _, body = get(f"{stack.gateway_url}/api/v1/training_runs/{run}/checkpoints/sampler_weights/{name}/external_weights_urls",
+    status, _, body = plain_get(f"{stack.gateway_url}/api/v1/training_runs/{run}/checkpoints/sampler_weights/{name}/external_weights_urls",
                           stack.api_key)
     assert status == 400 and b"only external_weights" in body
 
     gone_urls = owner.get_external_weights_urls(gone).result().urls
     owner.delete_checkpoint_from_tinker_path(gone).result()
-    assert get(gone_urls["adapter_config.json"])[0] == 404
+    assert plain_get(gone_urls["adapter_config.json"])[0] == 404
 
     tc.forward_backward(data(), "cross_entropy").result()  # the run still takes its verbs in order
     # expiry: the same URLs, once past their time, are 403
     time.sleep(max(0.0, (signed.expires - datetime.now(timezone.utc)).total_seconds()) + 0.5)
-    assert get(config)[0] == 403 and get(weights)[0] == 403
+    assert plain_get(config)[0] == 403 and plain_get(weights)[0] == 403

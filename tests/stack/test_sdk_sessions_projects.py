@@ -19,7 +19,7 @@ tinker = pytest.importorskip("tinker")  # the `gateway` extra (make venv install
 
 from tinker import types as tt  # noqa: E402
 
-from fixtures_stack import raw_stub, tinker_sdk_env  # noqa: E402
+from fixtures_stack import raw_stub, sdk_rest_client, tinker_sdk_env  # noqa: E402
 from temper.client import ModelInput, SamplingParams, convert  # noqa: E402
 from temper.common.errors import NotFound  # noqa: E402
 from temper.localstack import LocalStack  # noqa: E402
@@ -103,16 +103,14 @@ def world(stack, silent, tiny_model_dir):
             second.close("success")
 
 
-def rest(stack, key=None):
-    return tinker.RestClient(base_url=stack.gateway_url, api_key=key or stack.api_key)
 
 
 def search(stack, **fields):
-    return rest(stack).search_sessions(tt.SessionSearchRequest(**fields)).result()
+    return sdk_rest_client(stack).search_sessions(tt.SessionSearchRequest(**fields)).result()
 
 
 def test_display_name_and_project_round_trip(stack, world):
-    client = rest(stack)
+    client = sdk_rest_client(stack)
     assert client.get_session(world["first"]).result().display_name == "Nightly SFT run"
     assert client.get_session(world["second"]).result().display_name == "eval two"
     runs = client.list_training_runs(project_id=world["nightly"]).result().training_runs
@@ -131,7 +129,7 @@ def test_display_name_and_project_round_trip(stack, world):
 
 
 def test_another_tenants_project_or_session_is_not_found_and_changes_nothing(stack, world):
-    client = rest(stack)
+    client = sdk_rest_client(stack)
     for name in ("theirs", "missing"):
         project = world.get(name, "proj-0000000000000000")
         with pytest.raises(tinker.NotFoundError):
@@ -143,7 +141,7 @@ def test_another_tenants_project_or_session_is_not_found_and_changes_nothing(sta
         for path in ("/api/v1/sessions/search", "/api/v1/checkpoints/search"):
             assert call(stack, "POST", path, {"project_ids": [project]})[0] == 404
     with pytest.raises(tinker.NotFoundError):  # this tenant's project, the other tenant's session
-        rest(stack, world["other_key"]).assign_session_project(world["second"], world["theirs"]).result()
+        sdk_rest_client(stack, world["other_key"]).assign_session_project(world["second"], world["theirs"]).result()
     assert search(stack, session_id=world["second"]).sessions[0].project_id == ""  # unchanged
     assert call(stack, "GET", "/api/v1/sessions/" + world["second"], key=world["other_key"])[0] == 404
 
@@ -159,7 +157,7 @@ def test_bad_names_and_filters_are_refused(stack, world):
 
 
 def test_assign_and_search(stack, world, silent):
-    client, silent = rest(stack), silent[0]
+    client, silent = sdk_rest_client(stack), silent[0]
     client.assign_session_project(world["second"], world["archive"]).result()
     hits = search(stack, project_ids=[world["archive"]]).sessions
     assert [(s.session_id, s.display_name, s.project_id) for s in hits] == [(world["second"], "eval two", world["archive"])]

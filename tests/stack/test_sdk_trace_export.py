@@ -11,8 +11,6 @@
 Both share this module's stack (one stack start: the suite runs near its time limit)."""
 
 import json
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
@@ -22,7 +20,7 @@ tinker = pytest.importorskip("tinker")  # the `gateway` extra (make venv install
 from tinker import types as tt  # noqa: E402
 from tinker_cookbook.supervised.common import compute_mean_nll  # noqa: E402
 
-from fixtures_stack import tinker_sdk_env  # noqa: E402
+from fixtures_stack import plain_get, sdk_rest_client, tinker_sdk_env  # noqa: E402
 from temper.localstack import LocalStack  # noqa: E402
 
 ADAM = dict(learning_rate=5e-3, eps=1e-8)
@@ -63,25 +61,15 @@ def datum(prompt, completion):
                     loss_fn_inputs={"target_tokens": np.asarray(tokens[1:], np.int64), "weights": weights})
 
 
-def rest(stack, key=None):
-    return tinker.RestClient(base_url=stack.gateway_url, api_key=key or stack.api_key)
 
 
-def get(url, key=None):
-    """(status, body) of a plain GET."""
-    request = urllib.request.Request(url, headers={"X-API-Key": key} if key else {})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read()
 
 
 def test_export_session_trace_returns_a_signed_url_of_the_sessions_trace(stack, trained):
     run_id, session_id, _, _ = trained
-    url = rest(stack).export_session_trace(session_id).result()
+    url = sdk_rest_client(stack).export_session_trace(session_id).result()
     assert url.startswith(stack.gateway_url + "/api/v1/trace_exports/")
-    status, body = get(url)  # no key: the signature is the credential
+    status, _, body = plain_get(url)  # no key: the signature is the credential
     assert status == 200
     trace = json.loads(body)
     spans = [e for e in trace["traceEvents"] if e.get("cat") == "request"]
@@ -90,29 +78,29 @@ def test_export_session_trace_returns_a_signed_url_of_the_sessions_trace(stack, 
     assert {e["args"]["training_run_id"] for e in spans} == {run_id}
 
     tampered = url[:-1] + ("0" if url[-1] != "0" else "1")
-    assert get(tampered)[0] == 403
-    assert get(url.replace("expires=", "expires=9"))[0] == 403
+    assert plain_get(tampered)[0] == 403
+    assert plain_get(url.replace("expires=", "expires=9"))[0] == 403
 
 
 def test_export_of_another_tenants_or_an_unknown_session_is_refused(stack, trained):
     _, session_id, _, _ = trained
-    other = rest(stack, stack.key_for("trace-other"))
+    other = sdk_rest_client(stack, stack.key_for("trace-other"))
     with pytest.raises(tinker.NotFoundError):
         other.export_session_trace(session_id).result()
     with pytest.raises(tinker.NotFoundError):
-        rest(stack).export_session_trace("no-such-session").result()
+        sdk_rest_client(stack).export_session_trace("no-such-session").result()
     # malformed ids: the same statuses as GET /api/v1/sessions/{id}
     key = stack.api_key
     for bad in ("x" * 5000, "%00", "a%20b"):
-        want = get(f"{stack.gateway_url}/api/v1/sessions/{bad}", key)[0]
-        got = get(f"{stack.gateway_url}/api/v1/sessions/{bad}/trace_export", key)[0]
+        want = plain_get(f"{stack.gateway_url}/api/v1/sessions/{bad}", key)[0]
+        got = plain_get(f"{stack.gateway_url}/api/v1/sessions/{bad}/trace_export", key)[0]
         assert got == want and got in (400, 404), (bad, got, want)
-    assert get(f"{stack.gateway_url}/api/v1/sessions/{session_id}/trace_export")[0] == 401  # no key
+    assert plain_get(f"{stack.gateway_url}/api/v1/sessions/{session_id}/trace_export")[0] == 401  # no key
 
 
 def test_console_loss_per_weight_is_the_cookbooks_train_mean_nll(stack, trained):
     run_id, _, answers, data = trained
-    status, body = get(f"{stack.gateway_url}/console/api/runs/{run_id}/metrics", stack.api_key)
+    status, _, body = plain_get(f"{stack.gateway_url}/console/api/runs/{run_id}/metrics", stack.api_key)
     assert status == 200
     rows = json.loads(body)["metrics"]
     fb = [r for r in rows if r["kind"] == "forward_backward"]
@@ -133,5 +121,5 @@ def test_console_loss_per_weight_is_the_cookbooks_train_mean_nll(stack, trained)
             assert row["loss"] is None and row["loss_per_weight"] is None, json.dumps(row)
             assert row["grad_norm"] > 0 and row["learning_rate"] == ADAM["learning_rate"]
     # optional fields that are set still read as set (views.py tells unset ones apart)
-    detail = json.loads(get(f"{stack.gateway_url}/console/api/runs/{run_id}", stack.api_key)[1])
+    detail = json.loads(plain_get(f"{stack.gateway_url}/console/api/runs/{run_id}", stack.api_key)[2])
     assert detail["run"]["lora_config"]["rank"] == 4
