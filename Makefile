@@ -3,8 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PIP := $(VENV)/bin/pip --disable-pip-version-check -q
 PYTEST_ARGS ?=
-# test workers (pytest-xdist; three on two cores: the stack tests wait on their services much of the time); 0 runs the suite in this one process
-TEST_WORKERS ?= 3
+# test workers (pytest-xdist); 0 runs the suite in this one process
+TEST_WORKERS ?= 2
 
 .PHONY: venv browser test demo serve stubs check-stubs migrate clean
 

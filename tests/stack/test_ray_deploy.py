@@ -80,7 +80,7 @@ def test_a_run_on_ray_actors_survives_its_trainer_actor_being_killed(membership,
             assert len(out.sequences[0].tokens) == 4
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("killed", [1, 0])
 def test_a_trainer_group_from_the_catalogue_is_restarted_as_a_unit(killed, tiny_model_dir, new_postgres_database, tmp_path,
                                                                    monkeypatch):
