@@ -22,12 +22,12 @@ from collections import OrderedDict, defaultdict
 from typing import Awaitable, Callable
 
 from temper.common.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, LeaseLost, ResourceExhausted, TemperError,
-                                  Unauthenticated, Unavailable)
+                                  Unavailable)
 from temper.common.strings import check_request_strings
 from temper.scheduler import metrics
 from temper.scheduler.db.request_log import NewRequest
 from temper.scheduler.planning.group_commit import RequestWriter
-from temper.scheduler.tenancy.auth import caller, caller_identity
+from temper.scheduler.tenancy.auth import caller_key_prefix
 from temper.scheduler.tenancy.quotas import Quotas
 from temper.scheduler.planning.runs import RunInfo, RunRegistry
 from temper.scheduler.settings import SchedulerSettings
@@ -115,7 +115,7 @@ class Admission:
         self._check_capacity(run, queue, seq_id, kind)
         work = Work(run_id, seq_id, kind, request, sha, tokens, run.tenant, WorkState.CLAIMED)
         work.deterministic = bool(run.row.deterministic)
-        work.key_prefix = _submitting_key_prefix(run.tenant)
+        work.key_prefix = caller_key_prefix(run.tenant)
         work.resent = recorded  # its row was left queued or running: it may have reached a trainer (a save tolerates its files)
         self._claim(queue, work)  # no await since the capacity check: the limit holds exactly
         try:
@@ -391,11 +391,3 @@ class Wakeup:
         for event in self._waiters:
             event.set()
 
-
-def _submitting_key_prefix(tenant: str) -> str:
-    """The calling key's prefix, for the audit log of what the work changes ("" for an in-process
-    caller without a key)."""
-    try:
-        return caller_identity().prefix if caller() == tenant else ""
-    except Unauthenticated:
-        return ""

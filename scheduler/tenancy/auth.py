@@ -55,6 +55,15 @@ def caller_identity() -> KeyIdentity:
     return identity if identity is not None and identity.tenant == tenant else KeyIdentity(tenant, 0, "", False)
 
 
+def caller_key_prefix(tenant: str) -> str:
+    """The calling key's prefix when it speaks for ``tenant``, for the audit log of what submitted work
+    changes ("" for an in-process caller without a key)."""
+    try:
+        return caller_identity().prefix if caller() == tenant else ""
+    except Unauthenticated:
+        return ""
+
+
 def caller_actor() -> Actor:
     """Who the audit log names for this call: the key's prefix and tenant."""
     identity = caller_identity()
