@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
 
     # ragged tenants (1..3 rows): grouped_mm against padded batched matmuls
-    from temper.services.lora import layer as lora_layer
+    from temper.services.lora import grouped_matmul
 
     ragged_sizes = [1 + i % 3 for i in range(args.tenants)]
     starts = [sum(ragged_sizes[:i]) for i in range(args.tenants)]
@@ -409,19 +409,19 @@ def main(argv: list[str] | None = None) -> int:
         """grouped_mm (CUDA bf16) against padded batched matmuls on tenants of 1..3 rows."""
         ragged_targets = tokens[:ragged_rows, 1:].contiguous()
         grouped, ragged_grads = {"rows_per_tenant": ragged_sizes, "seconds": {}}, {}
-        saved = dict(lora_layer.GROUPED_MM)
+        saved = dict(grouped_matmul.SETTINGS)
         for name, on in (("grouped_mm", True), ("padded_bmm", False)):
-            lora_layer.GROUPED_MM.update(enabled=on and saved["enabled"], cpu=saved["cpu"])
+            grouped_matmul.SETTINGS.update(enabled=on and saved["enabled"])
             run = lambda: forward_backward(lora, ragged_ids, ragged_targets, ragged_routing, args.chunk)  # noqa: E731
             timed_fn(run)
             grouped["seconds"][name] = float(statistics.median([timed_fn(run) for _ in range(max(2, args.reps // 2))]))
             zero_grads()
             run()
             ragged_grads[name] = grad_vectors(lora, keys[:args.tenants])
-        lora_layer.GROUPED_MM.update(saved)
-        # grouped_mm runs on CUDA bf16 only (the CPU smoke compares padded with padded)
+        grouped_matmul.SETTINGS.update(saved)
+        # dense LoRA runs grouped_mm on CUDA bf16 only (the CPU smoke compares padded with padded there)
         grouped["grouped_mm_used"] = bool(saved["enabled"] and cuda and args.dtype == "bfloat16"
-                                          and not lora_layer._GROUPED_MM_FAILED)
+                                          and not grouped_matmul.FAILED)
         grouped["max_relative_grad_error"] = max_relative_error(ragged_grads["grouped_mm"], ragged_grads["padded_bmm"])
         grouped["speedup"] = grouped["seconds"]["padded_bmm"] / grouped["seconds"]["grouped_mm"]
         print(f"ragged tenants: grouped_mm {grouped['seconds']['grouped_mm'] * 1e3:.1f} ms, padded bmm "
@@ -455,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         grouped = ragged_check(ragged_ids, ragged_rows, ragged_routing) if ragged_ids is not None else None
     except Exception as exc:  # noqa: BLE001 - a kernel refusing must not cost the run's other figures
-        lora_layer.GROUPED_MM.update(enabled=hasattr(torch.nn.functional, "grouped_mm"))
+        grouped_matmul.SETTINGS.update(enabled=hasattr(torch.nn.functional, "grouped_mm"))
         grouped = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         print(f"ragged tenants: {grouped['error']}", file=sys.stderr, flush=True)
 

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from temper.services.lora import grouped_matmul
 from temper.services.lora.layer import Router, Routing
 from temper.services.models.families import ExpertLayout
 
@@ -260,66 +261,18 @@ class _Bucket:
         return torch.tensor(rows, device=self.device)
 
 
-class _GroupedMatmul(torch.autograd.Function):
-    """``y[rows of g] = x[rows of g] @ w[g]`` with grouped_mm in the backward pass too (CPU: torch's own
-    backward of grouped_mm asks for strides its CPU kernel refuses)."""
-
-    @staticmethod
-    def forward(ctx, x, w, offsets):
-        ctx.save_for_backward(x, w, offsets)
-        return F.grouped_mm(x, w, offs=offsets)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, w, offsets = ctx.saved_tensors
-        grad = grad.contiguous()
-        grad_x = F.grouped_mm(grad, w.transpose(1, 2), offs=offsets) if ctx.needs_input_grad[0] else None
-        grad_w = F.grouped_mm(x.t(), grad, offs=offsets) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None
-
-
 def _grouped_usable(xs: torch.Tensor, fan_in: int, fan_out: int) -> bool:
-    """Whether ``_grouped_delta`` has a kernel for these rows and projection shape."""
-    if not hasattr(F, "grouped_mm") or (xs.dtype, xs.device.type) in _GROUPED_MM_FAILED:
-        return False
-    if xs.device.type == "cuda" and xs.dtype != torch.bfloat16 or xs.dtype not in _GROUPED_DTYPES:
-        return False
-    align = 16 // xs.element_size()
-    return not (fan_in % align or fan_out % align)
+    """Whether ``_grouped_delta`` has a kernel for these rows and projection shape (the rank is padded)."""
+    return grouped_matmul.usable(xs.device, xs.dtype, fan_in, fan_out, cpu=grouped_matmul.SETTINGS["experts_cpu"])
 
 
 def _grouped_delta(xs: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, offsets: torch.Tensor,
                    mask: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``B_g A_g x`` over each group's rows of ``xs`` (back to back, ends at ``offsets``) as two grouped
-    matmuls, the low-rank activations times ``mask`` (rows, rank) where given; None where grouped_mm
-    has no kernel. Its kernels want every stride a multiple of 16 bytes: the rank and the row count are
-    padded with zeros to that (the results are the same)."""
+    """``B_g A_g x`` over each group's rows of ``xs`` (``grouped_matmul.lowrank``); None where grouped_mm
+    has no kernel."""
     if not _grouped_usable(xs, xs.shape[1], lora_b.shape[1]):
         return None
-    align = 16 // xs.element_size()
-    rows, rank = xs.shape[0], lora_b.shape[2]
-    if rank % align:
-        lora_a = F.pad(lora_a, (0, 0, 0, -rank % align))
-        lora_b = F.pad(lora_b, (0, -rank % align))
-        if mask is not None:
-            mask = F.pad(mask, (0, -rank % align))
-    if rows % align:
-        xs = F.pad(xs, (0, 0, 0, -rows % align))
-        if mask is not None:
-            mask = F.pad(mask, (0, 0, 0, -rows % align))
-    matmul = _GroupedMatmul.apply if xs.device.type == "cpu" else (lambda a, w, o: F.grouped_mm(a, w, offs=o))
-    try:
-        low = matmul(xs, lora_a.transpose(1, 2), offsets)
-        if mask is not None:
-            low = low * mask
-        return matmul(low, lora_b.transpose(1, 2), offsets)[:rows]
-    except RuntimeError:  # a kernel this build lacks: padded batched matmuls from now on
-        _GROUPED_MM_FAILED.add((xs.dtype, xs.device.type))
-        return None
-
-
-_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_GROUPED_MM_FAILED: set = set()
+    return grouped_matmul.lowrank(xs, lora_a, lora_b, offsets, mask)
 
 
 class _Plan:

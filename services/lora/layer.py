@@ -5,7 +5,7 @@ rows routed to it, so the forward and the backward pass touch only the adapter a
 gradients land in exactly one adapter, and rows without an adapter see the base model. Adapters
 of any rank coexist; those of one shape run together as a few large kernels over the rows sorted
 by adapter: a batched matmul over a view when the adapters' slices are equally long, a grouped
-matmul (``torch.nn.functional.grouped_mm``) over ragged slices on CUDA, a batched matmul over
+matmul (``grouped_matmul.py``) over ragged slices on CUDA, a batched matmul over
 padded slices elsewhere. Inside ``Router.stacking()`` (one trainer call) the adapters' stacked
 weights are built once and their gradients handed back to each adapter's own parameters at the
 end. LoRA math runs in the activations' dtype (``Router.math_dtype``), adapters and their
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from temper.services.lora import deterministic, deterministic_lora
+from temper.services.lora import deterministic, deterministic_lora, grouped_matmul
 
 
 @dataclass
@@ -367,34 +367,21 @@ class BucketPlan:
     single: tuple | None = None             # (weights, start, stop) for a bucket of one
 
 
-# (device type, dtype) pairs where grouped_mm raised: use padded batched matmuls there
-_GROUPED_MM_FAILED: set = set()
-GROUPED_MM = {"enabled": hasattr(F, "grouped_mm"), "cpu": False}   # tests switch the CPU path on
-
-
 def _grouped_delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, plan: BucketPlan, routing: Routing,
                    dtype: torch.dtype) -> torch.Tensor | None:
     """The bucket's deltas over its back-to-back ragged slices ``x`` as two grouped matmuls over the
-    flat tokens; None (and never again for this device and dtype) where grouped_mm refuses."""
+    flat tokens (``grouped_matmul.lowrank``); None where grouped_mm refuses."""
     xs = x.to(dtype).flatten(0, -2)                              # (tokens, in), adapter g's rows together
     if plan.dropout > 0:
         xs = F.dropout(xs, plan.dropout, training=True)
     offsets = routing.token_offsets(plan.bounds, x[0].numel() // x.shape[-1], xs.device)
-    try:
-        low = F.grouped_mm(xs, lora_a.transpose(1, 2), offs=offsets)
-        delta = F.grouped_mm(low, lora_b.transpose(1, 2), offs=offsets) * plan.scale
-    except RuntimeError:
-        _GROUPED_MM_FAILED.add((x.device.type, dtype))
-        return None
-    return delta.reshape(x.shape[:-1] + (lora_b.shape[1],))
+    delta = grouped_matmul.lowrank(xs, lora_a, lora_b, offsets)
+    return None if delta is None else (delta * plan.scale).reshape(x.shape[:-1] + (lora_b.shape[1],))
 
 
 def _grouped_mm_ok(x: torch.Tensor, dtype: torch.dtype, lora_a: torch.Tensor, lora_b: torch.Tensor) -> bool:
-    """grouped_mm where it has kernels: CUDA bf16 (sm80+), or CPU when asked; rank, in and out
-    features must be 16-byte multiples (its backward refuses other strides, and that cannot fall back)."""
-    if not GROUPED_MM["enabled"] or (x.device.type, dtype) in _GROUPED_MM_FAILED:
-        return False
-    if not (GROUPED_MM["cpu"] if x.device.type == "cpu" else x.device.type == "cuda" and dtype == torch.bfloat16):
-        return False
-    size = torch.empty((), dtype=dtype).element_size()
-    return all(n * size % 16 == 0 for n in (lora_a.shape[1], lora_a.shape[2], lora_b.shape[1]))
+    """grouped_mm where it has kernels (CUDA bf16; CPU when ``grouped_matmul.SETTINGS["dense_cpu"]``), with
+    rank, in and out features 16-byte multiples (the rank too, although ``lowrank`` could pad it: dense
+    LoRA's grouped path has not been measured on CUDA with a padded rank)."""
+    return grouped_matmul.usable(x.device, dtype, lora_a.shape[1], lora_a.shape[2], lora_b.shape[1],
+                                 cpu=grouped_matmul.SETTINGS["dense_cpu"])

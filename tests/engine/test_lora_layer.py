@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from temper.services.lora import layer as layer_module
+from temper.services.lora import grouped_matmul
 from temper.services.lora.layer import LoraWeights, MultiLoraLinear, Router, Routing
 
 IN, OUT, T = 16, 12, 5   # 16-byte multiples in float32: grouped_mm's strides
@@ -55,7 +55,7 @@ MODES = ("stacked per call", "stacked per scope", "grouped_mm per scope")
 @pytest.fixture(params=MODES)
 def mode(request, monkeypatch):
     # grouped_mm runs on CUDA only in the trainer; its CPU kernel checks the same code path here
-    monkeypatch.setitem(layer_module.GROUPED_MM, "cpu", request.param.startswith("grouped_mm"))
+    monkeypatch.setitem(grouped_matmul.SETTINGS, "dense_cpu", request.param.startswith("grouped_mm"))
     return request.param
 
 

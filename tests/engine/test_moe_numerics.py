@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from temper.services.lora import experts as experts_module
+from temper.services.lora import grouped_matmul
 from temper.services.lora.layer import Routing
 from temper.services.lora.model import AdapterSpec, LoraModel
 from temper.services.models.loading import load_model
@@ -303,7 +304,7 @@ def test_experts_layer_with_chosen_routing_matches_the_reference(folders, family
     # every pair padded to the longest, or a chunk for each slice length (PAD_SLACK 1)
     monkeypatch.setattr(experts_module, "SMALL_SLICE", 10**9 if path == "per-expert" else 0)
     if path not in ("grouped", "per-expert"):
-        monkeypatch.setattr(experts_module, "_GROUPED_DTYPES", ())
+        monkeypatch.setitem(grouped_matmul.SETTINGS, "enabled", False)
         monkeypatch.setattr(experts_module, "PAD_SLACK", 10**9 if path == "one-chunk" else 1.0)
     lora = _lora_model(folders[family])
     _add_adapters(lora)
