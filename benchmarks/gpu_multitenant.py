@@ -68,6 +68,8 @@ import time
 import types
 from pathlib import Path
 
+import report  # medians, goal verdicts, the ratio lines: standard library only (this script's folder is on sys.path)
+
 REPO = Path(__file__).resolve().parent.parent
 GOALS = {"cobatch_gain": (">=", 3.0), "cobatch_overhead": ("<=", 1.10)}
 
@@ -353,9 +355,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rep {rep + 1}/{args.reps}: " + ", ".join(f"{n} {samples[n][-1] * 1e3:.1f} ms" for n in variants),
               file=sys.stderr, flush=True)
 
-    med = {n: float(statistics.median(xs)) for n, xs in samples.items()}
-    ratios = {"cobatch_gain": med["time_sliced"] / med["cobatched"], "cobatch_overhead": med["cobatched"] / med["single_adapter"]}
-    met = {n: (v >= GOALS[n][1] if GOALS[n][0] == ">=" else v <= GOALS[n][1]) for n, v in ratios.items()}
+    med = {n: report.median(xs) for n, xs in samples.items()}
+    paired = report.cobatch_ratios(samples["cobatched"], samples["single_adapter"], samples["time_sliced"])[0]
+    ratios = {n: paired[n] for n in GOALS}
+    met = {n: report.goal_met(GOALS[n], v) for n, v in ratios.items()}
     total_tokens = n_rows * args.tokens
 
     # MFU of each variant on the convention of the module docstring
@@ -496,9 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "total_seconds": time.perf_counter() - started,
     }
-    for name, value in ratios.items():
-        op, goal = GOALS[name]
-        print(f"{name:18s} {value:6.3f}  (goal {op} {goal:g}: {'met' if met[name] else 'MISSED'})", file=sys.stderr)
+    report.print_ratios(ratios, GOALS, met, width=18)
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(json.dumps(result, indent=2) + "\n")

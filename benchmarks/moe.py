@@ -45,7 +45,6 @@ import hashlib
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -53,6 +52,7 @@ from pathlib import Path
 
 import harness  # the benchmarks' shared helpers (this script's folder is first on sys.path)
 import moe_profile
+import report
 from temper.common.host_allocator import TUNED_MALLOC_ENV, reexec_with_tuned_allocator
 
 HERE = Path(__file__).resolve().parent
@@ -150,18 +150,8 @@ def expert_load(engine, sequences) -> dict:
 # ---- results ------------------------------------------------------------------------------------
 
 
-def median(xs: list[float]) -> float:
-    return float(statistics.median(xs))
-
-
-def spread(xs: list[float]) -> dict:
-    q = statistics.quantiles(xs, n=4) if len(xs) >= 2 else [xs[0]] * 3
-    return {"min": min(xs), "q1": q[0], "median": median(xs), "q3": q[2], "max": max(xs), "per_rep": xs}
-
-
 def verdict(name: str, value: float) -> bool:
-    op, goal = GOALS[name]
-    return value <= goal if op == "<=" else value >= goal
+    return report.goal_met(GOALS[name], value)
 
 
 def ratios_of(samples: dict, kind: str) -> tuple[dict, dict]:
@@ -173,11 +163,8 @@ def ratios_of(samples: dict, kind: str) -> tuple[dict, dict]:
             return [a + b for a, b in zip(s["forward_backward"], s["optim_step"])]
         return s[kind]
 
-    co, single, sliced = series("cobatched"), series("single_adapter"), series("time_sliced")
-    ratios = {"cobatch_overhead": median(co) / median(single), "cobatch_gain": median(sliced) / median(co)}
-    per_rep = {"cobatch_overhead": spread([c / s for c, s in zip(co, single)]),
-               "cobatch_gain": spread([t / c for t, c in zip(sliced, co)])}
-    return ratios, per_rep
+    ratios, per_rep = report.cobatch_ratios(series("cobatched"), series("single_adapter"), series("time_sliced"))
+    return ratios, {name: report.spread(xs) for name, xs in per_rep.items()}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -325,9 +312,9 @@ def main(argv: list[str] | None = None) -> int:
             progress.update(2 * profile_rounds)
         progress.close()
 
-    med = {v: {"forward_backward": median(s["forward_backward"]), "optim_step": median(s["optim_step"]),
-               "cycle": median([a + b for a, b in zip(s["forward_backward"], s["optim_step"])]),
-               "cpu_forward_backward": median(s["cpu_forward_backward"]), "cpu_cycle": median(s["cpu_cycle"])}
+    med = {v: {"forward_backward": report.median(s["forward_backward"]), "optim_step": report.median(s["optim_step"]),
+               "cycle": report.median([a + b for a, b in zip(s["forward_backward"], s["optim_step"])]),
+               "cpu_forward_backward": report.median(s["cpu_forward_backward"]), "cpu_cycle": report.median(s["cpu_cycle"])}
            for v, s in samples.items()}
     ratios, per_rep = ratios_of(samples, "forward_backward")
     with_optim, with_optim_spread = ratios_of(samples, "cycle")
@@ -382,14 +369,12 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "moe.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, args.out_dir / "moe.png")
-    for name, value in ratios.items():
-        op, goal = GOALS[name]
-        sp = per_rep[name]
-        verdicts = {"wall": result["goal_met"][name], "CPU time": result["goal_met_cpu_time"][name],
-                    "with optim steps": result["goal_met_with_optim_step"][name]}
-        print(f"{name:17s} {value:6.3f} (per rep {sp['min']:.3f}-{sp['max']:.3f}; CPU time {cpu_ratios[name]:.3f}; "
-              f"with optim steps {with_optim[name]:.3f})  goal {op} {goal:g}: "
-              + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in verdicts.items()), file=sys.stderr)
+    report.print_ratios(
+        ratios, GOALS, width=17,
+        met={n: {"wall": result["goal_met"][n], "CPU time": result["goal_met_cpu_time"][n],
+                 "with optim steps": result["goal_met_with_optim_step"][n]} for n in ratios},
+        details={n: f"per rep {per_rep[n]['min']:.3f}-{per_rep[n]['max']:.3f}; CPU time {cpu_ratios[n]:.3f}; "
+                    f"with optim steps {with_optim[n]:.3f}" for n in ratios})
     for name, prof in (profiled or {}).items():
         print(f"profile {name}: {prof['total_ms']:.1f} ms/cycle, experts {prof['experts_fraction']:.0%}: " + "; ".join(
             f"{label} {p['total_ms']:.1f}" for label, p in prof["pieces"].items()), file=sys.stderr)

@@ -10,8 +10,9 @@ recorded their autograd node, and a method's own time outside ops (Python, dispa
 from __future__ import annotations
 
 import contextlib
-import statistics
 from collections import defaultdict
+
+from report import median  # this script's folder is first on sys.path
 
 PIECES = {  # record_function range -> piece of the pass
     "experts._routed": "experts.py _routed: sort, gather, GLU, weighted index_add",
@@ -30,10 +31,6 @@ BASE_MATMULS = ("aten::linear", "aten::matmul", "aten::mm", "aten::addmm")  # ru
 EVALUATE = "autograd::engine::evaluate_function"
 REST = "rest of the pass (attention + LoRA, norms, router, head, loss)"
 KINDS = ("forward_ms", "backward_ms", "python_ms")
-
-
-def median(xs: list[float]) -> float:
-    return float(statistics.median(xs))
 
 
 @contextlib.contextmanager

@@ -36,7 +36,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import threading
@@ -44,6 +43,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import report  # medians, goal verdicts, the ratio lines (this script's folder is first on sys.path)
 from harness import (  # the benchmarks' shared helpers (this script's folder is first on sys.path)
     cpu_seconds,
     MEM_TOKENS,
@@ -76,17 +76,6 @@ GOALS = {  # name -> (comparison, goal)
 
 
 # ---- main -------------------------------------------------------------------------------------------
-
-
-def median(xs: list[float]) -> float:
-    return float(statistics.median(xs))
-
-
-def verdict(name: str, value: float | None) -> bool | None:
-    if value is None:
-        return None
-    op, goal = GOALS[name]
-    return value <= goal if op == "<=" else value >= goal
 
 
 def plot(result: dict, path: Path) -> None:
@@ -289,10 +278,9 @@ def main(argv: list[str] | None = None) -> int:
             stack.stop()
         shutil.rmtree(work, ignore_errors=True)
 
-    med = {name: median(xs) for name, xs in samples.items()}
+    med = {name: report.median(xs) for name, xs in samples.items()}
     ratios = {
-        "cobatch_overhead": med["cobatched"] / med["single_adapter"],
-        "cobatch_gain": med["time_sliced"] / med["cobatched"],
+        **report.cobatch_ratios(samples["cobatched"], samples["single_adapter"], samples["time_sliced"])[0],
         "scheduler_overhead": med["stack"] / med["single_adapter"] if "stack" in med else None,
         "memory_ratio": memory["chunked"]["delta_rss_kb"] / memory["full"]["delta_rss_kb"],
     }
@@ -307,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "multitenant",
         "ratios": ratios,
         "goals": {n: f"{op} {g}" for n, (op, g) in GOALS.items()},
-        "goal_met": {n: verdict(n, v) for n, v in ratios.items()},
+        "goal_met": {n: report.goal_met(GOALS[n], v) for n, v in ratios.items()},
         "medians_s": med,
         "samples_s": samples,
         "measures": {
@@ -349,11 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "multitenant.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, args.out_dir / "multitenant.png")
-    for name, value in ratios.items():
-        if value is not None:
-            op, goal = GOALS[name]
-            print(f"{name:20s} {value:6.3f}  (goal {op} {goal:g}: {'met' if result['goal_met'][name] else 'MISSED'})",
-                  file=sys.stderr)
+    report.print_ratios(ratios, GOALS, result["goal_met"])
     print(json.dumps(result))
     return 0
 

@@ -36,7 +36,9 @@ database backends are recorded for every measurement, with the machine's busy fr
     python benchmarks/scaleout.py --replicas 2 --quick   # the same, 1 rep, short windows: under a minute
 
 The pieces: scaleout_procs.py (processes, databases, stacks, CPU use), scaleout_load.py (the clients, the load
-and what the answers say), scaleout_replicas.py (--replicas: its stacks, failover and summary), grpc_floor.py (the bare gRPC server), durable_floor.py (it, writing each verb twice).
+and what the answers say), scaleout_runs.py (the tenant and run records both of those use), scaleout_replicas.py
+(--replicas: its stacks, failover and summary), grpc_floor.py (the bare gRPC server), durable_floor.py (it, writing
+each verb twice).
 
 The last stdout line is the result JSON; it is also written to benchmarks/results/scaleout.json, with
 a plot in benchmarks/results/scaleout.png.

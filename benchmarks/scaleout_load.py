@@ -8,13 +8,14 @@ import random
 import statistics
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
 
 import fake_workers  # this script's folder is first on sys.path
+from scaleout_runs import Run, Tenant
 from temper.common.auth import bearer_metadata
 from temper.common.channel_target import channel_target
 from temper.common.codec import encode_array, encode_tokens
@@ -34,32 +35,6 @@ LORA = types_pb2.LoraConfig(rank=8, train_attn=True, train_mlp=True)
 
 
 # ---- clients --------------------------------------------------------------------------------------
-
-
-@dataclass
-class Tenant:
-    name: str
-    key: str
-    channel: grpc.aio.Channel | None = None
-    stub: service_pb2_grpc.TemperStub | None = None
-    metadata: tuple = ()
-    session_id: str = ""
-
-
-@dataclass
-class Run:
-    id: str
-    tenant: Tenant
-    data: list                 # the forward_backward's datums
-    tokens: int                # forward_backward tokens
-    next_seq: int = 1
-    trainers: set = field(default_factory=set)  # fake trainer indexes its answers came from
-    stub: service_pb2_grpc.TemperStub | None = None  # set: this run's calls go there, not the tenant's channel
-    owner_stub: service_pb2_grpc.TemperStub | None = None  # hinted mode: the replica its last answer named the owner
-
-    def take_seq(self) -> int:
-        seq, self.next_seq = self.next_seq, self.next_seq + 1
-        return seq
 
 
 @dataclass

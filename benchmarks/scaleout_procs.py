@@ -15,7 +15,7 @@ from pathlib import Path
 
 import fake_workers  # this script's folder is first on sys.path
 from harness import cpu_seconds
-from scaleout_load import Run, Tenant
+from scaleout_runs import Run, Tenant
 from temper.localstack import READY_PREFIX, parse_ready_line
 
 

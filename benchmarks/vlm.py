@@ -39,7 +39,6 @@ import io
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,7 @@ import time
 from pathlib import Path
 
 import harness  # the benchmarks' shared helpers (this script's folder is first on sys.path)
+import report
 from temper.common.host_allocator import TUNED_MALLOC_ENV, reexec_with_tuned_allocator
 
 HERE = Path(__file__).resolve().parent
@@ -182,10 +182,6 @@ def measure_memory(args, folder: Path) -> dict:
 # ---- results ---------------------------------------------------------------------------------------
 
 
-def median(xs):
-    return float(statistics.median(xs))
-
-
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -297,16 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     def series(variant, kind="wall"):
         return samples[variant][kind]
 
-    ratios, per_rep, cpu_ratios = {}, {}, {}
-    for kind, out in (("wall", ratios), ("cpu", cpu_ratios)):
-        co, single, sliced = series("cobatched", kind), series("single_adapter", kind), series("time_sliced", kind)
-        out["cobatch_overhead"] = median(co) / median(single)
-        out["cobatch_gain"] = median(sliced) / median(co)
-        if kind == "wall":
-            per_rep = {"cobatch_overhead": [c / s for c, s in zip(co, single)],
-                       "cobatch_gain": [t / c for t, c in zip(sliced, co)]}
-    goal_met = {name: (value <= GOALS[name][1] if GOALS[name][0] == "<=" else value >= GOALS[name][1])
-                for name, value in ratios.items()}
+    ratios, per_rep = report.cobatch_ratios(*(series(v) for v in ("cobatched", "single_adapter", "time_sliced")))
+    cpu_ratios = report.cobatch_ratios(*(series(v, "cpu") for v in ("cobatched", "single_adapter", "time_sliced")))[0]
+    goal_met = {name: report.goal_met(GOALS[name], value) for name, value in ratios.items()}
     goal_met["memory_ratio"] = bool(MEMORY_GOAL[0] <= memory["ratio"] <= MEMORY_GOAL[1])
     result = {
         "benchmark": "vlm", "ratios": {**ratios, "memory_ratio": memory["ratio"]}, "goal_met": goal_met,
@@ -333,9 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     if args.device == "cpu" and not args.text_only:
         plot(result, args.out_dir / "vlm.png")
-    for name, value in result["ratios"].items():
-        print(f"{name:17s} {value:6.3f}  goal {result['goals'][name]}: {'met' if goal_met[name] else 'MISSED'}",
-              file=sys.stderr)
+    report.print_ratios(result["ratios"], result["goals"], goal_met, width=17)
     print(json.dumps(result))
     return 0
 
