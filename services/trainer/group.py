@@ -97,7 +97,12 @@ def check_layout(settings: TrainerSettings, config=None) -> None:
                          f"model out over ranks_per_trainer={listed.ranks_per_trainer}")
     if config is None:
         from transformers import AutoConfig
-        config = AutoConfig.from_pretrained(name)
+
+        from temper.services.models.loading import resolve_model_path
+
+        # the folder load_model will read: a name such as the embedded SmolLM2's is no hub id to fetch
+        # (a compose trainer has no route out; docker-compose.yml's sharded profile)
+        config = AutoConfig.from_pretrained(resolve_model_path(name))
     layout = ModelLayout(ranks_per_trainer=settings.world_size,
                          experts_per_rank=listed.experts_per_rank if listed is not None else False)
     check_divides(config, layout, name)

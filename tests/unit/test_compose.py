@@ -346,3 +346,16 @@ def test_gpu_profile_has_a_cuda_trainer_and_an_sglang_sampler(monkeypatch):
         if backend_var:
             assert service["environment"][backend_var] == "sglang"
     assert "sglang" not in SERVICES["sampler"].get("environment", {}).get("TEMPER_SAMPLER_BACKEND", "torch")
+
+
+def test_database_urls_reach_the_postgres_service_as_it_is_set_up():
+    """The URL the migrations and the schedulers use names the postgres service's own user, password and
+    database (a mismatch shows only at run time; tests/stack/test_compose_services.py stands in a test database)."""
+    from sqlalchemy.engine import make_url
+
+    postgres = environment_of(SERVICES["postgres"])
+    for name in ("migrate", *REPLICAS):
+        url = make_url(environment_of(SERVICES[name])["TEMPER_SCHEDULER_DATABASE_URL"])
+        assert (url.host, url.port or 5432) == ("postgres", 5432), name
+        assert (url.username, url.password, url.database) == (
+            postgres["POSTGRES_USER"], postgres["POSTGRES_PASSWORD"], postgres["POSTGRES_DB"]), name
