@@ -22,13 +22,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tinker  # the `gateway` extra (make venv installs it): missing, the test fails, it is not skipped
+from tinker import types as tt
 
-tinker = pytest.importorskip("tinker")  # the `gateway` extra (make venv installs it)
-
-from tinker import types as tt  # noqa: E402
-
-from compose_model import REPO, as_env, documented_up, selected  # noqa: E402
-from compose_processes import ComposeProject  # noqa: E402
+from compose_model import REPO, as_env, documented_up, selected
+from compose_processes import ComposeProject
 
 TOKENS = [[5, 17, 42, 9, 77, 3, 18], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
 ADAM = tt.AdamParams(learning_rate=1e-2, eps=1e-8)
@@ -73,8 +71,8 @@ class DefaultServices:
     test: a service that does not come up fails it), with the SDK's ServiceClient on the gateway and one
     LoRA run trained a step."""
 
-    def __init__(self, project: ComposeProject, postgres_url: str, model_dir: str):
-        self.project, self.postgres_url, self.model_dir = project, postgres_url, model_dir
+    def __init__(self, project: ComposeProject, database_url: str, model_dir: str):
+        self.project, self.database_url, self.model_dir = project, database_url, model_dir
         self.client = None
         self.run = None
         # the base model the compose file's trainer serves, by the file's own name
@@ -87,7 +85,7 @@ class DefaultServices:
             names = [name for name in selected(self.project.services, set()) if name != PROVIDED]
             seed_model_cache(self.project, names, self.model_dir)
             self.project.up(names)
-            api_key = create_key(self.postgres_url, "compose", label="compose test")  # migrated by now
+            api_key = create_key(self.database_url, "compose", label="compose test")  # migrated by now
             self.client = tinker.ServiceClient(base_url=f"http://{listening(self.project, 'gateway', 'BIND')}", api_key=api_key)
         return self.client
 
@@ -104,10 +102,17 @@ class DefaultServices:
 
 
 @pytest.fixture(scope="module")
-def project(postgres_url, tmp_path_factory):
+def database_url(new_postgres_database) -> str:
+    """A fresh database of the test Postgres (fixtures_postgres.py): empty, as compose's `migrate` first finds it,
+    and none of the session stack's (two sets of schedulers on one database would share lanes)."""
+    return new_postgres_database("temper_compose")
+
+
+@pytest.fixture(scope="module")
+def project(database_url, tmp_path_factory):
     # the internal token as the file's header says to set it; nothing else comes from the test's shell
     environ = {"TEMPER_INTERNAL_TOKEN": secrets.token_urlsafe(32)}
-    project = ComposeProject(REPO / "docker-compose.yml", tmp_path_factory.mktemp("compose"), environ, {PROVIDED: postgres_url})
+    project = ComposeProject(REPO / "docker-compose.yml", tmp_path_factory.mktemp("compose"), environ, {PROVIDED: database_url})
     try:
         yield project
     finally:
@@ -116,8 +121,8 @@ def project(postgres_url, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def defaults(project, postgres_url, tiny_model_dir):
-    services = DefaultServices(project, postgres_url, tiny_model_dir)
+def defaults(project, database_url, tiny_model_dir):
+    services = DefaultServices(project, database_url, tiny_model_dir)
     yield services
     if services.client is not None:
         services.client.close("success")
