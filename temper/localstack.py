@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from temper.forked_process import ForkServer, can_fork_into, forkserver_wanted
+
 READY_PREFIX = "TEMPER_READY "
 LOCAL_TENANT = "local"
 MODULES = {"scheduler": "temper.scheduler", "trainer": "temper.services.trainer", "sampler": "temper.services.sampler",
@@ -62,6 +64,30 @@ def _pump(service: Service, log) -> None:
     service.lines.put("")
 
 
+def _tail(service: Service, offset: int) -> None:
+    """A forked service writes its log itself (temper/forked_process.py): read it from ``offset`` until
+    the ready line, or until the process ends."""
+    with open(service.log_path, errors="replace") as log:
+        log.seek(offset)
+        partial = ""
+        while True:
+            chunk = log.readline()
+            if not chunk:
+                if service.process.poll() is None:
+                    time.sleep(0.05)
+                    continue
+                chunk = log.readline()  # what it wrote just before it ended
+                if not chunk:
+                    break
+            partial += chunk
+            if partial.endswith("\n"):
+                if partial.startswith(READY_PREFIX):
+                    service.lines.put(partial)
+                    return
+                partial = ""
+    service.lines.put("")
+
+
 class LocalStack:
     def __init__(self, base_model: str, data_dir: Path, database_url: str | None = None, extra_env: dict[str, str] | None = None,
                  num_threads: int = 0, num_trainers: int = 1, num_samplers: int = 1, registration: bool = False, gateway: bool = False,
@@ -88,6 +114,8 @@ class LocalStack:
         self.api_key: str | None = None  # the LOCAL_TENANT's key, once started
         # The scheduler's credential to its trainer and sampler (common/internal_auth.py), new per stack.
         self.internal_token = secrets.token_urlsafe(32)
+        # tests: fork the services from one warm process instead of importing torch in each (forked_process.py)
+        self.forkserver = ForkServer.shared() if forkserver_wanted() else None
 
     def _launch(self, role: str, env: dict[str, str], port: int = 0, argv: list[str] | None = None, name: str | None = None) -> Service:
         """Start one process; its gRPC server on ``port`` (0: a free one), its metrics on a free port.
@@ -97,12 +125,17 @@ class LocalStack:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         prefix = f"TEMPER_{role.upper()}_"
         binds = {f"{prefix}BIND": f"127.0.0.1:{port}", f"{prefix}METRICS_BIND": "127.0.0.1:0"}
-        process = subprocess.Popen(
-            argv or [sys.executable, "-m", MODULES[role]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **env, **binds, **self.extra_env},
-        )
-        service = Service(role, name, process, log_path, env)
-        threading.Thread(target=_pump, args=(service, open(log_path, "a")), daemon=True).start()
+        command = argv or [sys.executable, "-m", MODULES[role]]
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env, **binds, **self.extra_env}
+        if self.forkserver and command[1:] == ["-m", MODULES.get(role.removesuffix("-rank"))] and can_fork_into(full_env):
+            log_path.touch()
+            offset = log_path.stat().st_size
+            service = Service(role, name, self.forkserver.spawn(command[2], full_env, log_path), log_path, env)
+            threading.Thread(target=_tail, args=(service, offset), daemon=True).start()
+        else:
+            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env)
+            service = Service(role, name, process, log_path, env)
+            threading.Thread(target=_pump, args=(service, open(log_path, "a")), daemon=True).start()
         self.services.append(service)
         return service
 

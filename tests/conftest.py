@@ -7,6 +7,7 @@
 `pytest tests/unit` (or `-m unit`) runs the first alone.
 """
 
+import os
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,9 @@ import pytest
 from file_order import DurationRecorder, load_durations, longest_first
 
 pytest_plugins = ["fixtures_postgres", "fixtures_stack"]
+# LocalStack forks its services from one warm process per test worker instead of importing torch in each
+# (temper/forked_process.py): the suite starts a few hundred of them. Inherited by the scripts tests run.
+os.environ.setdefault("TEMPER_LOCALSTACK_FORKSERVER", "1")
 LAYERS = ("unit", "engine", "stack")
 
 
