@@ -101,12 +101,13 @@ def count_parameters(config, rank: int, train_vision: bool = False) -> ModelCoun
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from temper.services.lora.expert_rank import default_expert_rank
     from temper.services.models import families
 
     family = families.check_config(config)
     text = getattr(config, "text_config", None) or config
     top_k = int(getattr(text, "num_experts_per_tok", 0) or 0) if family.moe else 0
-    expert_rank = families.default_expert_rank(rank, top_k) if family.moe else 0
+    expert_rank = default_expert_rank(rank, top_k) if family.moe else 0
     if family.moe and expert_rank < 1:
         raise ValueError(f"rank {rank} spread over num_experts_per_tok={top_k} leaves no rank per expert: use rank >= {top_k}")
     if train_vision and family.vision is None:

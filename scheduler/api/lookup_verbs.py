@@ -20,6 +20,7 @@ from temper.scheduler.tenancy.auth import caller
 from temper.scheduler.workers.backends import TrainerHandle
 from temper.scheduler.db import models as m
 from temper.scheduler.db.views import run_message
+from temper.services.lora.expert_rank import ExpertRankError, check_range, resolve_expert_rank
 from temper.v1 import sampler_pb2, service_pb2, trainer_pb2, types_pb2
 
 log = logging.getLogger(__name__)
@@ -35,27 +36,23 @@ def check_lora(cfg: types_pb2.LoraConfig) -> None:
         raise InvalidArgument("the LoRA config trains nothing: set train_attn, train_mlp or train_unembed")
     if not math.isfinite(cfg.alpha) or cfg.alpha < 0 or not 0 <= cfg.dropout < 1:
         raise InvalidArgument("lora alpha must be a finite number >= 0 and dropout in [0, 1)")
-    if not 0 <= cfg.expert_rank <= cfg.rank:
-        raise InvalidArgument(f"lora_config.expert_rank must be in [0, rank={cfg.rank}] (0: rank // num_experts_per_tok), "
-                              f"got {cfg.expert_rank}")
+    try:
+        check_range(cfg.rank, cfg.expert_rank, prefix="lora_config.")
+    except ExpertRankError as exc:
+        raise InvalidArgument(str(exc)) from None
 
 
 def check_lora_for_model(cfg: types_pb2.LoraConfig, info: trainer_pb2.ModelInfo) -> None:
     """What the model's trainer would refuse about ``cfg``'s routed-expert LoRA, refused here first so that
-    nothing (not even a run number) is spent on it. The trainer checks again (LoraModel.resolve)."""
-    if not info.num_experts:
-        if cfg.expert_rank:
-            raise InvalidArgument(f"lora_config.expert_rank is for mixture-of-experts models; {shown(info.base_model, 80)} "
-                                  f"({info.family or 'dense'}) has no routed experts")
-        return
-    if not cfg.train_mlp:
-        return
-    if cfg.dropout:
-        raise InvalidArgument(f"lora_config.dropout must be 0 when train_mlp adapts routed experts ({info.family}), "
-                              f"got {cfg.dropout}")
-    if not cfg.expert_rank and cfg.rank < info.num_experts_per_tok:
-        raise InvalidArgument(f"lora_config.rank {cfg.rank} spread over num_experts_per_tok={info.num_experts_per_tok} "
-                              f"active experts leaves no rank per expert: use rank >= {info.num_experts_per_tok} or set expert_rank")
+    nothing (not even a run number) is spent on it: the rule the trainer applies (LoraModel.resolve), read
+    from the same place (services/lora/expert_rank.py)."""
+    try:
+        resolve_expert_rank(rank=cfg.rank, expert_rank=cfg.expert_rank, dropout=cfg.dropout,
+                            has_experts=bool(info.num_experts), adapts_experts=cfg.train_mlp,
+                            top_k=info.num_experts_per_tok, model=f"{shown(info.base_model, 80)} ({info.family or 'dense'})",
+                            family=info.family, prefix="lora_config.")
+    except ExpertRankError as exc:
+        raise InvalidArgument(str(exc)) from None
 
 
 def check_deterministic(info: trainer_pb2.ModelInfo | sampler_pb2.SamplerModelInfo, base_model: str) -> None:

@@ -17,6 +17,7 @@ from safetensors.torch import save as safetensors_bytes
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from temper.services.lora.expert_rank import resolve_expert_rank
 from temper.services.lora.experts import MultiLoraExperts
 from temper.services.lora.layer import LoraWeights, MultiLoraLinear, Router, Routing
 from temper.services.models import families
@@ -193,19 +194,9 @@ class LoraModel:
         missing = set(spec.targets) - self.available_targets()
         if missing:
             raise ValueError(f"the base model ({self.family.name}) has no {sorted(missing)} layers to adapt")
-        if spec.expert_rank and not self.experts:
-            raise ValueError(f"expert_rank is for mixture-of-experts models; this {self.family.name} model has no routed experts")
-        if not spec.expert_targets:
-            return replace(spec, expert_rank=0)
-        if spec.dropout:
-            raise ValueError(f"dropout must be 0 for LoRA on routed experts ({self.family.name}; peft's "
-                             f"target_parameters have no dropout), got {spec.dropout}")
-        expert_rank = spec.expert_rank or families.default_expert_rank(spec.rank, self.top_k)
-        if expert_rank < 1:
-            raise ValueError(f"rank {spec.rank} spread over num_experts_per_tok={self.top_k} active experts leaves no "
-                             f"rank per expert: use rank >= {self.top_k} or set expert_rank")
-        if expert_rank > spec.rank:
-            raise ValueError(f"expert_rank {expert_rank} is larger than rank {spec.rank}")
+        expert_rank = resolve_expert_rank(rank=spec.rank, expert_rank=spec.expert_rank, dropout=spec.dropout,
+                                          has_experts=bool(self.experts), adapts_experts=bool(spec.expert_targets),
+                                          top_k=self.top_k, model=f"this {self.family.name} model", family=self.family.name)
         return replace(spec, expert_rank=expert_rank)
 
     def add(self, key: str, spec: AdapterSpec, seed: int | None = None) -> Adapter:

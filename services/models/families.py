@@ -193,13 +193,6 @@ def moe_shape(config) -> MoeShape | None:
     return MoeShape(experts, top_k, expert_intermediate, shared, len(dense))
 
 
-def default_expert_rank(rank: int, top_k: int) -> int:
-    """Each routed expert's LoRA rank when the run does not set one: the run's rank spread over the
-    experts a token activates (LoRA Without Regret's convention: a token then sees about ``rank``
-    dimensions of adapter in every MoE layer, as in a dense layer of the same rank). 0: too small."""
-    return rank // top_k
-
-
 def _architecture(config) -> str:
     archs = getattr(config, "architectures", None) or []
     return archs[0] if archs else type(config).__name__

@@ -16,6 +16,7 @@ from temper.common.codec import encode_array
 from temper.common.errors import InvalidArgument, TemperError, status_number
 from temper.common.defaults import adam_with_defaults
 from temper.common.validation import validate_adam, validate_forward_backward
+from temper.services.lora.expert_rank import ExpertRankError, check_range
 from temper.services.lora.model import AdapterSpec, LoraModel
 from temper.services.models import families
 from temper.services.models.images import DEFAULT_LIMITS, ImageLimits, VisionProcessor
@@ -36,9 +37,10 @@ def adapter_from_pb(cfg: types_pb2.LoraConfig, default_alpha: float, lora: LoraM
         raise InvalidArgument(f"LoRA alpha must be a finite number >= 0, got {cfg.alpha}")
     if not 0.0 <= cfg.dropout < 1.0:
         raise InvalidArgument(f"LoRA dropout must be in [0, 1), got {cfg.dropout}")
-    if not 0 <= cfg.expert_rank <= cfg.rank:
-        raise InvalidArgument(f"LoRA expert_rank must be in [0, rank={cfg.rank}] (0: rank // num_experts_per_tok), "
-                              f"got {cfg.expert_rank}")
+    try:
+        check_range(cfg.rank, cfg.expert_rank, prefix="LoRA ")
+    except ExpertRankError as exc:
+        raise InvalidArgument(str(exc)) from None
     vision = cfg.HasField("train_vision") and cfg.train_vision
     if vision and lora is None:
         raise InvalidArgument("train_vision needs a vision-language base model")

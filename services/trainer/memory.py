@@ -182,7 +182,7 @@ class ActivationModel:
 
     @property
     def expert_rank(self) -> int:
-        """Each routed expert's LoRA rank (families.default_expert_rank of ``lora_rank``)."""
+        """Each routed expert's LoRA rank (services/lora/expert_rank.default_expert_rank of ``lora_rank``)."""
         return max(1, self.lora_rank // max(1, self.top_k))
 
     def attention_elements(self, width: int) -> float:
