@@ -4,7 +4,7 @@
 (service_started, service_healthy: its own healthcheck passes, service_completed_successfully: it
 exited 0), and returns when every one is up: healthy by its healthcheck where it has one, exited 0
 where it is a one-shot (`restart: "no"`), else running. A service that exits otherwise, or whose
-healthcheck does not pass within compose's own allowance (start_period + interval x retries), raises
+healthcheck does not pass within compose's own allowance (start_period + interval x retries, capped), raises
 ComposeError with its stderr tail. Each process leads its own process group; `down` ends the groups.
 How names, ports, paths and programs are mapped: compose_model.py.
 """
@@ -21,6 +21,7 @@ from pathlib import Path
 from compose_model import REPO, VENV_BIN, ComposeError, HostMapping, as_list, duration, image_env, load_compose
 
 PROBE_EVERY = 1.0  # seconds between health probes: compose's intervals are minutes of idle on a test
+MAX_ALLOWANCE = 180.0  # seconds: a wrong healthcheck fails the test in minutes, not compose's six (the trainer's)
 STOP_GRACE = 10.0  # seconds a process group gets after SIGTERM before SIGKILL (compose's default)
 
 
@@ -92,10 +93,12 @@ class ComposeProject:
         return self.mapping.argv(name, test[1:])
 
     def allowance(self, name: str) -> float:
-        """Seconds compose waits for ``name`` to turn healthy before calling it unhealthy."""
+        """Seconds compose waits for ``name`` to turn healthy before calling it unhealthy, at most
+        MAX_ALLOWANCE (compose's are sized for the real model's first start, not the tiny one's)."""
         check = self.services[name].get("healthcheck") or {}
-        return (duration(check.get("start_period"), 0.0) + duration(check.get("interval"), 30.0) * int(check.get("retries", 3))
-                + duration(check.get("timeout"), 30.0))
+        compose = (duration(check.get("start_period"), 0.0) + duration(check.get("interval"), 30.0) * int(check.get("retries", 3))
+                   + duration(check.get("timeout"), 30.0))
+        return min(compose, MAX_ALLOWANCE)
 
     def one_shot(self, name: str) -> bool:
         return str(self.services[name].get("restart", "no")) == "no"
@@ -108,12 +111,16 @@ class ComposeProject:
             for dep in self._depends(name):
                 if dep not in names and dep not in self.running and dep not in self.provided:
                     raise ComposeError(f"{name} depends on {dep}, which is not among the services started")
+        began = time.monotonic()
         while True:
             for name in list(pending):
                 if all(self._condition_met(dep, condition) for dep, condition in self._depends(name).items()):
                     self._launch(name)
                     pending.remove(name)
             self._probe_and_check()
+            if pending and time.monotonic() - began > MAX_ALLOWANCE:  # e.g. waiting on a service that never exits
+                raise ComposeError(f"never started, their depends_on unmet after {MAX_ALLOWANCE:.0f} s: "
+                                   + "; ".join(f"{name}: {self._depends(name)}" for name in pending))
             if not pending and all(self._is_up(name) for name in names):
                 return
             time.sleep(0.2)
@@ -179,7 +186,7 @@ class ComposeProject:
                 continue
             if now - service.started > self.allowance(name):
                 self._fail(service, f"not healthy after {self.allowance(name):.0f} s (compose's start_period + "
-                                    f"interval x retries); last probe: {service.last_probe}")
+                                    f"interval x retries, at most {MAX_ALLOWANCE:.0f} s); last probe: {service.last_probe}")
             self._probe(name, service, now)
 
     def _probe(self, name: str, service: Running, now: float) -> None:
