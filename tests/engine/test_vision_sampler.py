@@ -1,8 +1,9 @@
 """The torch sampler on the tiny vision-language models (qwen3_vl, qwen3_vl_moe): greedy samples, prompt
 logprobs (top-k and last_n included) and compute_logprobs on image prompts equal a direct forward of the
-model (pixel_values from its image processor, positions computed by the model itself, log_softmax),
-recomputed from scratch at every step, with and without a LoRA adapter; image and text prompts share
-a batch; no rotary state passes from one request to the next; bad input is refused by name."""
+model (pixel_values from its image processor, positions computed by the model itself, log_softmax, no
+cache: one forward of the prompt and the sampled tokens checks every greedy step), with and without a
+LoRA adapter; image and text prompts share a batch; no rotary state passes from one request to the next;
+bad input is refused by name."""
 
 import asyncio
 import io
@@ -89,19 +90,18 @@ def direct_logits(backend, key, tokens, model_input) -> torch.Tensor:
         return backend.loaded.model(input_ids=ids, **kwargs).logits[0].float()
 
 
-def direct_greedy(backend, key, model_input, steps):
-    """Greedy tokens and their logprobs, the whole sequence recomputed at each step; and the prompt's logprobs."""
+def direct_greedy(backend, key, model_input, sampled):
+    """The greedy choice and its logprob after each prefix of ``sampled`` (the continuation under test), and
+    the prompt's logprobs, from one no-cache forward of the prompt followed by ``sampled``: a causal model's
+    logits at a position depend only on the tokens before it, so where the choices equal ``sampled`` they are
+    the greedy decode recomputed from scratch at every step, without a forward per step."""
     seq = list(flat(backend, model_input).tokens)
-    n, tokens, logprobs, prompt_lp = len(seq), [], [], None
-    for _ in range(steps):
-        lp = direct_logits(backend, key, seq, model_input).log_softmax(-1)
-        if prompt_lp is None:
-            prompt_lp = lp
-        token = int(lp[-1].argmax())
-        tokens.append(token)
-        logprobs.append(float(lp[-1, token]))
-        seq.append(token)
-    return tokens, logprobs, prompt_lp[:n - 1], np.asarray(seq[:n])
+    n = len(seq)
+    lp = direct_logits(backend, key, seq + list(sampled[:-1]), model_input).log_softmax(-1)
+    choices = lp[n - 1:].argmax(-1)
+    tokens = [int(t) for t in choices]
+    logprobs = [float(lp[n - 1 + i, t]) for i, t in enumerate(tokens)]
+    return tokens, logprobs, lp[:n - 1], np.asarray(seq)
 
 
 def check_batch_equals_direct_forward(backend, inputs):
@@ -115,8 +115,9 @@ def check_batch_equals_direct_forward(backend, inputs):
                                       images=f.images))
     results = backend.sample_batch(requests)
     for (model_input, key, _), request, result in zip(inputs, requests, results):
-        tokens, logprobs, prompt_lp, prompt = direct_greedy(backend, key, model_input, GREEDY.max_tokens)
+        tokens, logprobs, prompt_lp, prompt = direct_greedy(backend, key, model_input, result.sequences[0].tokens)
         np.testing.assert_array_equal(prompt, request.prompt)
+        assert len(tokens) == GREEDY.max_tokens
         for seq in result.sequences:
             assert seq.tokens == tokens
             np.testing.assert_allclose(seq.logprobs, logprobs, atol=TOL)
@@ -202,7 +203,8 @@ def test_no_rotary_state_leaks_between_requests(backend):
         assert other.sequences[0].tokens == alone.sequences[0].tokens
         np.testing.assert_array_equal(other.sequences[0].logprobs, alone.sequences[0].logprobs)
         np.testing.assert_array_equal(other.prompt_logprobs, alone.prompt_logprobs)
-    tokens, logprobs, _, _ = direct_greedy(backend, "a", types_pb2.ModelInput(chunks=[text(prompt.tolist())]), 5)
+    tokens, logprobs, _, _ = direct_greedy(backend, "a", types_pb2.ModelInput(chunks=[text(prompt.tolist())]),
+                                           alone.sequences[0].tokens)
     assert alone.sequences[0].tokens == tokens
     np.testing.assert_allclose(alone.sequences[0].logprobs, logprobs, atol=TOL)
 
