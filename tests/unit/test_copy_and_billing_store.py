@@ -10,7 +10,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from sqlalchemy import func, select
 
-from fakes_scheduler import settings
+from fakes_scheduler import VerbAdmission
 from temper.common.billing import HOUR_MS
 from temper.common.errors import InvalidArgument, NotFound, Unavailable
 from temper.scheduler.api.billing_copy_verbs import BillingCopyVerbs
@@ -21,7 +21,6 @@ from temper.scheduler.db.copies import CopyRecords
 from temper.scheduler.db.records import SamplingRow
 from temper.scheduler.db.store import Store, upgrade_schema
 from temper.scheduler.tenancy.auth import reset_caller, set_caller
-from temper.scheduler.tenancy.quotas import Limits
 from temper.v1 import service_pb2, trainer_pb2
 
 T0 = 1_765_000_800_000 - 1_765_000_800_000 % HOUR_MS
@@ -66,22 +65,9 @@ class Backends:
         self.placed[run_id] = address
 
 
-class Quotas:
-    async def limits(self, tenant):
-        return Limits()
-
-    def storage_lock(self, tenant):
-        return asyncio.Lock()
-
-
-class Admission:
-    settings = settings()
-    quotas = Quotas()
-
-
 class Verbs(BillingCopyVerbs):
     def __init__(self, store):
-        self.store, self.backends, self.admission = store, Backends(Trainer()), Admission()
+        self.store, self.backends, self.admission = store, Backends(Trainer()), VerbAdmission()
 
 
 def add_run(store, tenant, model="tiny", index=0):

@@ -7,13 +7,12 @@ import json
 
 import pytest
 
-from fakes_scheduler import settings
+from fakes_scheduler import VerbAdmission
 from temper.common.errors import InvalidArgument, NotFound, Unavailable
 from temper.common.uploads import file_chunks
 from temper.scheduler.tenancy.auth import reset_caller, set_caller
 from temper.scheduler.api.import_verbs import ImportVerbs
 from temper.scheduler.db.catalog import RunNumber
-from temper.scheduler.tenancy.quotas import Limits
 from temper.v1 import service_pb2, trainer_pb2, types_pb2
 
 MODEL = "tiny"
@@ -90,19 +89,6 @@ class Store:
         return checkpoints
 
 
-class Quotas:
-    async def limits(self, tenant):
-        return Limits()
-
-    def storage_lock(self, tenant):
-        return asyncio.Lock()
-
-
-class Admission:
-    settings = settings()
-    quotas = Quotas()
-
-
 class Backends:
     def __init__(self, trainer):
         self.trainer, self.placed = trainer, {}
@@ -133,7 +119,7 @@ class Runs:
 
 class Importer(ImportVerbs):
     def __init__(self, trainer, store):
-        self.backends, self.store, self.admission, self.runs = Backends(trainer), store, Admission(), Runs()
+        self.backends, self.store, self.admission, self.runs = Backends(trainer), store, VerbAdmission(), Runs()
         self._creating_runs = {"alice": asyncio.Lock()}
 
     def _run_info(self, row):
