@@ -22,6 +22,10 @@ the gRPC port and registers; the group meets at a free port of rank 0's node. Ra
 a rank: a group is restarted as a unit (``restart_dead_groups``, which ``python -m temper.deploy``
 calls every few seconds) once any of its ranks has stopped, in the same placement group, so rank 0
 comes back at the same address. The sampler's tensor- and data-parallel sizes come from the layout too.
+
+A process already connected to Ray (ray.init before start()) keeps its connection: the deployment
+starts its actors there and, on stop(), removes them and its placement groups but leaves Ray up — a
+Ray application that embeds Temper, or a test suite that starts one cluster for several deployments.
 """
 
 from __future__ import annotations
@@ -29,13 +33,14 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import time
 from dataclasses import dataclass, field
 
 from temper.common.host_allocator import TUNED_MALLOC_ENV
 from temper.deploy.actors import WorkerActor, free_address
 from temper.deploy.schedulers import SchedulerProcess, check_replicas
 from temper.deploy.settings import RaySettings
-from temper.services.models.catalogue import Catalogue, ModelLayout, check_divides
+from temper.services.models.catalogue import CATALOGUE_ENV, Catalogue, ModelLayout, check_divides
 
 log = logging.getLogger("temper.deploy")
 NAMESPACE = "temper"
@@ -54,12 +59,17 @@ def has_registry() -> bool:
     return "register_with" in TrainerSettings.model_fields and "registry_bind" in SchedulerSettings.model_fields
 
 
-def runtime_env(settings) -> dict:
+def runtime_env(settings, environ=None) -> dict:
     """The actor's Ray runtime_env: a trainer's tuned malloc settings (glibc reads them at process
-    start, and an actor cannot re-exec itself as `python -m temper.services.trainer` does)."""
+    start, and an actor cannot re-exec itself as `python -m temper.services.trainer` does), and, for a
+    rank of a trainer group, this process's model catalogue (the rank checks its layout against it; an
+    actor's process has the environment of its node's raylet, not this one's)."""
+    environ = os.environ if environ is None else environ
+    rank_of_group = getattr(settings, "world_size", 1) > 1
+    env_vars = {CATALOGUE_ENV: environ[CATALOGUE_ENV]} if rank_of_group and environ.get(CATALOGUE_ENV) else {}
     if getattr(settings, "tune_host_allocator", False):
-        return {"env_vars": {name: os.environ.get(name, value) for name, value in TUNED_MALLOC_ENV.items()}}
-    return {}
+        env_vars |= {name: environ.get(name, value) for name, value in TUNED_MALLOC_ENV.items()}
+    return {"env_vars": env_vars} if env_vars else {}
 
 
 def group_bundles(layout: ModelLayout, cpus: float, gpus: float) -> list[dict]:
@@ -88,6 +98,32 @@ def check_layout(catalogue: Catalogue, base_model: str, load_config=None) -> Mod
     return layout
 
 
+def planned_registries(settings: RaySettings, node_ip: str) -> list[str]:
+    """The registries the schedulers will serve, when every one is on a fixed port; [] when a port is
+    free (0: known once the scheduler bound it)."""
+    from temper.deploy.schedulers import nth
+
+    first = f"{settings.registry_host or node_ip}:{settings.registry_port}"
+    return [nth(first, i) for i in range(settings.scheduler_replicas)] if settings.registry_port else []
+
+
+def wait_gone(ray, actors: list, timeout: float) -> None:
+    """Until each of ``actors`` (killed) is dead, so its name and resources are free again; gives up
+    quietly after ``timeout`` (a name still taken then fails the next deployment's start, loudly)."""
+    from ray.exceptions import RayActorError
+
+    deadline = time.monotonic() + timeout
+    for actor in actors:
+        while time.monotonic() < deadline:
+            try:
+                ray.get(actor.pid.remote(), timeout=max(0.1, deadline - time.monotonic()))
+            except RayActorError:
+                break
+            except Exception:  # noqa: BLE001 - GetTimeoutError: the deadline passed
+                return
+            time.sleep(0.05)
+
+
 @dataclass
 class Worker:
     role: str
@@ -112,6 +148,7 @@ class RayDeployment:
         self.address: str | None = None  # the schedulers' public host:port, comma-separated, once started
         self.registry = ""                # the schedulers' registries the workers register with ("": static membership)
         self._ray = None
+        self._owns_ray = False            # this deployment called ray.init (stop() shuts Ray down)
 
     # ---- start and stop ---------------------------------------------------------------------
 
@@ -126,11 +163,18 @@ class RayDeployment:
             env = {"TEMPER_SCHEDULER_DATABASE_URL": s.resolved_database_url(), "TEMPER_SCHEDULER_INTERNAL_TOKEN": self.token}
             self.scheduler = SchedulerProcess(s.base_model, s.data_dir.resolve(), database_url=s.resolved_database_url(),
                                               num_trainers=0, num_samplers=0)
-            if self.membership == "registry":  # the schedulers first: the workers register with every one
-                self.scheduler.start_replicas(s, env, node_ip, registry=True)
-                self._start_workers(",".join(self.scheduler.registries()))
+            if self.membership == "registry":
+                planned = planned_registries(s, node_ip)
+                if planned:  # fixed registry ports: the workers load their models while the schedulers start
+                    self._launch_workers(",".join(planned))  # (a worker retries its registration until one serves)
+                    self.scheduler.start_replicas(s, env, node_ip, registry=True)
+                else:  # the schedulers first: the workers need the registry ports they bind
+                    self.scheduler.start_replicas(s, env, node_ip, registry=True)
+                    self._launch_workers(",".join(self.scheduler.registries()))
+                self._await_workers()
             else:
-                self._start_workers("")
+                self._launch_workers("")
+                self._await_workers()
                 self.scheduler.start_replicas(s, {
                     **env, "TEMPER_SCHEDULER_TRAINER_ADDRESSES": ",".join(w.address for w in self.of("trainer")),
                     "TEMPER_SCHEDULER_SAMPLER_ADDRESSES": ",".join(w.address for w in self.of("sampler"))}, node_ip, registry=False)
@@ -144,11 +188,15 @@ class RayDeployment:
         if self.scheduler is not None:
             self.scheduler.stop()
         if self._ray is not None:
+            actors = [a for worker in self.workers for a in (worker.ranks or [worker.actor] if worker.actor else [])]
+            self._kill(actors)
             for worker in self.workers:
-                self._kill(worker.ranks or [worker.actor] if worker.actor else [])
                 if worker.group is not None:
                     self._ray.util.remove_placement_group(worker.group)
-            self._ray.shutdown()  # a local cluster this process started stops with it
+            if self._owns_ray:
+                self._ray.shutdown()  # a local cluster this process started stops with it
+            else:  # Ray stays up: the next deployment there may reuse the actors' names (ray.kill does not wait)
+                wait_gone(self._ray, actors, timeout=60)
             self._ray = None
         self.workers.clear()
 
@@ -182,14 +230,20 @@ class RayDeployment:
         import ray
 
         self._ray = ray
+        if ray.is_initialized():  # this process's own connection: used, and left up by stop()
+            log.info("Ray: this process's connection (namespace %s): %s", ray.get_runtime_context().namespace,
+                     ray.cluster_resources())
+            return ray
         local = {"num_cpus": s.num_cpus or None, "include_dashboard": False} if not s.address else {}
         ray.init(address=s.address or None, namespace=NAMESPACE, **local)
+        self._owns_ray = True
         log.info("Ray: %s", ray.cluster_resources())
         return ray
 
     # ---- the workers ------------------------------------------------------------------------
 
-    def _start_workers(self, registry: str) -> None:
+    def _launch_workers(self, registry: str) -> None:
+        """Start every worker actor (a trainer group's ranks included); does not wait for them."""
         ray, s = self._ray, self.settings
         self.registry = registry
         remote = ray.remote(WorkerActor)
@@ -206,7 +260,10 @@ class RayDeployment:
             self.workers.append(Worker("sampler", i, self._actor(
                 remote, "sampler", i, s.sampler_cpus, sampler_gpus, s.max_restarts, s.max_task_retries,
                 self.worker_settings("sampler", i, registry), s.sampler_port + i)))
-        # the actors load their models in parallel
+
+    def _await_workers(self) -> None:
+        """Until every worker serves (they load their models in parallel); their addresses."""
+        ray, s = self._ray, self.settings
         for worker, address in zip(self.workers, ray.get([w.actor.address.remote(s.ready_timeout_seconds) for w in self.workers])):
             worker.address = address
             log.info("%s-%d serving at %s", worker.role, worker.index, address)

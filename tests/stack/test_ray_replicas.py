@@ -18,7 +18,7 @@ import pytest
 from fixtures_stack import sft_datum
 from replica_fixtures import lane_holders, replica_addresses
 from test_faults import metric, wait_until
-from test_ray_deploy import free_port
+from ray_fixtures import free_port
 from test_trainer_loss import ADAM, DATA
 
 

@@ -4,12 +4,14 @@ what the model catalogue's layout makes of the trainers (groups) and samplers (t
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from temper.deploy.ray_cluster import RayDeployment, Worker, check_layout, group_bundles, rank_settings, runtime_env
+from temper.deploy.ray_cluster import (RayDeployment, Worker, check_layout, group_bundles, planned_registries, rank_settings,
+                                       runtime_env)
 from temper.deploy.settings import RaySettings
 from temper.services.models.catalogue import DEFAULT_LAYOUT, Catalogue, ModelLayout
 
@@ -33,6 +35,24 @@ def test_a_trainer_actor_gets_the_tuned_allocator_through_its_runtime_env(tmp_pa
     assert "MALLOC_TOP_PAD_" in runtime_env(deployment.worker_settings("trainer", 0, ""))["env_vars"]
     assert runtime_env(deployment.worker_settings("sampler", 0, "")) == {}
     assert deployment.token == "secret"
+
+
+def test_a_rank_of_a_group_gets_this_process_catalogue_through_its_runtime_env(tmp_path):
+    catalogue = '{"/models/tiny": {"ranks_per_trainer": 2}}'
+    deployment = RayDeployment(RaySettings(base_model="/models/tiny", data_dir=tmp_path, internal_token="t"),
+                               Catalogue.from_json(catalogue))
+    trainer, environ = deployment.worker_settings("trainer", 0, ""), {"TEMPER_MODEL_CATALOGUE": catalogue}
+    rank = runtime_env(rank_settings(trainer, 1, 2, "10.0.0.7:29511"), environ)["env_vars"]
+    assert rank["TEMPER_MODEL_CATALOGUE"] == catalogue and "MALLOC_TOP_PAD_" in rank
+    assert "TEMPER_MODEL_CATALOGUE" not in runtime_env(trainer, environ)["env_vars"]  # a lone trainer does not read it
+    assert runtime_env(deployment.worker_settings("sampler", 0, ""), environ) == {}
+
+
+def test_the_workers_start_beside_the_schedulers_when_every_registry_port_is_fixed():
+    settings = RaySettings(scheduler_replicas=2, registry_port=50052)
+    assert planned_registries(settings, "10.0.0.1") == ["10.0.0.1:50052", "10.0.0.1:50152"]
+    assert planned_registries(settings.model_copy(update={"registry_host": "127.0.0.1"}), "10.0.0.1")[0] == "127.0.0.1:50052"
+    assert planned_registries(settings.model_copy(update={"registry_port": 0}), "10.0.0.1") == []  # known once bound
 
 
 def test_the_default_database_is_sqlite_under_the_data_dir(tmp_path):
@@ -131,3 +151,49 @@ def test_a_group_one_rank_of_which_stopped_is_restarted_whole(tmp_path):
     assert ray.killed == first                     # both of its ranks, the live one too
     assert started == [0, 1, 1] and deployment.workers[1].address == "10.0.0.7:50061"
     assert deployment.restart_dead_groups() == []  # the new group's ranks are up
+
+
+class ActorGone(Exception):
+    pass
+
+
+class ConnectedRay(FakeRay):
+    """The ``ray`` module of a process that called ray.init already; a killed actor's calls raise ActorGone."""
+
+    def __init__(self):
+        super().__init__()
+        self.shut_down = False
+        self.util = SimpleNamespace(remove_placement_group=lambda group: None)
+
+    def is_initialized(self):
+        return True
+
+    def init(self, **kwargs):
+        pytest.fail("ray.init in a process already connected")
+
+    def shutdown(self):
+        self.shut_down = True
+
+    def cluster_resources(self):
+        return {"CPU": 2.0}
+
+    def get_runtime_context(self):
+        return SimpleNamespace(namespace="app")
+
+    def get(self, value, timeout=None):
+        if value in self.killed:
+            raise ActorGone()
+        return value
+
+
+def test_a_deployment_in_a_process_connected_to_ray_uses_that_connection_and_leaves_it_up(tmp_path, monkeypatch):
+    ray = ConnectedRay()
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    monkeypatch.setitem(sys.modules, "ray.exceptions", SimpleNamespace(RayActorError=ActorGone))
+    deployment = RayDeployment(RaySettings(data_dir=tmp_path, internal_token="t"), Catalogue({}))
+    assert deployment._connect() is ray
+    actor = SimpleNamespace()
+    actor.pid = SimpleNamespace(remote=lambda: actor)  # the call's result is the actor itself: get() raises once killed
+    deployment.workers.append(Worker("sampler", 0, actor))
+    deployment.stop()
+    assert ray.killed == [actor] and not ray.shut_down and deployment._ray is None and not deployment.workers
