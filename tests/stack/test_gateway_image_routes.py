@@ -2,9 +2,17 @@
 image blocks give exactly what temper.client's Sample gives for the model input they render to (the
 template's text with each image in place of its image token); the official Tinker SDK's ImageChunk
 samples and trains (protobuf forward_backward) exactly as temper.client does; an image uploaded with
-POST /api/v1/images is sampled by pointer; refusals are 400s and leave nothing behind."""
+POST /api/v1/images is sampled by pointer; refusals are 400s and leave nothing behind.
+
+The model's VisionInfo in the public API, on the same processes: GetServerCapabilities describes the tiny
+Qwen3-VL with the image token ids and image processor its workers read from its folder (and the text-only
+tiny model with none); temper.client counts an image's tokens from it exactly as the scheduler counts an
+upload's; GetTokenizer's files hold the VL model's preprocessor_config.json (get_tokenizer() folders on
+another machine load the image processor too) and no such file for a text-only model. (One stack serves
+both: a second start-up of the same model would test nothing more.)"""
 
 import base64
+import json
 
 import httpx
 import numpy as np
@@ -15,9 +23,10 @@ tinker = pytest.importorskip("tinker")
 
 from tinker import types as tt  # noqa: E402
 
-from fixtures_stack import png_bytes  # noqa: E402
+from fixtures_stack import png_bytes, raw_stub  # noqa: E402
 from temper.client import EncodedTextChunk, ImageAssetPointerChunk, ImageChunk, ModelInput, SamplingParams  # noqa: E402
 from temper.localstack import LocalStack  # noqa: E402
+from temper.v1 import service_pb2  # noqa: E402
 
 RED, BLUE = png_bytes("red"), png_bytes("blue", (128, 64), "JPEG")
 
@@ -31,7 +40,7 @@ def vl_stack(vl_model_dirs, new_postgres_database, tmp_path_factory):
     url = new_postgres_database("temper_gateway_images")
     with LocalStack(vl_model_dirs["qwen3_vl"], tmp_path_factory.mktemp("gw-images"), database_url=url, num_threads=1,
                     gateway=True) as local:
-        local.start()
+        local.address = local.start()
         yield local
 
 
@@ -185,3 +194,55 @@ def test_tinker_route_refusals(vl_stack, model):
             "sampling_session_id": sampler, "num_samples": 1, "prompt": {"chunks": [chunk]},
             "sampling_params": {"max_tokens": 2}})
         assert resp.status_code == 400 and words in resp.json()["error"], resp.text
+
+
+# ---- the model's VisionInfo in the public API ----------------------------------------------------
+
+def tokenizer_files(stack, base_model: str) -> dict[str, bytes]:
+    files: dict[str, bytearray] = {}
+    for chunk in raw_stub(stack).GetTokenizer(service_pb2.GetTokenizerRequest(base_model=base_model)):
+        data = files.setdefault(chunk.relative_path, bytearray(chunk.total_size))
+        data[chunk.offset: chunk.offset + len(chunk.data)] = chunk.data
+    return {name: bytes(data) for name, data in files.items()}
+
+
+def test_capabilities_describe_the_vl_models_vision_and_the_client_counts_with_it(vl_stack, model):
+    from transformers import AutoConfig
+
+    folder = model
+    config = AutoConfig.from_pretrained(folder)
+    with open(f"{folder}/preprocessor_config.json") as f:
+        processor_json = f.read()
+    [raw] = raw_stub(vl_stack).GetServerCapabilities(service_pb2.GetServerCapabilitiesRequest()).supported_models
+    assert raw.HasField("vision") and raw.family == "qwen3_vl"
+    assert (raw.vision.image_token_id, raw.vision.vision_start_token_id, raw.vision.vision_end_token_id) == (
+        config.image_token_id, config.vision_start_token_id, config.vision_end_token_id)
+    assert json.loads(raw.vision.image_processor_json) == json.loads(processor_json)
+
+    client = vl_stack.client()
+    try:
+        [described] = client.get_server_capabilities().supported_models
+        assert described.vision is not None and described.vision.image_token_id == config.image_token_id
+        for size in [(64, 64), (128, 64)]:
+            uploaded = client.upload_image(png_bytes("green", size), base_model=folder)  # the scheduler's count
+            assert described.vision.count_image_tokens(*size) == uploaded.expected_tokens
+        assert described.vision.count_image_tokens(64, 64) == 4
+    finally:
+        client.close()
+
+    files = tokenizer_files(vl_stack, folder)
+    assert json.loads(files["preprocessor_config.json"]) == json.loads(processor_json)
+    assert "tokenizer_config.json" in files
+
+
+def test_a_text_only_model_has_no_vision_and_no_image_processor_file(stack, tiny_model_dir):
+    [raw] = raw_stub(stack).GetServerCapabilities(service_pb2.GetServerCapabilitiesRequest()).supported_models
+    assert raw.model_name == tiny_model_dir and not raw.HasField("vision")
+    client = stack.client()
+    try:
+        [model] = client.get_server_capabilities().supported_models
+        assert model.vision is None and model.trainable and model.sampleable
+    finally:
+        client.close()
+    files = tokenizer_files(stack, tiny_model_dir)
+    assert "preprocessor_config.json" not in files and "tokenizer_config.json" in files
