@@ -17,6 +17,7 @@ every service is a local process, so the mapping is derived from the file alone:
 
 from __future__ import annotations
 
+import random
 import re
 import shlex
 import socket
@@ -99,9 +100,25 @@ def duration(text, default: float) -> float:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return sock.getsockname()[1]
+    """A free port below the kernel's ephemeral range: the service binds it seconds later, and meanwhile
+    no port-0 bind nor outgoing connection of another process is handed it."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as sock:
+            try:
+                sock.bind((LOOPBACK, port))
+            except OSError:
+                continue
+            return port
+    raise ComposeError(f"no free port below {low}")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 @dataclass
@@ -144,8 +161,10 @@ class HostMapping:
     def port(self, service: str, container_port: int) -> int:
         """The local port standing for ``service``'s ``container_port`` (allocated on first use)."""
         key = (service, int(container_port))
-        if key not in self.ports:
-            self.ports[key] = free_port()
+        while key not in self.ports:
+            port = free_port()
+            if port not in self.ports.values():  # none bound yet: the same number could come twice
+                self.ports[key] = port
         return self.ports[key]
 
     def address(self, service: str, container_port: int) -> str:
