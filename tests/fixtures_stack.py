@@ -54,6 +54,18 @@ def vl_model_dirs(tmp_path_factory) -> Mapping[str, str]:
     return _TinyVlModels(tmp_path_factory.mktemp("vl-models"))
 
 
+@pytest.fixture(scope="session")
+def small_vocab_vl_model(tmp_path_factory) -> str:
+    """The tiny Qwen3-VL-MoE with a 4,096-entry vocabulary (its special tokens at the end of it: other ids than
+    the real ones, as the benchmarks' tiny models), for the tests that train it through the whole stack for
+    many steps: the real 151,936-row head is about 95% of a CPU training step (the lm_head and its
+    log-softmax), and the cookbook recipe and the shape-colour demo find the special tokens by their text."""
+    from temper.services.models.tiny_vision import build_tiny_vl_model
+
+    folder = tmp_path_factory.mktemp("vl-small-vocab") / "qwen3_vl_moe"
+    return str(build_tiny_vl_model(folder, "qwen3_vl_moe", vocab_size=4096))
+
+
 def png_bytes(color: str = "red", size: tuple[int, int] = (64, 64), fmt: str = "PNG") -> bytes:
     """A solid-colour image file (PNG or JPEG) for image inputs."""
     import io
