@@ -1,4 +1,5 @@
-"""`python -m examples.shape_colour.demo` end to end on the tiny Qwen3-VL-MoE (a few steps): uploads,
+"""`python -m examples.shape_colour.demo` end to end on the tiny Qwen3-VL-MoE (a few steps; its 4,096-entry
+vocabulary build, fixture small_vocab_vl_model: the demo finds its special tokens by text): uploads,
 pointer prompts scored with compute_logprobs, ImageChunk training, the summary, metrics, predictions and
 the loss-curve PNG. (The full run's accuracy is recorded in docs/measured.md; the unmodified cookbook
 recipe's >= 0.9 is asserted in test_cookbook_vlm.py.)"""
@@ -11,10 +12,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_shape_colour_example_runs_on_the_tiny_vlm(vl_model_dirs, tmp_path):
+def test_shape_colour_example_runs_on_the_tiny_vlm(small_vocab_vl_model, tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "examples.shape_colour.demo", "--base-model", vl_model_dirs["qwen3_vl_moe"],
+        [sys.executable, "-m", "examples.shape_colour.demo", "--base-model", small_vocab_vl_model,
          "--steps", "3", "--train", "12", "--heldout", "6", "--out-dir", str(out), "--data-dir", str(tmp_path / "data")],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
