@@ -96,10 +96,11 @@ def main() -> None:
     ap.add_argument("--n-train", type=int, default=0, help="use only the first N train examples")
     ap.add_argument("--eval-every", type=int, default=0)
     ap.add_argument("--skip-pre-eval", action="store_true")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (1 on a loaded machine)")
     args = ap.parse_args()
     print(vars(args))
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
