@@ -11,7 +11,6 @@ caller's business.
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from temper.services.trainer.deterministic_passes import deterministic_passes
 from temper.services.trainer.losses import LOSS_FNS, loss_positions
 from temper.services.trainer.memory import ActivationModel
 from temper.services.trainer.pass_metrics import summed_metrics
-from temper.services.trainer.target_logprobs import head_target_logprobs, target_logprobs
+from temper.services.trainer.target_logprobs import target_logprobs
 from temper.services.trainer.vision import ImageFeatures, PassImages, pass_images
 
 
@@ -383,14 +382,8 @@ def target_logprobs_pass(lora: LoraModel, ids: torch.Tensor, mask: torch.Tensor,
     for start in range(0, flat_hidden.shape[0], chunk_tokens):
         stop = start + chunk_tokens
         local = [(k, t[(t >= start) & (t < stop)] - start) for k, t in token_groups]
-        logits_of = functools.partial(_head_logits, lora, head, local)
-        hidden_chunk, targets_chunk = flat_hidden[start:stop], flat_targets[start:stop]
-        if not torch.is_grad_enabled():
-            pieces.append(target_logprobs(logits_of(hidden_chunk), targets_chunk))
-        elif hidden_chunk.requires_grad:  # the head recomputed in the backward, only where the gradient is not 0
-            pieces.append(head_target_logprobs(hidden_chunk, targets_chunk, logits_of))
-        else:  # only the head trains: its parameters need the recomputation autograd tracks
-            pieces.append(checkpoint(lambda h, t: target_logprobs(logits_of(h), t), hidden_chunk, targets_chunk, use_reentrant=False))
+        args = (lora, head, flat_hidden[start:stop], flat_targets[start:stop], [(k, t) for k, t in local if t.numel()])
+        pieces.append(checkpoint(_head_logprobs, *args, use_reentrant=False) if torch.is_grad_enabled() else _head_logprobs(*args))
     out = torch.zeros(targets.shape, dtype=torch.float32, device=ids.device)
     return out.masked_scatter(mask[..., None].expand_as(targets), torch.cat(pieces)) if pieces else out
 
@@ -399,10 +392,8 @@ def columns(arr) -> int:
     return 1 if arr.ndim == 1 else int(arr.shape[1])
 
 
-def _head_logits(lora: LoraModel, head, routing, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    # rows: which of the chunk's rows ``hidden`` holds (ascending; None: all). Routing is set inside so
-    # the backward-pass recomputation routes the same way.
-    if rows is not None:
-        routing = [(k, torch.searchsorted(rows, t[torch.isin(t, rows)])) for k, t in routing]
-    with lora.route([(k, t) for k, t in routing if t.numel()]):
-        return head(hidden).float()
+def _head_logprobs(lora: LoraModel, head, hidden: torch.Tensor, targets: torch.Tensor, routing) -> torch.Tensor:
+    # Routing is set inside so the backward-pass recomputation routes the same way.
+    with lora.route(routing):
+        logits = head(hidden).float()
+    return target_logprobs(logits, targets)
