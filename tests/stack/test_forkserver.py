@@ -42,6 +42,7 @@ def server(tmp_path, monkeypatch):
 
 def spawn(server, tmp_path, name: str, **env):
     log = tmp_path / f"{name}.log"
+    log.touch()  # the child appends to it once it runs
     return server.spawn("temper_probe", {"PATH": os.environ["PATH"], **env}, log), log
 
 
