@@ -30,12 +30,29 @@ PROBE = textwrap.dedent("""
 """)
 
 
-@pytest.fixture
-def server(tmp_path, monkeypatch):
-    (tmp_path / "modules").mkdir()
-    (tmp_path / "modules" / "temper_probe.py").write_text(PROBE)
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'modules'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    forks = ForkServer(tmp_path / "server")
+@pytest.fixture(scope="module")
+def probe_path(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("modules")
+    (folder / "temper_probe.py").write_text(PROBE)
+    return folder
+
+
+def start_server(folder, probe_path):
+    """A fork server of its own (not the worker's shared one) that can import the probe module."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("PYTHONPATH", f"{probe_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    try:
+        forks = ForkServer(folder)
+        forks.spawn("temper_probe", {"PATH": os.environ["PATH"]}, folder / "warm.log").wait(timeout=120)  # started now
+    finally:
+        patch.undo()
+    return forks
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, probe_path):
+    """One fork server for the module's probes (each start imports torch once more)."""
+    forks = start_server(tmp_path_factory.mktemp("server"), probe_path)
     yield forks
     forks.stop()
 
@@ -76,7 +93,8 @@ def test_signals_reach_the_child_and_its_exit_reads_negative_as_popen_does(serve
     process.kill()  # a second signal to an ended process changes nothing
 
 
-def test_children_end_with_the_server(server, tmp_path):
+def test_children_end_with_the_server(probe_path, tmp_path):
+    server = start_server(tmp_path / "own-server", probe_path)
     process, log = spawn(server, tmp_path, "orphan", PROBE_MODE="sleep")
     deadline = time.monotonic() + 60
     while "env" not in log.read_text():
