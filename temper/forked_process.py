@@ -15,10 +15,9 @@ import threading
 import time
 from pathlib import Path
 
-from temper.common.host_allocator import TUNED_MALLOC_ENV, is_glibc_linux
+from temper.common.host_allocator import TUNED_MALLOC_ENV, is_glibc_linux, tuned_environ
 
 ENABLE_ENV = "TEMPER_LOCALSTACK_FORKSERVER"
-_ALLOCATOR_MARKER = "TEMPER_HOST_ALLOCATOR_TUNED"
 
 
 def forkserver_wanted() -> bool:
@@ -31,6 +30,12 @@ def can_fork_into(env: dict[str, str]) -> bool:
     if any(k.endswith("_TUNE_HOST_ALLOCATOR") and v.lower() in ("0", "false", "no") for k, v in env.items()):
         return False
     return all(env.get(k, v) == v for k, v in TUNED_MALLOC_ENV.items())
+
+
+def as_reexecuted(env: dict[str, str]) -> dict[str, str]:
+    """``env`` as a service's allocator re-exec leaves it (common/host_allocator.py), for the fork server
+    and its children, which run under that allocator without re-executing."""
+    return (tuned_environ(env) or dict(env)) if is_glibc_linux() else dict(env)
 
 
 class ForkedProcess:
@@ -88,7 +93,7 @@ class ForkServer:
         self.lock = threading.Lock()
 
     def _start(self) -> subprocess.Popen:
-        env = {**os.environ, **(TUNED_MALLOC_ENV if is_glibc_linux() else {}), _ALLOCATOR_MARKER: "1"}
+        env = as_reexecuted(dict(os.environ))
         log = open(self.folder / "forkserver.log", "a")
         process = subprocess.Popen([sys.executable, "-m", "temper.forkserver"], stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, stderr=log, text=True, env=env)
@@ -99,7 +104,7 @@ class ForkServer:
 
     def spawn(self, module: str, env: dict[str, str], log_path: Path) -> ForkedProcess:
         exit_path = log_path.with_name(f"{log_path.name}.{secrets.token_hex(4)}.exit")
-        child_env = {**env, **(TUNED_MALLOC_ENV if is_glibc_linux() else {}), _ALLOCATOR_MARKER: "1"}
+        child_env = as_reexecuted(env)
         with self.lock:
             if self.process is None:
                 self.folder.mkdir(parents=True, exist_ok=True)
