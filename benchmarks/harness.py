@@ -88,9 +88,9 @@ def run_cycle(engine, items: list) -> list:
     return results
 
 
-def build_engine(args, checkpoint_dir: Path, adapters: int):
-    """A TrainerEngine with the trainer's defaults and ``adapters`` rank-RANK attn+mlp adapters,
-    tenant-0 ... tenant-<n-1>."""
+def build_engine(args, checkpoint_dir: Path, adapters: int, unembed: bool = False):
+    """A TrainerEngine with the trainer's defaults and ``adapters`` rank-RANK attn+mlp adapters
+    (+ the head with ``unembed``, the Tinker SDK's default), tenant-0 ... tenant-<n-1>."""
     from temper.services.lora.model import AdapterSpec
     from temper.services.models.loading import load_model
     from temper.services.trainer.adapters import lora_targets
@@ -105,7 +105,7 @@ def build_engine(args, checkpoint_dir: Path, adapters: int):
     if getattr(args, "activation_memory_mib", None):
         settings.activation_memory_mib = args.activation_memory_mib
     engine = TrainerEngine(loaded, settings)
-    spec = AdapterSpec(rank=RANK, alpha=ALPHA, targets=lora_targets(attn=True, mlp=True))
+    spec = AdapterSpec(rank=RANK, alpha=ALPHA, targets=lora_targets(attn=True, mlp=True, unembed=unembed))
     for i in range(adapters):
         engine.create_adapter(f"tenant-{i}", spec, seed=i)
     return engine

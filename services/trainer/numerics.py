@@ -18,7 +18,6 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from temper.services.lora.deterministic import deterministic
 from temper.services.lora.model import LoraModel
@@ -26,8 +25,8 @@ from temper.services.trainer.deterministic_passes import deterministic_passes
 from temper.services.trainer.losses import LOSS_FNS, loss_positions
 from temper.services.trainer.memory import ActivationModel
 from temper.services.trainer.pass_metrics import summed_metrics
-from temper.services.trainer.target_logprobs import target_logprobs
-from temper.services.trainer.vision import ImageFeatures, PassImages, pass_images
+from temper.services.trainer.logprob_pass import target_logprobs_pass
+from temper.services.trainer.vision import ImageFeatures, pass_images
 
 
 class TokenDatum(Protocol):
@@ -347,53 +346,5 @@ def apply_losses(lp: torch.Tensor, mask: torch.Tensor, groups: list[LossGroup], 
     return elementwise, stats
 
 
-def target_logprobs_pass(lora: LoraModel, ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor, routing,
-                         chunk_tokens: int, checkpoint_decoder: bool = False, images: PassImages | None = None) -> torch.Tensor:
-    """log p(target) at every position and target column, temperature 1, full vocabulary, (B, T, K).
-
-    ``routing``: [(adapter key, row indices)]. The lm_head + log-softmax runs over chunks of real
-    (unpadded) positions, recomputed in the backward pass, so the B x T x V logits tensor never
-    exists at once. ``checkpoint_decoder`` recomputes the decoder layers in the backward pass too
-    (when ``lora.checkpoint_decoder_layers()`` wrapped them). ``images``: a vision-language model's
-    explicit positions and tower outputs (``vision.ImageFeatures.pass_inputs``).
-    """
-    model = lora.model
-    if getattr(model.config, "final_logit_softcapping", None):
-        # logits post-processed past the head (soft-capping): the plain full-logits path
-        with lora.route(routing), lora.checkpointing_enabled(checkpoint_decoder):
-            logits = model(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits.float()
-        return logits.log_softmax(-1).gather(-1, targets) * mask[..., None]
-    with lora.route(routing), lora.checkpointing_enabled(checkpoint_decoder):
-        if images is not None:  # the multimodal wrapper: image features merged in, positions as given
-            hidden = model.model(input_ids=ids, attention_mask=mask.long(), position_ids=images.position_ids,
-                                 mm_encoder_outputs=images.encoder_outputs, use_cache=False).last_hidden_state
-        else:
-            hidden = model.get_decoder()(input_ids=ids, attention_mask=mask.long(), use_cache=False).last_hidden_state
-    head = model.get_output_embeddings()
-    flat_hidden, flat_targets = hidden[mask], targets[mask]
-    # the adapter of every real token, for the head's routing
-    head_adapters = getattr(head, "adapters", {})
-    if any(key in head_adapters for key, _ in routing):
-        token_rows = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)[mask]
-        token_groups = [(key, torch.isin(token_rows, rows).nonzero().squeeze(-1)) for key, rows in routing]
-    else:  # no adapter on the head: no per-chunk routing (and none of its device syncs)
-        token_groups = []
-    pieces = []
-    for start in range(0, flat_hidden.shape[0], chunk_tokens):
-        stop = start + chunk_tokens
-        local = [(k, t[(t >= start) & (t < stop)] - start) for k, t in token_groups]
-        args = (lora, head, flat_hidden[start:stop], flat_targets[start:stop], [(k, t) for k, t in local if t.numel()])
-        pieces.append(checkpoint(_head_logprobs, *args, use_reentrant=False) if torch.is_grad_enabled() else _head_logprobs(*args))
-    out = torch.zeros(targets.shape, dtype=torch.float32, device=ids.device)
-    return out.masked_scatter(mask[..., None].expand_as(targets), torch.cat(pieces)) if pieces else out
-
-
 def columns(arr) -> int:
     return 1 if arr.ndim == 1 else int(arr.shape[1])
-
-
-def _head_logprobs(lora: LoraModel, head, hidden: torch.Tensor, targets: torch.Tensor, routing) -> torch.Tensor:
-    # Routing is set inside so the backward-pass recomputation routes the same way.
-    with lora.route(routing):
-        logits = head(hidden).float()
-    return target_logprobs(logits, targets)

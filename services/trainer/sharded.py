@@ -36,6 +36,7 @@ from torch import nn
 
 from temper.services.lora.model import LoraModel
 from temper.services.trainer import numerics
+from temper.services.trainer.logprob_pass import target_logprobs_pass
 from temper.services.trainer.numerics import ForwardBackwardResult, LossGroup, PassOptions, Row
 
 
@@ -296,7 +297,7 @@ def _dummy_pass(lora: LoraModel, options: PassOptions, device: torch.device, gra
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
     mask = torch.ones(1, 1, dtype=torch.bool, device=device)
     targets = torch.zeros(1, 1, 1, dtype=torch.long, device=device)
-    lp = numerics.target_logprobs_pass(lora, ids, mask, targets, [], options.logprob_chunk_tokens, checkpointed)
+    lp = target_logprobs_pass(lora, ids, mask, targets, [], options.logprob_chunk_tokens, checkpointed)
     if grad:
         (lp.sum() * 0.0).backward()
 

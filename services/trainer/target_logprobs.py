@@ -20,7 +20,7 @@ class _TargetLogprobs(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         lse = torch.logsumexp(logits, dim=-1, keepdim=True)
         ctx.save_for_backward(logits, targets, lse)
-        return logits.gather(-1, targets) - lse
+        return logits.gather(-1, targets) - lse  # the formula of _logprobs, keeping lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -36,3 +36,54 @@ class _TargetLogprobs(torch.autograd.Function):
 def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """(N, V) float logits, (N, K) int64 targets -> (N, K) log-softmax values at the targets."""
     return _TargetLogprobs.apply(logits, targets)
+
+
+class _HeadTargetLogprobs(torch.autograd.Function):
+    """log p(target) through an output head, keeping only the head's input for the backward pass (as
+    checkpointing the head would). The backward recomputes the head only on the rows whose incoming
+    gradient is not zero: an SFT datum's prompt positions (weight 0) cost no head matmul, logits or
+    head backward, and their share of every gradient is the exact zero the full computation gives. The
+    live rows are recomputed as a smaller matmul, so their gradients may differ from the full chunk's
+    in the last bits: deterministic mode keeps the full recomputation."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, targets: torch.Tensor, logits_of) -> torch.Tensor:
+        ctx.logits_of = logits_of
+        ctx.save_for_backward(hidden, targets)
+        return _logprobs(logits_of(hidden, None), targets)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        hidden, targets = ctx.saved_tensors
+        logits_of, ctx.logits_of = ctx.logits_of, None
+        live = grad.ne(0).any(-1).nonzero().squeeze(-1)  # a NaN gradient counts as live and propagates
+        if not live.numel():  # one row with a zero gradient: the head's adapter gets zeros, not None
+            live = live.new_zeros(1)
+        with torch.enable_grad():
+            rows = hidden.index_select(0, live).detach().requires_grad_()
+            logits = logits_of(rows, live)
+            g = grad.index_select(0, live).to(logits.dtype)
+            detached = logits.detach()
+            grad_logits = (detached - torch.logsumexp(detached, -1, keepdim=True)).exp_()
+            grad_logits.mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, targets.index_select(0, live), g)
+            # into .grad, as reentrant checkpointing does: the head's adapter (or the stacked factors
+            # its router hands back) gets its gradient there
+            torch.autograd.backward(logits, grad_logits)
+        grad_hidden = torch.zeros_like(hidden)
+        grad_hidden.index_copy_(0, live, rows.grad.to(grad_hidden.dtype))
+        return grad_hidden, None, None
+
+
+def _logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return logits.gather(-1, targets) - torch.logsumexp(logits, dim=-1, keepdim=True)
+
+
+def head_target_logprobs(hidden: torch.Tensor, targets: torch.Tensor, logits_of) -> torch.Tensor:
+    """(N, H) hidden states that require grad, (N, K) targets -> (N, K) log p(target) under
+    ``logits_of(hidden, rows)``'s float logits (``rows``: which of the N rows ``hidden`` holds,
+    ascending; None: all), the head's backward only where the gradient is not zero. Parameters that
+    ``logits_of`` trains get their gradients in ``.grad`` during the caller's ``backward()`` (not
+    through ``torch.autograd.grad``, which sees the hidden states' only), and only without dropout
+    (a recomputation on fewer rows draws other masks)."""
+    return _HeadTargetLogprobs.apply(hidden, targets, logits_of)
