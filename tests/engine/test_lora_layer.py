@@ -152,3 +152,18 @@ def test_lora_math_in_bfloat16_stays_close_to_float32(owner):
     for key in g32:
         for a, b in zip(g16[key], g32[key]):
             assert float((a - b).norm() / b.norm()) < 0.02
+
+
+def test_a_strided_input_reaches_the_base_matmul_contiguous_with_the_same_values():
+    # the last position of each prompt (logits_to_keep=1) is a strided view; the CPU matmul copies the
+    # weight once per row for such an input, so the layer hands the base a contiguous copy
+    layer = make_layer({"a": 2})
+    seen = []
+    layer.base.register_forward_pre_hook(lambda module, args: seen.append(args[0].is_contiguous()))
+    hidden = torch.randn(3, T, IN)
+    last = hidden[:, -1:, :]
+    assert not last.is_contiguous()
+    with layer.router.route(Routing([("a", torch.tensor([0, 2]))])):
+        out = layer(last)
+    assert seen == [True]
+    torch.testing.assert_close(out, direct(layer, last, ["a", None, "a"]))
