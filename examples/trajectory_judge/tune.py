@@ -97,6 +97,7 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=0)
     ap.add_argument("--skip-pre-eval", action="store_true")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (1 on a loaded machine)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="base weights' dtype (LoRA stays float32)")
     args = ap.parse_args()
     print(vars(args))
 
@@ -107,7 +108,7 @@ def main() -> None:
 
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(MODEL_DIR)
-    model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=getattr(torch, args.dtype))
     print(f"load: {time.time() - t0:.1f}s")
 
     train, heldout = data.load_train(), data.load_heldout()
