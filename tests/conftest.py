@@ -18,6 +18,10 @@ pytest_plugins = ["fixtures_postgres", "fixtures_stack"]
 # LocalStack forks its services from one warm process per test worker instead of importing torch in each
 # (temper/forked_process.py): the suite starts a few hundred of them. Inherited by the scripts tests run.
 os.environ.setdefault("TEMPER_LOCALSTACK_FORKSERVER", "1")
+# Two test workers on two cores: torch in each worker (and in what it starts) takes one intra-op thread
+# unless a test asks for more (two_torch_threads); two each made four OpenMP threads spin on two cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 LAYERS = ("unit", "engine", "stack")
 
 
