@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,17 +28,12 @@ import numpy as np
 import pytest
 import torch.multiprocessing as mp
 
+from free_ports import free_port
 from temper.services.trainer.group import GROUP_FAILED
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 3.0  # the group timeout of these tests
 SLACK = 3.0    # process scheduling, gloo's own polling, os._exit
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

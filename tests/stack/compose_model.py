@@ -17,15 +17,14 @@ every service is a local process, so the mapping is derived from the file alone:
 
 from __future__ import annotations
 
-import random
 import re
 import shlex
-import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+from free_ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -97,28 +96,6 @@ def duration(text, default: float) -> float:
     if not parts:
         raise ComposeError(f"not a compose duration: {text!r}")
     return sum(float(number) * units[unit] for number, unit in parts)
-
-
-def free_port() -> int:
-    """A free port below the kernel's ephemeral range: the service binds it seconds later, and meanwhile
-    no port-0 bind nor outgoing connection of another process is handed it."""
-    low = _ephemeral_low()
-    for _ in range(200):
-        port = random.randrange(max(1024, low - 12000), low)
-        with socket.socket() as sock:
-            try:
-                sock.bind((LOOPBACK, port))
-            except OSError:
-                continue
-            return port
-    raise ComposeError(f"no free port below {low}")
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
 
 
 @dataclass

@@ -5,16 +5,11 @@ connection and, when it stops, removes its actors and placement groups and leave
 
 from __future__ import annotations
 
-import socket
 from contextlib import contextmanager
 
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+from free_ports import free_port  # noqa: F401  (the Ray tests import it from here)
 
 
 @contextmanager

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 
+from free_ports import free_port
 from temper.common.errors import NotFound
 from temper.common.internal_auth import token_authenticator
 from temper.common.registration import registry_addresses, start_registration
@@ -53,12 +53,6 @@ async def until(condition, what: str, tries: int = 400) -> None:
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"never: {what}")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def test_register_with_lists_one_address_or_several():
