@@ -103,13 +103,18 @@ def main(argv=None) -> int:
         stack.start()
         print(f"gRPC {stack.service('scheduler').address}; Tinker SDK: TINKER_BASE_URL={stack.gateway_url} "
               f"TINKER_API_KEY={stack.api_key}", file=sys.stderr)
-        phases = {"start": time.monotonic() - started}
+        phases: dict[str, float] = {}
+
+        def phase_ended(name: str) -> None:
+            phases[name] = time.monotonic() - started - sum(phases.values())
+
+        phase_ended("start")
         with stack.client() as client:
             training = client.create_lora_training_client(base_model, rank=args.rank, seed=args.seed)
             tokenizer = training.get_tokenizer()
             base_sampler = client.create_sampling_client(base_model=base_model)
             accuracy_before, _ = evaluate(base_sampler, tokenizer, heldout, "eval before")
-            phases["eval_before"] = time.monotonic() - started - sum(phases.values())
+            phase_ended("eval_before")
 
             examples = [render.build_sft_example(tokenizer, ex, letter_weight=args.letter_weight) for ex in train]
             batches = epoch_batches(len(examples), args.batch_size, args.steps, rng)
@@ -135,10 +140,10 @@ def main(argv=None) -> int:
                     bar.set_postfix(loss=f"{loss:.3f}")
                     bar.update()
 
-            phases["train"] = time.monotonic() - started - sum(phases.values())
+            phase_ended("train")
             trained_sampler = training.save_weights_and_get_sampling_client("judge-final")
             accuracy_after, rows = evaluate(trained_sampler, tokenizer, heldout, "eval after")
-            phases["save_and_eval_after"] = time.monotonic() - started - sum(phases.values())
+            phase_ended("save_and_eval_after")
 
     with open(args.out_dir / "heldout_predictions.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)

@@ -50,7 +50,6 @@ def target_logprobs_pass(lora: LoraModel, ids: torch.Tensor, mask: torch.Tensor,
     for start in range(0, flat_hidden.shape[0], chunk_tokens):
         stop = start + chunk_tokens
         local = [(k, t[(t >= start) & (t < stop)] - start) for k, t in token_groups]
-        local = [(k, t) for k, t in local if t.numel()]
         hidden_chunk, targets_chunk = flat_hidden[start:stop], flat_targets[start:stop]
         if sparse:
             pieces.append(head_target_logprobs(hidden_chunk, targets_chunk, functools.partial(_head_logits, lora, head, local)))
@@ -82,6 +81,4 @@ def _head_logits(lora: LoraModel, head, routing, hidden: torch.Tensor, rows: tor
 
 def _head_logprobs(lora: LoraModel, head, hidden: torch.Tensor, targets: torch.Tensor, routing) -> torch.Tensor:
     # Routing is set inside so the backward-pass recomputation routes the same way.
-    with lora.route(routing):
-        logits = head(hidden).float()
-    return target_logprobs(logits, targets)
+    return target_logprobs(_head_logits(lora, head, routing, hidden), targets)

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import torch
 
+from temper.services.lora.deterministic import target_logprobs as logit_minus_lse  # the one formula
+
 
 class _TargetLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         lse = torch.logsumexp(logits, dim=-1, keepdim=True)
         ctx.save_for_backward(logits, targets, lse)
-        return logits.gather(-1, targets) - lse  # the formula of _logprobs, keeping lse
+        return logits.gather(-1, targets) - lse  # logit_minus_lse's formula, keeping lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -50,7 +52,7 @@ class _HeadTargetLogprobs(torch.autograd.Function):
     def forward(ctx, hidden: torch.Tensor, targets: torch.Tensor, logits_of) -> torch.Tensor:
         ctx.logits_of = logits_of
         ctx.save_for_backward(hidden, targets)
-        return _logprobs(logits_of(hidden, None), targets)
+        return logit_minus_lse(logits_of(hidden, None), targets)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -73,10 +75,6 @@ class _HeadTargetLogprobs(torch.autograd.Function):
         grad_hidden = torch.zeros_like(hidden)
         grad_hidden.index_copy_(0, live, rows.grad.to(grad_hidden.dtype))
         return grad_hidden, None, None
-
-
-def _logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return logits.gather(-1, targets) - torch.logsumexp(logits, dim=-1, keepdim=True)
 
 
 def head_target_logprobs(hidden: torch.Tensor, targets: torch.Tensor, logits_of) -> torch.Tensor:
